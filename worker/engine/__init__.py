@@ -1,0 +1,39 @@
+"""The continuous-batching inference engine on MLX (no Redis in here).
+
+Public API mirrors the reference ``vllm_mlx.engine_core``.
+"""
+
+from worker.engine.config import EngineConfig, SchedulerConfig
+from worker.engine.engine_core import AsyncEngineCore, EngineCore
+from worker.engine.engine_loop import EngineStoppedError
+from worker.engine.output_collector import RequestOutputCollector, RequestStreamState
+from worker.engine.registry import ModelOwnershipError, ModelRegistry, get_registry
+from worker.engine.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprob,
+)
+from worker.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
+
+__all__ = [
+    "AsyncEngineCore",
+    "EngineConfig",
+    "EngineCore",
+    "EngineStoppedError",
+    "ModelOwnershipError",
+    "ModelRegistry",
+    "QueueFullError",
+    "Request",
+    "RequestOutput",
+    "RequestOutputCollector",
+    "RequestStatus",
+    "RequestStreamState",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "TokenLogprob",
+    "get_registry",
+]

@@ -1,0 +1,180 @@
+"""Prefix cache: reuse the KV cache of earlier requests that share a prompt prefix.
+
+Built on mlx-lm's ``LRUPromptCache`` (a token trie with LRU order and a byte bound). This module
+adds honest statistics, our own eviction accounting, and atomic save/load to disk with a model
+fingerprint. Engine thread only: every method may touch MLX arrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import structlog
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    can_trim_prompt_cache,
+    load_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
+
+log = structlog.get_logger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_KEY = "model"  # one model per engine: a constant trie namespace
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    cache: list[Any] | None
+    cached_tokens: int
+
+
+class PrefixCache:
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        # Bounds are enforced by ``_evict`` so evictions can be counted.
+        self._lru = LRUPromptCache(max_size=1 << 62, max_bytes=1 << 62)
+        self.hits = 0
+        self.misses = 0
+        self.tokens_saved = 0
+        self.evictions = 0
+        self.stores = 0
+
+    def fetch(self, tokens: list[int]) -> PrefixHit:
+        """The longest reusable cache for ``tokens``; at least one token is always left to run."""
+        cache, rest = self._lru.fetch_nearest_cache(_KEY, tokens)
+        if cache is not None and not rest:
+            # An identical prompt: keep its last token back so the model produces logits for it.
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                rest = tokens[-1:]
+            else:
+                cache, rest = None, tokens
+        cached = len(tokens) - len(rest) if cache is not None else 0
+        if cached > 0:
+            self.hits += 1
+            self.tokens_saved += cached
+            return PrefixHit(cache, cached)
+        self.misses += 1
+        return PrefixHit(None, 0)
+
+    def store(self, tokens: list[int], cache: list[Any]) -> None:
+        if not tokens or not cache:
+            return
+        mx.eval([c.state for c in cache])
+        self._lru.insert_cache(_KEY, list(tokens), cache)
+        self.stores += 1
+        self._evict()
+
+    def clear(self) -> dict[str, int]:
+        cleared = {"entries": len(self._lru), "bytes": int(self._lru.nbytes)}
+        self._lru.trim_to(n_sequences=0)
+        return cleared
+
+    def stats(self) -> dict[str, Any]:
+        lookups = self.hits + self.misses
+        return {
+            "enabled": True,
+            "entries": len(self._lru),
+            "memory_bytes": int(self._lru.nbytes),
+            "max_entries": self.max_entries,
+            "max_bytes": self.max_bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hits / lookups if lookups else 0.0,
+            "tokens_saved": self.tokens_saved,
+            "evictions": self.evictions,
+            "stores": self.stores,
+        }
+
+    def save(self, directory: str | os.PathLike[str], fingerprint: str) -> int:
+        """Write every entry to ``directory`` atomically; return how many were written."""
+        target = Path(directory).resolve()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            entries = []
+            for index, (tokens, cache) in enumerate(self._entries()):
+                name = f"entry-{index:05d}.safetensors"
+                save_prompt_cache(str(staging / name), cache, {"tokens": json.dumps(tokens)})
+                entries.append({"file": name, "num_tokens": len(tokens)})
+            manifest = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "entries": entries}
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            _replace_dir(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return len(entries)
+
+    def load(self, directory: str | os.PathLike[str], fingerprint: str) -> int:
+        """Load entries saved by ``save``; return how many new ones were added.
+
+        Refuses (returns 0, logs why) a cache saved for another model or in another format.
+        """
+        source = Path(directory)
+        try:
+            manifest = json.loads((source / MANIFEST).read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("prefix_cache_load_refused", directory=str(source), reason=str(exc))
+            return 0
+        if manifest.get("format") != FORMAT_VERSION:
+            log.warning("prefix_cache_load_refused", directory=str(source), reason="format")
+            return 0
+        if manifest.get("fingerprint") != fingerprint:
+            log.warning(
+                "prefix_cache_load_refused",
+                directory=str(source),
+                reason="saved for another model",
+                saved_fingerprint=manifest.get("fingerprint"),
+                model_fingerprint=fingerprint,
+            )
+            return 0
+        known = {tuple(tokens) for tokens, _ in self._entries()}
+        loaded = 0
+        for entry in manifest.get("entries", []):
+            cache, metadata = load_prompt_cache(str(source / entry["file"]), return_metadata=True)
+            tokens = json.loads(metadata["tokens"])
+            if tuple(tokens) in known:
+                continue
+            known.add(tuple(tokens))
+            self.store(tokens, cache)
+            loaded += 1
+        return loaded
+
+    def _entries(self) -> list[tuple[list[int], list[Any]]]:
+        # LRUPromptCache has no iteration API; its order deques hold (namespace, tokens) pairs.
+        order = self._lru._lru
+        pairs = [pair for kind in order._ordering for pair in order._lrus[kind]]
+        return [(list(tokens), self._lru._trie.get(key, tokens).prompt_cache) for key, tokens in pairs]
+
+    def _evict(self) -> None:
+        before = len(self._lru)
+        self._lru.trim_to(n_sequences=self.max_entries, n_bytes=self.max_bytes)
+        self.evictions += before - len(self._lru)
+
+
+def _replace_dir(staging: Path, target: Path) -> None:
+    """Swap ``staging`` into ``target``: readers see the old or the new cache, never a mix."""
+    if not target.exists():
+        staging.rename(target)
+        return
+    retired = target.with_name(f".{target.name}.old-{os.getpid()}")
+    target.rename(retired)
+    try:
+        staging.rename(target)
+    except BaseException:
+        retired.rename(target)
+        raise
+    with contextlib.suppress(OSError):
+        shutil.rmtree(retired)

@@ -1,0 +1,192 @@
+"""Requests, their sampling parameters and the outputs streamed back to callers."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# (generated token ids so far as an mx.array, logits) -> logits; runs on the engine thread.
+LogitsProcessor = Callable[[Any, Any], Any]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @classmethod
+    def for_finish_reason(cls, reason: str) -> RequestStatus:
+        return {
+            "stop": cls.FINISHED_STOPPED,
+            "length": cls.FINISHED_LENGTH,
+            "error": cls.FINISHED_ERROR,
+        }.get(reason, cls.FINISHED_ABORTED)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling, honoured per sequence inside a shared batch.
+
+    ``temperature == 0`` is greedy. ``seed`` makes sampling reproducible (same seed and prompt,
+    same text). ``stop`` strings end generation and never appear in the text; ``stop_token_ids``
+    end it too (in addition to the model's EOS) and are not part of the output. ``logprobs``:
+    None for none, 0 for the sampled token's logprob, k > 0 to add the top-k alternatives.
+    ``logits_processors`` are extra in-process callables (not part of the wire protocol); one
+    that raises fails only its own request.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 0.9
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_context_size: int = 20
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    logits_processors: list[LogitsProcessor] | None = None
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise bad("top_p", "must be in [0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be an integer >= 0")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        if not isinstance(self.penalty_context_size, int) or self.penalty_context_size < 1:
+            raise bad("penalty_context_size", "must be an integer >= 1")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad("seed", "must be a non-negative integer or None")
+        if self.stop is not None and (
+            not isinstance(self.stop, list)
+            or not all(isinstance(s, str) and s for s in self.stop)
+        ):
+            raise bad("stop", "must be a list of non-empty strings")
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, list)
+            or not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
+        ):
+            raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= self.MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"must be None or an integer in [0, {self.MAX_LOGPROBS}]")
+        if self.logits_processors is not None and not all(
+            callable(p) for p in self.logits_processors
+        ):
+            raise bad("logits_processors", "must be a list of callables")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The sampled token's log-probability and, when asked for, the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One streamed update for a request.
+
+    ``new_text``/``new_token_ids``/``logprobs`` are the delta since the previous output;
+    ``output_text``/``output_token_ids`` are cumulative (fresh copies, safe to keep).
+    ``ttft`` is seconds from arrival to the first token; ``tokens_per_second`` is the decode
+    rate so far. ``error`` carries the message when ``finish_reason == "error"``.
+    """
+
+    request_id: str
+    new_text: str = ""
+    output_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float | None = None
+    tokens_per_second: float = 0.0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.output_text
+
+    def merged_after(self, earlier: RequestOutput) -> RequestOutput:
+        """This output with the deltas of an earlier, undelivered one prepended."""
+        self.new_text = earlier.new_text + self.new_text
+        self.new_token_ids = earlier.new_token_ids + self.new_token_ids
+        if earlier.logprobs is not None or self.logprobs is not None:
+            self.logprobs = (earlier.logprobs or []) + (self.logprobs or [])
+        return self
+
+
+@dataclass(eq=False)
+class Request:
+    """A request and its progress. Mutated only by the engine thread once submitted."""
+
+    request_id: str
+    prompt: str | list[int]
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    images: list[Any] | None = None
+    videos: list[Any] | None = None
+    prefix_boundary: int = 0
+    stream_interval: int = 1
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    first_token_time: float | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)

@@ -1,0 +1,392 @@
+"""The scheduler: a FIFO waiting queue in front of mlx-lm's continuous-batching BatchGenerator.
+
+Engine thread only. Each ``step`` admits waiting requests while the decode batch has room
+(reusing prefix-cache hits), runs one ``BatchGenerator.next()`` (a decode step for running
+sequences plus a prefill chunk for new ones), and turns each sequence's token into text and,
+every ``stream_interval`` tokens, a ``RequestOutput``. A failure in one sequence's processing
+finishes that sequence with ``finish_reason="error"``; a failure of the batch step itself fails
+the sequences in the batch and starts a fresh generator, leaving waiting requests untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import structlog
+from mlx_lm.generate import BatchGenerator
+
+from worker.engine.config import SchedulerConfig
+from worker.engine.output_collector import RequestStreamState
+from worker.engine.prefix_cache import PrefixCache, PrefixHit
+from worker.engine.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    TokenLogprob,
+)
+from worker.engine.sampling import (
+    build_logits_processors,
+    build_sampler,
+    build_stop_sequences,
+    guard_processor,
+    guard_sampler,
+)
+from worker.engine.text_stream import TextStream
+
+log = structlog.get_logger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``SchedulerConfig.max_waiting_requests``; retry later."""
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False, slots=True)
+class _Sequence:
+    """A request in flight and what the engine needs to stream it."""
+
+    request: Request
+    text: TextStream
+    stream_state: RequestStreamState
+    uid: int | None = None
+    pending_text: str = ""
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    failure: BaseException | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+
+
+class Scheduler:
+    def __init__(self, model: Any, tokenizer: Any, config: SchedulerConfig | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or SchedulerConfig()
+        self.waiting: deque[_Sequence] = deque()
+        self.running: dict[int, _Sequence] = {}
+        self._requests: dict[str, _Sequence] = {}
+        self._generator: BatchGenerator | None = None
+        self._stream: Any = None
+        self._finished: SchedulerOutput = SchedulerOutput()
+        self.prefix_cache = (
+            PrefixCache(self.config.prefix_cache_max_entries, self.config.prefix_cache_max_bytes)
+            if self.config.enable_prefix_cache
+            else None
+        )
+        self.eos_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
+        self.num_requests_processed = 0
+        self.num_requests_failed = 0
+        self.total_prompt_tokens = 0
+        self.total_completion_tokens = 0
+        self.batch_failures = 0
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(
+                f"waiting queue full ({self.config.max_waiting_requests} requests); retry later"
+            )
+        sequence = _Sequence(
+            request=request,
+            text=TextStream(self.tokenizer.detokenizer, request.sampling_params.stop),
+            stream_state=RequestStreamState(request.stream_interval),
+        )
+        self.waiting.append(sequence)
+        self._requests[request.request_id] = sequence
+
+    def abort_request(self, request_id: str, reason: str = "abort", message: str | None = None) -> bool:
+        """Finish a waiting or running request now; False when it is not in flight."""
+        sequence = self._requests.get(request_id)
+        if sequence is None:
+            return False
+        self._finish(sequence, reason, error=message)
+        return True
+
+    def reject(self, request: Request, message: str) -> None:
+        """Finish a request that could not be queued with a final ``error`` output."""
+        request.status = RequestStatus.FINISHED_ERROR
+        request.finish_reason = "error"
+        request.error = message
+        self._finished.outputs.append(
+            RequestOutput(
+                request_id=request.request_id,
+                finished=True,
+                finish_reason="error",
+                prompt_tokens=request.num_prompt_tokens,
+                error=message,
+            )
+        )
+        self._finished.finished_request_ids.append(request.request_id)
+
+    def abort_all(self, reason: str = "abort", message: str | None = None) -> SchedulerOutput:
+        for sequence in list(self._requests.values()):
+            self._finish(sequence, reason, error=message)
+        return self._take_finished()
+
+    def has_requests(self) -> bool:
+        return bool(self._requests) or bool(self._finished.outputs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- stepping ----------------------------------------------------------------------------
+
+    def attach_stream(self, stream: Any) -> None:
+        """Use ``stream`` (made on the engine thread) for all generation from now on."""
+        self.close()
+        self._stream = stream
+
+    def step(self) -> SchedulerOutput:
+        self._admit()
+        generator = self._generator
+        if generator is not None and self.running:
+            try:
+                _, responses = generator.next()
+            except Exception as exc:
+                self._fail_batch(exc)
+                return self._take_finished()
+            for response in responses:
+                sequence = self.running.get(response.uid)
+                if sequence is not None:
+                    self._on_token(sequence, response)
+            for sequence in [s for s in self.running.values() if s.failure is not None]:
+                self._finish(sequence, "error", error=_describe(sequence.failure))
+        return self._take_finished()
+
+    def _admit(self) -> None:
+        room = self.config.max_num_seqs - len(self.running)
+        while room > 0 and self.waiting:
+            sequence = self.waiting.popleft()
+            try:
+                self._insert(sequence)
+            except Exception as exc:
+                self._finish(sequence, "error", error=_describe(exc))
+                continue
+            room -= 1
+
+    def _insert(self, sequence: _Sequence) -> None:
+        request = sequence.request
+        params = request.sampling_params
+        prompt = request.prompt_token_ids
+        hit = self.prefix_cache.fetch(prompt) if self.prefix_cache else PrefixHit(None, 0)
+        request.cached_tokens = hit.cached_tokens
+        sampler = build_sampler(params)
+        processors = build_logits_processors(params) + list(params.logits_processors or ())
+        (uid,) = self._ensure_generator().insert(
+            [prompt[hit.cached_tokens :]],
+            max_tokens=[params.max_tokens],
+            caches=[hit.cache],
+            all_tokens=[prompt[: hit.cached_tokens]],
+            samplers=[guard_sampler(sampler, sequence.fail) if sampler else None],
+            logits_processors=[[guard_processor(p, sequence.fail) for p in processors]],
+            stop_sequences=[build_stop_sequences(self.eos_token_ids, params)],
+        )
+        sequence.uid = uid
+        request.status = RequestStatus.RUNNING
+        self.running[uid] = sequence
+
+    def _on_token(self, sequence: _Sequence, response: Any) -> None:
+        request = sequence.request
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        released = response.finish_reason is not None  # the generator has let it go
+        try:
+            stopped_by_text = False
+            # A "stop" from the generator is a stop token (EOS or stop_token_ids): not output.
+            if response.finish_reason != "stop":
+                token = int(response.token)
+                request.output_token_ids.append(token)
+                sequence.pending_ids.append(token)
+                if request.sampling_params.logprobs is not None:
+                    sequence.pending_logprobs.append(
+                        _token_logprob(response.logprobs, token, request.sampling_params.logprobs)
+                    )
+                self._add_text(sequence, sequence.text.add_token(token))
+                stopped_by_text = sequence.text.stopped
+            if released and self.prefix_cache is not None and response.prompt_cache:
+                self.prefix_cache.store(response.all_tokens, response.prompt_cache)
+        except Exception as exc:
+            sequence.fail(exc)
+        if sequence.failure is not None:
+            self._finish(sequence, "error", error=_describe(sequence.failure), in_generator=not released)
+        elif released:
+            self._finish(sequence, response.finish_reason, in_generator=False)
+        elif stopped_by_text:
+            self._finish(sequence, "stop")
+        elif sequence.stream_state.should_send(request.num_output_tokens, False):
+            self._emit(sequence)
+
+    # -- finishing ---------------------------------------------------------------------------
+
+    def _finish(
+        self,
+        sequence: _Sequence,
+        reason: str,
+        error: str | None = None,
+        in_generator: bool = True,
+    ) -> None:
+        request = sequence.request
+        if sequence.uid is not None:
+            self.running.pop(sequence.uid, None)
+            if in_generator and self._generator is not None:
+                self._release_from_generator(sequence, keep_cache=reason in ("stop", "abort"))
+        elif sequence in self.waiting:
+            self.waiting.remove(sequence)
+        self._requests.pop(request.request_id, None)
+        if reason != "error":
+            self._add_text(sequence, sequence.text.finish())
+        request.status = RequestStatus.for_finish_reason(reason)
+        request.finish_reason = reason
+        request.error = error
+        self.num_requests_processed += 1
+        self.num_requests_failed += reason == "error"
+        self.total_prompt_tokens += request.num_prompt_tokens
+        self.total_completion_tokens += request.num_output_tokens
+        if error is not None:
+            log.warning("request_failed", request_id=request.request_id, error=error)
+        self._emit(sequence, finished=True)
+        self._finished.finished_request_ids.append(request.request_id)
+
+    def _release_from_generator(self, sequence: _Sequence, keep_cache: bool) -> None:
+        assert self._generator is not None and sequence.uid is not None
+        store = keep_cache and self.prefix_cache is not None
+        caches = self._generator.remove([sequence.uid], return_prompt_caches=store)
+        if store and sequence.uid in caches:
+            cache, tokens = caches[sequence.uid]
+            assert self.prefix_cache is not None
+            self.prefix_cache.store(list(tokens), cache)
+
+    def _fail_batch(self, exc: BaseException) -> None:
+        """The batch step itself failed: fail what was in it and start over with a fresh one."""
+        self.batch_failures += 1
+        log.error("batch_step_failed", error=_describe(exc), running=len(self.running))
+        generator, self._generator = self._generator, None
+        for sequence in list(self.running.values()):
+            self._finish(sequence, "error", error=f"batch step failed: {_describe(exc)}", in_generator=False)
+        if generator is not None:
+            generator.close()
+
+    def _add_text(self, sequence: _Sequence, text: str) -> None:
+        if text:
+            sequence.request.output_text += text
+            sequence.pending_text += text
+
+    def _emit(self, sequence: _Sequence, finished: bool = False) -> None:
+        request = sequence.request
+        now = time.monotonic()
+        first = request.first_token_time
+        decode_seconds = now - first if first is not None else 0.0
+        completion = request.num_output_tokens
+        self._finished.outputs.append(
+            RequestOutput(
+                request_id=request.request_id,
+                new_text=sequence.pending_text,
+                output_text=request.output_text,
+                new_token_ids=sequence.pending_ids,
+                output_token_ids=list(request.output_token_ids),
+                finished=finished,
+                finish_reason=request.finish_reason if finished else None,
+                prompt_tokens=request.num_prompt_tokens,
+                completion_tokens=completion,
+                cached_tokens=request.cached_tokens,
+                ttft=first - request.arrival_time if first is not None else None,
+                tokens_per_second=(completion - 1) / decode_seconds if decode_seconds > 0 else 0.0,
+                logprobs=sequence.pending_logprobs
+                if request.sampling_params.logprobs is not None
+                else None,
+                error=request.error if finished else None,
+            )
+        )
+        sequence.pending_text = ""
+        sequence.pending_ids = []
+        sequence.pending_logprobs = []
+        sequence.stream_state.mark_sent(completion)
+
+    def _take_finished(self) -> SchedulerOutput:
+        finished, self._finished = self._finished, SchedulerOutput()
+        return finished
+
+    def _ensure_generator(self) -> BatchGenerator:
+        if self._generator is None:
+            self._generator = BatchGenerator(
+                self.model,
+                completion_batch_size=self.config.max_num_seqs,
+                prefill_batch_size=self.config.prefill_batch_size,
+                prefill_step_size=self.config.prefill_step_size,
+                max_kv_size=self.config.max_kv_size,
+                stream=self._stream,
+            )
+        return self._generator
+
+    # -- caches and stats --------------------------------------------------------------------
+
+    def clear_prefix_cache(self) -> dict[str, int]:
+        return self.prefix_cache.clear() if self.prefix_cache else {"entries": 0, "bytes": 0}
+
+    def get_cache_stats(self) -> dict[str, Any] | None:
+        return self.prefix_cache.stats() if self.prefix_cache else None
+
+    def get_stats(self) -> dict[str, Any]:
+        return {
+            "num_waiting": self.num_waiting,
+            "num_running": self.num_running,
+            "num_requests_processed": self.num_requests_processed,
+            "num_requests_failed": self.num_requests_failed,
+            "total_prompt_tokens": self.total_prompt_tokens,
+            "total_completion_tokens": self.total_completion_tokens,
+            "batch_failures": self.batch_failures,
+        }
+
+    def get_running_requests_info(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [
+            {
+                "request_id": s.request.request_id,
+                "status": s.request.status.value,
+                "prompt_tokens": s.request.num_prompt_tokens,
+                "completion_tokens": s.request.num_output_tokens,
+                "cached_tokens": s.request.cached_tokens,
+                "age_seconds": now - s.request.arrival_time,
+            }
+            for s in list(self._requests.values())
+        ]
+
+    def close(self) -> None:
+        """Drop the generator (engine thread); requests must have been finished first."""
+        generator, self._generator = self._generator, None
+        if generator is not None:
+            generator.close()
+
+
+def _token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
+    entry = TokenLogprob(token_id=token, logprob=float(logprobs[token].item()))
+    if top > 0:
+        top = min(top, logprobs.shape[-1])
+        indices = mx.argpartition(-logprobs, kth=top - 1)[:top]
+        values = logprobs[indices]
+        pairs = zip(indices.tolist(), values.tolist(), strict=True)
+        entry.top_logprobs = sorted(((int(i), float(v)) for i, v in pairs), key=lambda p: -p[1])
+    return entry
+
+
+def _describe(exc: BaseException | None) -> str:
+    return f"{type(exc).__name__}: {exc}" if exc is not None else "unknown error"
