@@ -1,0 +1,264 @@
+"""Generation through the real engine on a real (tiny, random-weight) MLX model."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from tests.engine.helpers import PROMPTS, collect, make_engine, reference_tokens, run
+from worker.engine import SamplingParams
+
+MAX_TOKENS = 12
+
+
+def test_greedy_batch_equals_mlx_lm_generate_token_for_token(tiny_model: Any) -> None:
+    engine = make_engine(tiny_model, max_num_seqs=16, prefill_batch_size=16)
+    try:
+        outputs = engine.generate_batch_sync(
+            PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        )
+    finally:
+        engine.close()
+    assert len(outputs) == 16
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert output.finished
+        assert output.output_token_ids == reference_tokens(tiny_model, prompt, MAX_TOKENS), prompt
+        assert output.new_text == output.output_text  # the whole text, as from generate()
+
+
+def test_async_path_streams_the_same_tokens_as_mlx_lm(tiny_model: Any) -> None:
+    engine = make_engine(tiny_model, enable_prefix_cache=False)
+
+    async def scenario() -> list[list[Any]]:
+        await engine.start()
+        ids = [
+            await engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+            for p in PROMPTS[:8]
+        ]
+        streams = await asyncio.gather(*(collect(engine, rid) for rid in ids))
+        await engine.stop()
+        return streams
+
+    try:
+        streams = run(scenario())
+    finally:
+        engine.close()
+    for prompt, outputs in zip(PROMPTS[:8], streams, strict=True):
+        final = outputs[-1]
+        assert final.finished and [o.finished for o in outputs].count(True) == 1
+        streamed_ids = [t for o in outputs for t in o.new_token_ids]
+        assert streamed_ids == final.output_token_ids == reference_tokens(tiny_model, prompt, MAX_TOKENS)
+        assert "".join(o.new_text for o in outputs) == final.output_text
+        assert final.completion_tokens == len(final.output_token_ids)
+        assert final.ttft is not None and final.ttft > 0
+
+
+def test_per_request_sampling_in_one_batch(tiny_model: Any) -> None:
+    """Greedy, top-k=1 and hot sampling share a batch; each keeps its own behaviour."""
+    prompt = PROMPTS[1]
+    expected = reference_tokens(tiny_model, prompt, MAX_TOKENS)
+    engine = make_engine(tiny_model, enable_prefix_cache=False)
+
+    async def scenario() -> dict[str, list[int]]:
+        requests = {
+            "greedy": SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+            "top1": SamplingParams(max_tokens=MAX_TOKENS, temperature=1.5, top_k=1, seed=1),
+            "hot-a": SamplingParams(max_tokens=MAX_TOKENS, temperature=5.0, top_p=1.0, seed=7),
+            "hot-b": SamplingParams(max_tokens=MAX_TOKENS, temperature=5.0, top_p=1.0, seed=8),
+        }
+        for rid, params in requests.items():
+            await engine.add_request(prompt, params, request_id=rid)
+        finals = {rid: (await collect(engine, rid))[-1] for rid in requests}
+        await engine.stop()
+        return {rid: out.output_token_ids for rid, out in finals.items()}
+
+    try:
+        tokens = run(scenario())
+    finally:
+        engine.close()
+    assert tokens["greedy"] == expected
+    assert tokens["top1"] == expected  # top-k 1 is argmax whatever the temperature
+    assert tokens["hot-a"] != expected and tokens["hot-b"] != expected
+    assert tokens["hot-a"] != tokens["hot-b"]  # different seeds, different samples
+
+
+def test_seed_reproduces_text_whatever_the_batch(tiny_model: Any) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.95, seed=1234)
+    engine = make_engine(tiny_model, enable_prefix_cache=False)
+    try:
+        alone = engine.generate_batch_sync([PROMPTS[2]], params)[0]
+        crowded = engine.generate_batch_sync([PROMPTS[0], PROMPTS[2], PROMPTS[5]], params)[1]
+        other_seed = engine.generate_batch_sync(
+            [PROMPTS[2]],
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.95, seed=99),
+        )[0]
+    finally:
+        engine.close()
+    assert alone.output_text == crowded.output_text
+    assert alone.output_token_ids == crowded.output_token_ids
+    assert other_seed.output_token_ids != alone.output_token_ids
+
+
+def _split_stop_string(tokenizer: Any, tokens: list[int]) -> str:
+    """A stop string made of the end of one token's text and the start of the next one's."""
+    pieces = [tokenizer.decode([t]) for t in tokens]
+    for left, right in zip(pieces[2:], pieces[3:]):
+        clean = all(p.strip() and p.isprintable() and "\ufffd" not in p for p in (left, right))
+        if clean and len(left) >= 2:
+            return left[-2:] + right[:2]
+    raise AssertionError("no printable token pair to build a stop string from")
+
+
+def test_stop_string_split_across_tokens_never_leaks(tiny_model: Any) -> None:
+    _, tokenizer = tiny_model
+    prompt = PROMPTS[8]
+    tokens = reference_tokens(tiny_model, prompt, 24)
+    stop = _split_stop_string(tokenizer, tokens)
+    detokenizer = tokenizer.detokenizer
+    for token in tokens:
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    full_text = detokenizer.text
+    assert stop in full_text
+    engine = make_engine(tiny_model)
+
+    async def scenario() -> list[Any]:
+        rid = await engine.add_request(
+            prompt, SamplingParams(max_tokens=24, temperature=0.0, stop=[stop, "never-there"])
+        )
+        outputs = await collect(engine, rid)
+        await engine.stop()
+        return outputs
+
+    try:
+        outputs = run(scenario())
+    finally:
+        engine.close()
+    final = outputs[-1]
+    assert final.finish_reason == "stop"
+    assert final.output_text == full_text[: full_text.index(stop)]
+    streamed = "".join(o.new_text for o in outputs)
+    assert streamed == final.output_text and stop not in streamed
+    for output in outputs:  # no delta ever carried (part of) the stop string past the cut
+        assert stop not in output.output_text
+
+
+def test_stop_token_ids_are_per_request(tiny_model: Any) -> None:
+    prompt = PROMPTS[1]
+    tokens = reference_tokens(tiny_model, prompt, MAX_TOKENS)
+    # The first token that is new in the continuation: stopping there cuts the output short.
+    stop_at = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
+    stop_token = tokens[stop_at]
+    engine = make_engine(tiny_model, enable_prefix_cache=False)
+
+    async def scenario() -> tuple[Any, Any]:
+        greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        a = await engine.add_request(
+            prompt,
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[stop_token]),
+        )
+        b = await engine.add_request(prompt, greedy)
+        result = (await collect(engine, a))[-1], (await collect(engine, b))[-1]
+        await engine.stop()
+        return result
+
+    try:
+        stopped, unaffected = run(scenario())
+    finally:
+        engine.close()
+    assert stopped.finish_reason == "stop"
+    assert stopped.output_token_ids == tokens[:stop_at]
+    assert unaffected.finish_reason == "length"
+    assert unaffected.output_token_ids == tokens
+
+
+def test_logprobs_with_top_alternatives(tiny_model: Any) -> None:
+    engine = make_engine(tiny_model)
+    try:
+        output = engine.generate_batch_sync(
+            [PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+        )[0]
+        plain = engine.generate_batch_sync([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    finally:
+        engine.close()
+    assert plain.logprobs is None
+    assert output.logprobs is not None and len(output.logprobs) == 6
+    for token, entry in zip(output.output_token_ids, output.logprobs, strict=True):
+        assert entry.token_id == token
+        assert entry.logprob <= 0.0
+        assert len(entry.top_logprobs) == 3
+        best_token, best_logprob = entry.top_logprobs[0]
+        assert best_token == token  # greedy picks the most likely token
+        assert best_logprob == pytest.approx(entry.logprob)
+        values = [lp for _, lp in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+
+
+def test_penalties_change_a_repetitive_continuation(tiny_model: Any) -> None:
+    prompt = PROMPTS[11]
+    base = reference_tokens(tiny_model, prompt, 24)
+    assert len(set(base)) < len(base)  # the random model repeats itself
+    engine = make_engine(tiny_model, enable_prefix_cache=False)
+    try:
+        outputs = engine.generate_batch_sync(
+            [prompt], SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=5.0)
+        ) + engine.generate_batch_sync(
+            [prompt], SamplingParams(max_tokens=24, temperature=0.0, presence_penalty=50.0)
+        ) + engine.generate_batch_sync(
+            [prompt], SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=50.0)
+        )
+    finally:
+        engine.close()
+    for output in outputs:
+        assert output.output_token_ids != base
+        assert len(set(output.output_token_ids)) > len(set(base))
+
+
+def test_stream_interval_coalesces_without_losing_tokens(tiny_model: Any) -> None:
+    engine = make_engine(tiny_model, stream_interval=3)
+
+    async def scenario() -> list[Any]:
+        rid = await engine.add_request(PROMPTS[4], SamplingParams(max_tokens=10, temperature=0.0))
+        outputs = await collect(engine, rid)
+        await engine.stop()
+        return outputs
+
+    try:
+        outputs = run(scenario())
+    finally:
+        engine.close()
+    final = outputs[-1]
+    assert final.output_token_ids == reference_tokens(tiny_model, PROMPTS[4], 10)
+    assert [t for o in outputs for t in o.new_token_ids] == final.output_token_ids
+    assert "".join(o.new_text for o in outputs) == final.output_text
+    assert [o.completion_tokens for o in outputs] == [3, 6, 9, 10]
+
+
+def test_sixty_four_concurrent_requests_all_finish(tiny_model: Any) -> None:
+    engine = make_engine(tiny_model, max_num_seqs=32, prefill_batch_size=16)
+
+    async def scenario() -> list[Any]:
+        ids = [
+            await engine.add_request(
+                PROMPTS[i % len(PROMPTS)],
+                SamplingParams(max_tokens=4 + i % 9, temperature=0.0 if i % 2 else 0.8, seed=i),
+            )
+            for i in range(64)
+        ]
+        finals = await asyncio.gather(*(collect(engine, rid) for rid in ids))
+        stats = engine.get_stats()
+        await engine.stop()
+        return [f[-1] for f in finals] + [stats]
+
+    try:
+        *finals, stats = run(scenario())
+    finally:
+        engine.close()
+    assert len(finals) == 64
+    for i, final in enumerate(finals):
+        assert final.finished and final.finish_reason == "length"
+        assert final.completion_tokens == 4 + i % 9
+    assert stats["active_requests"] == 0 and stats["num_running"] == 0
+    assert stats["num_waiting"] == 0 and stats["requests"] == []

@@ -1,0 +1,156 @@
+"""Prefix-cache reuse, statistics, bounds, and save/load round trips."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engine.helpers import PROMPTS, make_engine
+from worker.engine import SamplingParams
+from worker.models import load_model
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+SYSTEM = " ".join(PROMPTS)  # a long shared prefix
+
+
+def test_identical_prompt_reuses_the_cache_and_gives_the_same_text(tiny_model: Any) -> None:
+    engine = make_engine(tiny_model)
+    try:
+        cold = engine.generate_batch_sync([PROMPTS[5]], GREEDY)[0]
+        warm = engine.generate_batch_sync([PROMPTS[5]], GREEDY)[0]
+        stats = engine.get_cache_stats()
+    finally:
+        engine.close()
+    assert cold.cached_tokens == 0
+    assert warm.cached_tokens == warm.prompt_tokens - 1  # all but the token that makes logits
+    assert warm.output_token_ids == cold.output_token_ids
+    assert stats is not None
+    assert stats["hits"] == 1 and stats["misses"] == 1
+    assert stats["tokens_saved"] == warm.cached_tokens
+    assert stats["entries"] >= 1 and stats["memory_bytes"] > 0
+
+
+def test_shared_prefix_prefills_only_the_rest(tiny_model: Any) -> None:
+    engine = make_engine(tiny_model)
+    try:
+        engine.generate_batch_sync([SYSTEM + " first question"], GREEDY)
+        second = engine.generate_batch_sync([SYSTEM + " second question"], GREEDY)[0]
+    finally:
+        engine.close()
+    uncached = make_engine(tiny_model, enable_prefix_cache=False)
+    try:
+        baseline = uncached.generate_batch_sync([SYSTEM + " second question"], GREEDY)[0]
+    finally:
+        uncached.close()
+    _, tokenizer = tiny_model
+    shared = len(tokenizer.encode(SYSTEM))
+    assert shared - 2 <= second.cached_tokens < second.prompt_tokens
+    assert second.output_token_ids == baseline.output_token_ids
+    assert uncached.get_cache_stats() is None
+
+
+def test_cache_is_bounded_with_lru_eviction(tiny_model: Any) -> None:
+    engine = make_engine(tiny_model, prefix_cache_max_entries=3)
+    try:
+        for prompt in PROMPTS[:6]:
+            engine.generate_batch_sync([prompt], GREEDY)
+        stats = engine.get_cache_stats()
+        newest = engine.generate_batch_sync([PROMPTS[5]], GREEDY)[0]
+        oldest = engine.generate_batch_sync([PROMPTS[0]], GREEDY)[0]
+    finally:
+        engine.close()
+    assert stats is not None and stats["entries"] == 3 and stats["evictions"] == 3
+    assert newest.cached_tokens > 0
+    assert oldest.cached_tokens == 0
+
+
+def test_byte_bound_holds(tiny_model: Any) -> None:
+    engine = make_engine(tiny_model, prefix_cache_max_bytes=600_000)
+    try:
+        for prompt in PROMPTS[:8]:
+            engine.generate_batch_sync([prompt], GREEDY)
+        stats = engine.get_cache_stats()
+    finally:
+        engine.close()
+    assert stats is not None
+    assert 0 < stats["memory_bytes"] <= 600_000
+    assert stats["evictions"] > 0
+
+
+def test_save_then_load_into_a_fresh_engine(tiny_model: Any, tmp_path: Path) -> None:
+    target = tmp_path / "prefix-cache"
+    engine = make_engine(tiny_model)
+    try:
+        cold = engine.generate_batch_sync([PROMPTS[8], PROMPTS[12]], GREEDY)
+        assert engine.save_cache_to_disk(str(target))
+        saved_entries = engine.get_cache_stats()["entries"]  # type: ignore[index]
+    finally:
+        engine.close()
+    assert (target / "manifest.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+
+    fresh = make_engine(tiny_model)
+    try:
+        assert fresh.load_cache_from_disk(str(target)) == saved_entries
+        assert fresh.load_cache_from_disk(str(target)) == 0  # duplicates are skipped
+        warm = fresh.generate_batch_sync([PROMPTS[8], PROMPTS[12]], GREEDY)
+    finally:
+        fresh.close()
+    for before, after in zip(cold, warm, strict=True):
+        assert after.cached_tokens == after.prompt_tokens - 1
+        assert after.output_token_ids == before.output_token_ids
+
+
+def test_save_replaces_an_older_cache_atomically(tiny_model: Any, tmp_path: Path) -> None:
+    target = tmp_path / "cache"
+    engine = make_engine(tiny_model)
+    try:
+        engine.generate_batch_sync([PROMPTS[0]], GREEDY)
+        assert engine.save_cache_to_disk(str(target))
+        engine.generate_batch_sync([PROMPTS[1]], GREEDY)
+        assert engine.save_cache_to_disk(str(target))
+        entries = engine.get_cache_stats()["entries"]  # type: ignore[index]
+    finally:
+        engine.close()
+    assert len(list(target.glob("entry-*.safetensors"))) == entries == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+
+
+def test_another_models_cache_is_refused(
+    tiny_model: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    target = tmp_path / "llama-cache"
+    engine = make_engine(tiny_model)
+    try:
+        engine.generate_batch_sync([PROMPTS[0]], GREEDY)
+        assert engine.save_cache_to_disk(str(target))
+    finally:
+        engine.close()
+    other = make_engine(load_model("tiny-qwen3"))
+    try:
+        assert other.load_cache_from_disk(str(target)) == 0
+        assert other.get_cache_stats()["entries"] == 0  # type: ignore[index]
+        assert other.load_cache_from_disk(str(tmp_path / "missing")) == 0
+    finally:
+        other.close()
+
+
+def test_clear_runtime_caches_reports_what_it_freed(tiny_model: Any) -> None:
+    engine = make_engine(tiny_model)
+    try:
+        engine.generate_batch_sync(PROMPTS[:3], GREEDY)
+        before = engine.get_cache_stats()
+        cleared = engine.clear_runtime_caches()
+        after = engine.get_cache_stats()
+        engine.generate_batch_sync(PROMPTS[:1], GREEDY)
+        engine.clear_prefix_cache()
+        emptied = engine.get_cache_stats()
+    finally:
+        engine.close()
+    assert before is not None and after is not None and cleared is not None and emptied is not None
+    assert cleared["prefix_cache_entries"] == before["entries"] > 0
+    assert cleared["prefix_cache_bytes"] == before["memory_bytes"] > 0
+    assert after["entries"] == 0 and after["memory_bytes"] == 0
+    assert emptied["entries"] == 0
