@@ -28,7 +28,9 @@ def make_engine(model_and_tokenizer: tuple[Any, Any], **scheduler: Any) -> Engin
     return EngineCore(model, tokenizer, config)
 
 
-def reference_tokens(model_and_tokenizer: tuple[Any, Any], prompt: str, max_tokens: int) -> list[int]:
+def reference_tokens(
+    model_and_tokenizer: tuple[Any, Any], prompt: str, max_tokens: int
+) -> list[int]:
     """Greedy tokens from mlx-lm's own single-sequence generator (EOS excluded)."""
     model, tokenizer = model_and_tokenizer
     tokens = []

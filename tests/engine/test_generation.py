@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import pytest
@@ -49,7 +50,11 @@ def test_async_path_streams_the_same_tokens_as_mlx_lm(tiny_model: Any) -> None:
         final = outputs[-1]
         assert final.finished and [o.finished for o in outputs].count(True) == 1
         streamed_ids = [t for o in outputs for t in o.new_token_ids]
-        assert streamed_ids == final.output_token_ids == reference_tokens(tiny_model, prompt, MAX_TOKENS)
+        assert (
+            streamed_ids
+            == final.output_token_ids
+            == reference_tokens(tiny_model, prompt, MAX_TOKENS)
+        )
         assert "".join(o.new_text for o in outputs) == final.output_text
         assert final.completion_tokens == len(final.output_token_ids)
         assert final.ttft is not None and final.ttft > 0
@@ -104,7 +109,7 @@ def test_seed_reproduces_text_whatever_the_batch(tiny_model: Any) -> None:
 def _split_stop_string(tokenizer: Any, tokens: list[int]) -> str:
     """A stop string made of the end of one token's text and the start of the next one's."""
     pieces = [tokenizer.decode([t]) for t in tokens]
-    for left, right in zip(pieces[2:], pieces[3:]):
+    for left, right in itertools.pairwise(pieces[2:]):
         clean = all(p.strip() and p.isprintable() and "\ufffd" not in p for p in (left, right))
         if clean and len(left) >= 2:
             return left[-2:] + right[:2]
@@ -180,7 +185,9 @@ def test_logprobs_with_top_alternatives(tiny_model: Any) -> None:
         output = engine.generate_batch_sync(
             [PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
         )[0]
-        plain = engine.generate_batch_sync([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0))[0]
+        plain = engine.generate_batch_sync(
+            [PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0)
+        )[0]
     finally:
         engine.close()
     assert plain.logprobs is None
@@ -202,12 +209,16 @@ def test_penalties_change_a_repetitive_continuation(tiny_model: Any) -> None:
     assert len(set(base)) < len(base)  # the random model repeats itself
     engine = make_engine(tiny_model, enable_prefix_cache=False)
     try:
-        outputs = engine.generate_batch_sync(
-            [prompt], SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=5.0)
-        ) + engine.generate_batch_sync(
-            [prompt], SamplingParams(max_tokens=24, temperature=0.0, presence_penalty=50.0)
-        ) + engine.generate_batch_sync(
-            [prompt], SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=50.0)
+        outputs = (
+            engine.generate_batch_sync(
+                [prompt], SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=5.0)
+            )
+            + engine.generate_batch_sync(
+                [prompt], SamplingParams(max_tokens=24, temperature=0.0, presence_penalty=50.0)
+            )
+            + engine.generate_batch_sync(
+                [prompt], SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=50.0)
+            )
         )
     finally:
         engine.close()

@@ -183,7 +183,9 @@ def test_images_on_a_text_model_are_a_clear_error(tiny_model: Any) -> None:
         (None, None, "prompt must be"),
     ],
 )
-def test_bad_prompts_are_value_errors(tiny_model: Any, prompt: Any, params: Any, message: str) -> None:
+def test_bad_prompts_are_value_errors(
+    tiny_model: Any, prompt: Any, params: Any, message: str
+) -> None:
     engine = make_engine(tiny_model)
     try:
         with pytest.raises(ValueError, match=message):
@@ -224,7 +226,9 @@ def test_a_failing_request_does_not_fail_its_batch(tiny_model: Any) -> None:
     async def scenario() -> tuple[Any, list[Any], dict[str, Any]]:
         bad = await engine.add_request(
             PROMPTS[0],
-            SamplingParams(max_tokens=12, temperature=0.0, logits_processors=[explode_on_third_token]),
+            SamplingParams(
+                max_tokens=12, temperature=0.0, logits_processors=[explode_on_third_token]
+            ),
         )
         good = [
             await engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0))

@@ -15,8 +15,8 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import structlog
 
@@ -29,6 +29,8 @@ from worker.engine.request import Request, RequestOutput, SamplingParams
 from worker.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 
 class _SyncBatch:
@@ -289,9 +291,11 @@ class EngineCore:
             return False
         try:
             count = self._on_engine(
-                lambda s: s.prefix_cache.save(cache_dir, self._model_fingerprint())
-                if s.prefix_cache
-                else 0
+                lambda s: (
+                    s.prefix_cache.save(cache_dir, self._model_fingerprint())
+                    if s.prefix_cache
+                    else 0
+                )
             )
         except Exception as exc:
             log.error("prefix_cache_save_failed", directory=cache_dir, error=str(exc))
@@ -305,9 +309,11 @@ class EngineCore:
             return 0
         try:
             count = self._on_engine(
-                lambda s: s.prefix_cache.load(cache_dir, self._model_fingerprint())
-                if s.prefix_cache
-                else 0
+                lambda s: (
+                    s.prefix_cache.load(cache_dir, self._model_fingerprint())
+                    if s.prefix_cache
+                    else 0
+                )
             )
         except Exception as exc:
             log.error("prefix_cache_load_failed", directory=cache_dir, error=str(exc))
@@ -337,7 +343,7 @@ class EngineCore:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _on_engine(self, fn: Any) -> Any:
+    def _on_engine(self, fn: Callable[[Scheduler], T]) -> T:
         self._check_usable()
         self._start_engine_thread()
         return self._engine_loop.call_sync(fn)

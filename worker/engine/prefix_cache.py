@@ -156,7 +156,9 @@ class PrefixCache:
         # LRUPromptCache has no iteration API; its order deques hold (namespace, tokens) pairs.
         order = self._lru._lru
         pairs = [pair for kind in order._ordering for pair in order._lrus[kind]]
-        return [(list(tokens), self._lru._trie.get(key, tokens).prompt_cache) for key, tokens in pairs]
+        return [
+            (list(tokens), self._lru._trie.get(key, tokens).prompt_cache) for key, tokens in pairs
+        ]
 
     def _evict(self) -> None:
         before = len(self._lru)

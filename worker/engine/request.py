@@ -92,8 +92,7 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise bad("seed", "must be a non-negative integer or None")
         if self.stop is not None and (
-            not isinstance(self.stop, list)
-            or not all(isinstance(s, str) and s for s in self.stop)
+            not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
         ):
             raise bad("stop", "must be a list of non-empty strings")
         if self.stop_token_ids is not None and (

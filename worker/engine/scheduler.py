@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import structlog
@@ -108,7 +108,9 @@ class Scheduler:
         self.waiting.append(sequence)
         self._requests[request.request_id] = sequence
 
-    def abort_request(self, request_id: str, reason: str = "abort", message: str | None = None) -> bool:
+    def abort_request(
+        self, request_id: str, reason: str = "abort", message: str | None = None
+    ) -> bool:
         """Finish a waiting or running request now; False when it is not in flight."""
         sequence = self._requests.get(request_id)
         if sequence is None:
@@ -227,7 +229,9 @@ class Scheduler:
         except Exception as exc:
             sequence.fail(exc)
         if sequence.failure is not None:
-            self._finish(sequence, "error", error=_describe(sequence.failure), in_generator=not released)
+            self._finish(
+                sequence, "error", error=_describe(sequence.failure), in_generator=not released
+            )
         elif released:
             self._finish(sequence, response.finish_reason, in_generator=False)
         elif stopped_by_text:
@@ -281,7 +285,9 @@ class Scheduler:
         log.error("batch_step_failed", error=_describe(exc), running=len(self.running))
         generator, self._generator = self._generator, None
         for sequence in list(self.running.values()):
-            self._finish(sequence, "error", error=f"batch step failed: {_describe(exc)}", in_generator=False)
+            self._finish(
+                sequence, "error", error=f"batch step failed: {_describe(exc)}", in_generator=False
+            )
         if generator is not None:
             generator.close()
 
@@ -378,13 +384,13 @@ class Scheduler:
 
 
 def _token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
-    entry = TokenLogprob(token_id=token, logprob=float(logprobs[token].item()))
+    entry = TokenLogprob(token_id=token, logprob=cast(float, logprobs[token].item()))
     if top > 0:
         top = min(top, logprobs.shape[-1])
         indices = mx.argpartition(-logprobs, kth=top - 1)[:top]
-        values = logprobs[indices]
-        pairs = zip(indices.tolist(), values.tolist(), strict=True)
-        entry.top_logprobs = sorted(((int(i), float(v)) for i, v in pairs), key=lambda p: -p[1])
+        ids = cast(list[int], indices.tolist())
+        values = cast(list[float], logprobs[indices].tolist())
+        entry.top_logprobs = sorted(zip(ids, values, strict=True), key=lambda pair: -pair[1])
     return entry
 
 

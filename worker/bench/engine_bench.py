@@ -1,0 +1,233 @@
+"""``mlx-worker bench engine``: our engine against mlx-lm on the same load, in one run.
+
+For each concurrency N, N requests arrive together (t0) and each path generates the same greedy
+tokens: sequential ``mlx_lm.stream_generate`` (one request after another), raw mlx-lm
+``BatchGenerator``, our ``generate_batch_sync``, and our async path (``add_request`` one after
+another, then ``stream_outputs``). Reported: generated tokens per second of wall time, and the
+average / p95 time to first token measured from t0. The prefix cache is off so no path reuses
+another's prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+from mlx.utils import tree_flatten
+from mlx_lm.generate import BatchGenerator
+
+from worker.engine import EngineConfig, EngineCore, SamplingParams, SchedulerConfig
+from worker.models import load_model
+
+
+@dataclass(slots=True)
+class PathResult:
+    path: str
+    concurrency: int
+    tokens: int
+    seconds: float
+    ttfts: list[float]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def ttft_avg(self) -> float:
+        return statistics.fmean(self.ttfts)
+
+    @property
+    def ttft_p95(self) -> float:
+        ordered = sorted(self.ttfts)
+        return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def make_prompts(tokenizer: Any, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Distinct prompts of ``length`` ordinary (non-special) tokens."""
+    rng = random.Random(seed)
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ()) | set(tokenizer.eos_token_ids)
+    vocab = [t for t in range(min(len(tokenizer.get_vocab()), 30000)) if t not in special]
+    return [[rng.choice(vocab) for _ in range(length)] for _ in range(count)]
+
+
+def run_sequential(
+    model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int
+) -> PathResult:
+    ttfts, tokens = [], 0
+    start = time.perf_counter()
+    for prompt in prompts:
+        first = True
+        for _ in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+            if first:
+                ttfts.append(time.perf_counter() - start)
+                first = False
+            tokens += 1
+    return PathResult(
+        "mlx_lm.stream_generate (sequential)",
+        len(prompts),
+        tokens,
+        time.perf_counter() - start,
+        ttfts,
+    )
+
+
+def run_batch_generator(
+    model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int, config: SchedulerConfig
+) -> PathResult:
+    generator = BatchGenerator(
+        model,
+        stop_tokens=[[t] for t in tokenizer.eos_token_ids],
+        completion_batch_size=config.max_num_seqs,
+        prefill_batch_size=config.prefill_batch_size,
+        prefill_step_size=config.prefill_step_size,
+    )
+    first_token: dict[int, float] = {}
+    tokens = 0
+    start = time.perf_counter()
+    uids = generator.insert(prompts, [max_tokens] * len(prompts))
+    remaining = set(uids)
+    while remaining:
+        _, responses = generator.next()
+        now = time.perf_counter()
+        for response in responses:
+            first_token.setdefault(response.uid, now - start)
+            if response.finish_reason != "stop":
+                tokens += 1
+            if response.finish_reason is not None:
+                remaining.discard(response.uid)
+    seconds = time.perf_counter() - start
+    generator.close()
+    return PathResult(
+        "raw mlx-lm BatchGenerator", len(prompts), tokens, seconds, list(first_token.values())
+    )
+
+
+def run_engine_sync(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> PathResult:
+    start = time.perf_counter()
+    outputs = engine.generate_batch_sync(
+        list(prompts), SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    )
+    seconds = time.perf_counter() - start
+    tokens = sum(o.completion_tokens for o in outputs)
+    ttfts = [o.ttft for o in outputs if o.ttft is not None]
+    return PathResult("engine generate_batch_sync", len(prompts), tokens, seconds, ttfts)
+
+
+def run_engine_async(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> PathResult:
+    async def scenario() -> PathResult:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        start = time.perf_counter()
+        first_token: list[float] = []
+        tokens = 0
+
+        async def consume(request_id: str) -> None:
+            nonlocal tokens
+            first = True
+            async for output in engine.stream_outputs(request_id):
+                if first and output.new_token_ids:
+                    first_token.append(time.perf_counter() - start)
+                    first = False
+                tokens += len(output.new_token_ids)
+
+        ids = [await engine.add_request(list(p), params) for p in prompts]
+        await asyncio.gather(*(consume(rid) for rid in ids))
+        seconds = time.perf_counter() - start
+        await engine.stop()
+        return PathResult(
+            "engine add_request + stream_outputs", len(prompts), tokens, seconds, first_token
+        )
+
+    return asyncio.run(scenario())
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    model, tokenizer = load_model(args.model)
+    levels = [int(c) for c in str(args.concurrency).split(",")]
+    config = SchedulerConfig(max_num_seqs=max(levels), enable_prefix_cache=False)
+    engine = EngineCore(
+        model, tokenizer, EngineConfig(model_name=args.model, scheduler_config=config)
+    )
+    paths: list[tuple[str, Callable[[list[list[int]]], PathResult]]] = [
+        ("sequential", lambda p: run_sequential(model, tokenizer, p, args.max_tokens)),
+        ("batch", lambda p: run_batch_generator(model, tokenizer, p, args.max_tokens, config)),
+        ("sync", lambda p: run_engine_sync(engine, p, args.max_tokens)),
+        ("async", lambda p: run_engine_async(engine, p, args.max_tokens)),
+    ]
+    skip = set(args.skip.split(",")) if args.skip else set()
+    print(_describe(args, model))
+    warmup = make_prompts(tokenizer, 2, args.prompt_tokens, seed=999)
+    for name, run_path in paths:
+        if name not in skip:
+            run_path(warmup)
+    results: list[PathResult] = []
+    try:
+        for level in levels:
+            prompts = make_prompts(tokenizer, level, args.prompt_tokens, seed=level)
+            for name, run_path in paths:
+                if name in skip or (name == "sequential" and level > args.sequential_max):
+                    continue
+                results.append(run_path(prompts))
+                mx.clear_cache()
+    finally:
+        engine.close()
+    print(format_table(results))
+    print(format_ratios(results, levels))
+    return 0
+
+
+def format_table(results: list[PathResult]) -> str:
+    lines = [
+        "| concurrency | path | tokens | tok/s | TTFT avg (ms) | TTFT p95 (ms) |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.concurrency} | {r.path} | {r.tokens} | {r.tokens_per_second:.1f} | "
+            f"{r.ttft_avg * 1e3:.0f} | {r.ttft_p95 * 1e3:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def format_ratios(results: list[PathResult], levels: list[int]) -> str:
+    def find(path_prefix: str, level: int) -> PathResult | None:
+        return next(
+            (r for r in results if r.concurrency == level and r.path.startswith(path_prefix)), None
+        )
+
+    lines = ["", "Ratios (same run):"]
+    for level in levels:
+        raw = find("raw", level)
+        for prefix in ("engine add_request", "engine generate_batch_sync"):
+            ours = find(prefix, level)
+            if raw and ours:
+                lines.append(
+                    f"  concurrency {level}: {ours.path} / raw BatchGenerator tok/s = "
+                    f"{ours.tokens_per_second / raw.tokens_per_second:.3f}"
+                )
+    low, high = find("engine add_request", min(levels)), find("engine add_request", max(levels))
+    if low and high and low is not high:
+        lines.append(
+            f"  async decode scaling: tok/s at {high.concurrency} / at {low.concurrency} = "
+            f"{high.tokens_per_second / low.tokens_per_second:.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def _describe(args: argparse.Namespace, model: Any) -> str:
+    import platform
+    from importlib.metadata import version
+
+    params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    return (
+        f"model {args.model} ({params / 1e6:.1f}M params), device {mx.default_device()}, "
+        f"{platform.machine()} {platform.system()}, prompt {args.prompt_tokens} tokens, "
+        f"max_tokens {args.max_tokens}, mlx {version('mlx')}, mlx-lm {version('mlx-lm')}"
+    )

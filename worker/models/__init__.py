@@ -1,0 +1,14 @@
+"""Offline model fixtures (SmolLM2 from a PyPI GGUF, random tiny models) and model loading."""
+
+from worker.models.loading import load_model
+from worker.models.paths import default_cache_dir, resolve_model
+from worker.models.smollm2 import prepare_smollm2
+from worker.models.tiny import prepare_tiny
+
+__all__ = [
+    "default_cache_dir",
+    "load_model",
+    "prepare_smollm2",
+    "prepare_tiny",
+    "resolve_model",
+]
