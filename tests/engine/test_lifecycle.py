@@ -350,3 +350,43 @@ def test_ownership_registry_is_thread_safe() -> None:
     assert len(winners) == 1
     assert registry.owner_of(model) == f"engine-{winners[0]}"
     assert sum(o.revoked for o in owners) == 0
+
+
+class ThreadRecordingModel:
+    """The real model, recording which thread runs each forward pass."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.threads: set[str] = set()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.threads.add(threading.current_thread().name)
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def test_all_model_work_runs_on_the_engine_thread(tiny_model: Any, tmp_path: Any) -> None:
+    model, tokenizer = tiny_model
+    recording = ThreadRecordingModel(model)
+    engine = EngineCore(recording, tokenizer)
+
+    async def scenario() -> None:
+        ids = [
+            await engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.7))
+            for p in PROMPTS[:4]
+        ]
+        await asyncio.gather(*(collect(engine, rid) for rid in ids))
+        # Cache work called from the loop thread still runs on the engine thread.
+        assert engine.save_cache_to_disk(str(tmp_path / "c"))
+        assert engine.load_cache_from_disk(str(tmp_path / "c")) == 0
+        engine.clear_runtime_caches()
+        await engine.stop()
+
+    try:
+        run(scenario())
+        engine.generate_batch_sync(PROMPTS[:2], SamplingParams(max_tokens=3))
+    finally:
+        engine.close()
+    assert recording.threads == {"mlx-engine"}

@@ -1,0 +1,137 @@
+"""Small pieces of the engine in isolation: collectors, stream state, params, text streams."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from worker.engine import (
+    EngineConfig,
+    RequestOutput,
+    RequestOutputCollector,
+    RequestStreamState,
+    SamplingParams,
+    SchedulerConfig,
+)
+from worker.engine.text_stream import TextStream
+
+
+def _delta(text: str, ids: list[int], finished: bool = False) -> RequestOutput:
+    return RequestOutput(request_id="r", new_text=text, new_token_ids=ids, finished=finished)
+
+
+def test_collector_merges_what_the_reader_has_not_taken() -> None:
+    collector = RequestOutputCollector(aggregate=True)
+    collector.put(_delta("a", [1]))
+    collector.put(_delta("b", [2]))
+    collector.put(_delta("c", [3], finished=True))
+    merged = collector.get_nowait()
+    assert merged is not None
+    assert (merged.new_text, merged.new_token_ids, merged.finished) == ("abc", [1, 2, 3], True)
+    assert collector.get_nowait() is None
+
+
+def test_collector_without_aggregation_queues_in_order() -> None:
+    collector = RequestOutputCollector(aggregate=False)
+    for i in range(3):
+        collector.put(_delta(str(i), [i]))
+    assert [collector.get_nowait().new_text for _ in range(3)] == ["0", "1", "2"]  # type: ignore[union-attr]
+
+
+def test_collector_get_waits_for_put() -> None:
+    async def scenario() -> str:
+        collector = RequestOutputCollector()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, collector.put, _delta("late", [9]))
+        return (await collector.get()).new_text
+
+    assert asyncio.run(scenario()) == "late"
+
+
+def test_stream_state_sends_every_interval_and_always_the_end() -> None:
+    state = RequestStreamState(stream_interval=3)
+    sent = []
+    for n in range(1, 9):
+        if state.should_send(n, finished=n == 8):
+            state.mark_sent(n)
+            sent.append(n)
+    assert sent == [3, 6, 8]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", 1.5),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("min_p", 2.0),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", float("inf")),
+        ("seed", -3),
+        ("stop", [""]),
+        ("stop", "END"),
+        ("stop_token_ids", [-1]),
+        ("logprobs", 21),
+        ("logits_processors", ["not callable"]),
+    ],
+)
+def test_sampling_params_reject_bad_values(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_configs_reject_bad_values() -> None:
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineConfig(stream_interval=0)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    defaults = EngineConfig()
+    assert (defaults.model_name, defaults.scheduler_config) == ("", None)
+    assert (defaults.step_interval, defaults.stream_interval) == (0.001, 1)
+    assert defaults.gpu_memory_utilization == 0.9
+
+
+WORDS = st.sampled_from(
+    ["the", " cat", " sat", "on", " mat", "END", "E", "ND", "!", " ", "é", "\n"]
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    pieces=st.lists(WORDS, min_size=1, max_size=12),
+    stops=st.lists(st.sampled_from(["END", "t s", "at\n", "é!", "mat"]), min_size=1, max_size=2),
+)
+def test_text_stream_cuts_at_the_first_stop_string(
+    tiny_model: Any, pieces: list[str], stops: list[str]
+) -> None:
+    """Whatever the tokenization, the emitted text is the text before the first stop string."""
+    _, tokenizer = tiny_model
+    text = "".join(pieces)
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    reference = tokenizer.detokenizer
+    for token in tokens:
+        reference.add_token(token)
+    reference.finalize()
+    full = reference.text
+    stream = TextStream(tokenizer.detokenizer, stops)
+    emitted = ""
+    for token in tokens:
+        emitted += stream.add_token(token)
+        if stream.stopped:
+            break
+    emitted += stream.finish()
+    cuts = [full.index(s) for s in stops if s in full]
+    expected = full[: min(cuts)] if cuts else full
+    assert emitted == expected
+    assert stream.stopped == bool(cuts)
