@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the sequential baseline above this concurrency",
     )
     engine.add_argument("--skip", default="", help="paths to skip: sequential,batch,sync,async")
+    engine.add_argument("--repeat", type=int, default=3, help="rotations of all paths per level")
 
     demo = commands.add_parser("demo", help="stream a few concurrent generations")
     demo.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")

@@ -167,56 +167,79 @@ def run_bench(args: argparse.Namespace) -> int:
     for name, run_path in paths:
         if name not in skip:
             run_path(warmup)
-    results: list[PathResult] = []
+    runs: list[list[PathResult]] = []  # one list per (level, path), in rotation order
     try:
         for level in levels:
             prompts = make_prompts(tokenizer, level, args.prompt_tokens, seed=level)
-            for name, run_path in paths:
-                if name in skip or (name == "sequential" and level > args.sequential_max):
-                    continue
-                results.append(run_path(prompts))
-                mx.clear_cache()
+            chosen = [
+                run_path
+                for name, run_path in paths
+                if name not in skip and not (name == "sequential" and level > args.sequential_max)
+            ]
+            level_runs: list[list[PathResult]] = [[] for _ in chosen]
+            for _ in range(args.repeat):  # A B C A B C ...: drift hits every path alike
+                for index, run_path in enumerate(chosen):
+                    level_runs[index].append(run_path(prompts))
+                    mx.clear_cache()
+            runs.extend(level_runs)
     finally:
         engine.close()
-    print(format_table(results))
-    print(format_ratios(results, levels))
+    print(format_table(runs))
+    print(format_ratios(runs, levels))
     return 0
 
 
-def format_table(results: list[PathResult]) -> str:
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def format_table(runs: list[list[PathResult]]) -> str:
     lines = [
-        "| concurrency | path | tokens | tok/s | TTFT avg (ms) | TTFT p95 (ms) |",
+        "| concurrency | path | tokens | tok/s (median) | TTFT avg (ms) | TTFT p95 (ms) |",
         "|---:|---|---:|---:|---:|---:|",
     ]
-    for r in results:
+    for repeats in runs:
+        first = repeats[0]
+        speeds = [r.tokens_per_second for r in repeats]
+        spread = f" ({min(speeds):.0f}–{max(speeds):.0f})" if len(repeats) > 1 else ""
         lines.append(
-            f"| {r.concurrency} | {r.path} | {r.tokens} | {r.tokens_per_second:.1f} | "
-            f"{r.ttft_avg * 1e3:.0f} | {r.ttft_p95 * 1e3:.0f} |"
+            f"| {first.concurrency} | {first.path} | {first.tokens} | "
+            f"{_median(speeds):.1f}{spread} | "
+            f"{_median([r.ttft_avg for r in repeats]) * 1e3:.0f} | "
+            f"{_median([r.ttft_p95 for r in repeats]) * 1e3:.0f} |"
         )
     return "\n".join(lines)
 
 
-def format_ratios(results: list[PathResult], levels: list[int]) -> str:
-    def find(path_prefix: str, level: int) -> PathResult | None:
+def format_ratios(runs: list[list[PathResult]], levels: list[int]) -> str:
+    """Median over repeats of the ratio within each rotation (robust to a drifting machine)."""
+
+    def find(path_prefix: str, level: int) -> list[PathResult] | None:
         return next(
-            (r for r in results if r.concurrency == level and r.path.startswith(path_prefix)), None
+            (r for r in runs if r[0].concurrency == level and r[0].path.startswith(path_prefix)),
+            None,
         )
 
-    lines = ["", "Ratios (same run):"]
+    def ratio(a: list[PathResult], b: list[PathResult]) -> float:
+        return _median(
+            [x.tokens_per_second / y.tokens_per_second for x, y in zip(a, b, strict=True)]
+        )
+
+    lines = ["", "Ratios (median of per-rotation ratios, same run):"]
     for level in levels:
         raw = find("raw", level)
         for prefix in ("engine add_request", "engine generate_batch_sync"):
             ours = find(prefix, level)
             if raw and ours:
                 lines.append(
-                    f"  concurrency {level}: {ours.path} / raw BatchGenerator tok/s = "
-                    f"{ours.tokens_per_second / raw.tokens_per_second:.3f}"
+                    f"  concurrency {level}: {ours[0].path} / raw BatchGenerator tok/s = "
+                    f"{ratio(ours, raw):.3f}"
                 )
     low, high = find("engine add_request", min(levels)), find("engine add_request", max(levels))
     if low and high and low is not high:
         lines.append(
-            f"  async decode scaling: tok/s at {high.concurrency} / at {low.concurrency} = "
-            f"{high.tokens_per_second / low.tokens_per_second:.2f}x"
+            f"  async decode scaling: tok/s at {high[0].concurrency} / at {low[0].concurrency} = "
+            f"{ratio(high, low):.2f}x"
         )
     return "\n".join(lines)
 
@@ -227,7 +250,8 @@ def _describe(args: argparse.Namespace, model: Any) -> str:
 
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
     return (
-        f"model {args.model} ({params / 1e6:.1f}M params), device {mx.default_device()}, "
+        f"{args.repeat} rotations; model {args.model} ({params / 1e6:.1f}M params), "
+        f"device {mx.default_device()}, "
         f"{platform.machine()} {platform.system()}, prompt {args.prompt_tokens} tokens, "
         f"max_tokens {args.max_tokens}, mlx {version('mlx')}, mlx-lm {version('mlx-lm')}"
     )
