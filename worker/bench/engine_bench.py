@@ -41,6 +41,11 @@ class PathResult:
         return self.tokens / self.seconds
 
     @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after each request's first, over the time from the first token to the end."""
+        return (self.tokens - len(self.ttfts)) / (self.seconds - min(self.ttfts))
+
+    @property
     def ttft_avg(self) -> float:
         return statistics.fmean(self.ttfts)
 
@@ -195,8 +200,9 @@ def _median(values: list[float]) -> float:
 
 def format_table(runs: list[list[PathResult]]) -> str:
     lines = [
-        "| concurrency | path | tokens | tok/s (median) | TTFT avg (ms) | TTFT p95 (ms) |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| concurrency | path | tokens | tok/s (min–max) | decode tok/s | TTFT avg (ms) "
+        "| TTFT p95 (ms) |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for repeats in runs:
         first = repeats[0]
@@ -205,6 +211,7 @@ def format_table(runs: list[list[PathResult]]) -> str:
         lines.append(
             f"| {first.concurrency} | {first.path} | {first.tokens} | "
             f"{_median(speeds):.1f}{spread} | "
+            f"{_median([r.decode_tokens_per_second for r in repeats]):.1f} | "
             f"{_median([r.ttft_avg for r in repeats]) * 1e3:.0f} | "
             f"{_median([r.ttft_p95 for r in repeats]) * 1e3:.0f} |"
         )
@@ -220,12 +227,13 @@ def format_ratios(runs: list[list[PathResult]], levels: list[int]) -> str:
             None,
         )
 
-    def ratio(a: list[PathResult], b: list[PathResult]) -> float:
-        return _median(
-            [x.tokens_per_second / y.tokens_per_second for x, y in zip(a, b, strict=True)]
-        )
+    def ratio(a: list[PathResult], b: list[PathResult], decode: bool = False) -> float:
+        def speed(r: PathResult) -> float:
+            return r.decode_tokens_per_second if decode else r.tokens_per_second
 
-    lines = ["", "Ratios (median of per-rotation ratios, same run):"]
+        return _median([speed(x) / speed(y) for x, y in zip(a, b, strict=True)])
+
+    lines = ["", "Ratios of tok/s (median of per-rotation ratios, same run):"]
     for level in levels:
         raw = find("raw", level)
         for prefix in ("engine add_request", "engine generate_batch_sync"):
@@ -238,8 +246,8 @@ def format_ratios(runs: list[list[PathResult]], levels: list[int]) -> str:
     low, high = find("engine add_request", min(levels)), find("engine add_request", max(levels))
     if low and high and low is not high:
         lines.append(
-            f"  async decode scaling: tok/s at {high[0].concurrency} / at {low[0].concurrency} = "
-            f"{ratio(high, low):.2f}x"
+            f"  async decode scaling: decode tok/s at {high[0].concurrency} / at "
+            f"{low[0].concurrency} = {ratio(high, low, decode=True):.2f}x"
         )
     return "\n".join(lines)
 

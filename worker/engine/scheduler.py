@@ -252,7 +252,10 @@ class Scheduler:
         if sequence.uid is not None:
             self.running.pop(sequence.uid, None)
             if in_generator and self._generator is not None:
-                self._release_from_generator(sequence, keep_cache=reason in ("stop", "abort"))
+                # Only a sequence past its prefill has a cache that is whole (no batch padding).
+                decoding = request.first_token_time is not None
+                keep = decoding and reason in ("stop", "abort")
+                self._release_from_generator(sequence, keep_cache=keep)
         elif sequence in self.waiting:
             self.waiting.remove(sequence)
         self._requests.pop(request.request_id, None)
