@@ -390,3 +390,38 @@ def test_all_model_work_runs_on_the_engine_thread(tiny_model: Any, tmp_path: Any
     finally:
         engine.close()
     assert recording.threads == {"mlx-engine"}
+
+
+def test_step_listener_sees_each_step_once_and_uncollected_requests_leave_no_state(
+    tiny_model: Any,
+) -> None:
+    engine = make_engine(tiny_model)
+    batches: list[list[Any]] = []
+    engine.set_step_listener(batches.append)
+
+    async def scenario() -> dict[str, Any]:
+        ids = [
+            await engine.add_request(p, SamplingParams(max_tokens=5, temperature=0.0), collect=False)
+            for p in PROMPTS[:3]
+        ]
+        for _ in range(500):
+            finished = {o.request_id for batch in batches for o in batch if o.finished}
+            if finished == set(ids):
+                break
+            await asyncio.sleep(0.01)
+        stats = engine.get_stats()
+        await engine.stop()
+        return stats
+
+    try:
+        stats = run(scenario())
+    finally:
+        engine.close()
+    assert stats["active_requests"] == 0
+    per_request: dict[str, list[int]] = {}
+    for batch in batches:
+        assert len({o.request_id for o in batch}) == len(batch)  # one output per request a step
+        for output in batch:
+            per_request.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert sorted(len(tokens) for tokens in per_request.values()) == [5, 5, 5]
+    assert max(len(batch) for batch in batches) == 3  # the three decode in one step

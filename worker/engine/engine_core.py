@@ -80,6 +80,7 @@ class EngineCore:
         self._output_collectors: dict[str, RequestOutputCollector] = {}
         self._request_loops: dict[str, asyncio.AbstractEventLoop] = {}
         self._sync_batches: dict[str, _SyncBatch] = {}
+        self._step_listener: Callable[[list[RequestOutput]], None] | None = None
         self._running = False
         self._start_time: float | None = None
         self._fingerprint: str | None = None
@@ -165,17 +166,23 @@ class EngineCore:
         prefix_boundary: int = 0,
         *,
         stream_interval: int | None = None,
+        collect: bool = True,
     ) -> str:
         """Queue a request and return its id. Raises ``ValueError`` for bad input,
-        ``QueueFullError`` when the waiting queue is full."""
+        ``QueueFullError`` when the waiting queue is full.
+
+        ``collect=False`` skips the per-request collector: the outputs then reach only the
+        step listener (see ``set_step_listener``), and ``stream_outputs`` has nothing to read.
+        """
         request = self._make_request(
             prompt, sampling_params, request_id, images, videos, prefix_boundary, stream_interval
         )
-        if request.request_id in self._output_collectors:
+        if request.request_id in self._request_loops:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         if not self._running:
             await self.start()
-        self._output_collectors[request.request_id] = RequestOutputCollector(aggregate=True)
+        if collect:
+            self._output_collectors[request.request_id] = RequestOutputCollector(aggregate=True)
         self._request_loops[request.request_id] = asyncio.get_running_loop()
         self._submit([request])
         return request.request_id
@@ -275,7 +282,7 @@ class EngineCore:
             "running": self.is_running(),
             "uptime_seconds": uptime,
             "steps_executed": self._engine_loop.steps_executed,
-            "active_requests": len(self._output_collectors) + len(self._sync_batches),
+            "active_requests": len(self._request_loops) + len(self._sync_batches),
             "stream_interval": self.config.stream_interval,
             "requests": self.scheduler.get_running_requests_info(),
             "health": self._engine_loop.health(),
@@ -375,7 +382,7 @@ class EngineCore:
         interval = self.config.stream_interval if stream_interval is None else stream_interval
         if not isinstance(interval, int) or interval < 1:
             raise ValueError("stream_interval must be an integer >= 1")
-        if len(self._output_collectors) + len(self._sync_batches) >= self._max_open:
+        if len(self._request_loops) + len(self._sync_batches) >= self._max_open:
             raise QueueFullError(f"engine is full ({self._max_open} open requests); retry later")
         return Request(
             request_id=request_id or uuid.uuid4().hex,
@@ -437,11 +444,27 @@ class EngineCore:
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is waiting
                 loop.call_soon_threadsafe(self._distribute, items)
 
+    def set_step_listener(self, listener: Callable[[list[RequestOutput]], None] | None) -> None:
+        """Call ``listener`` on the event loop with all streamed outputs of each engine step.
+
+        One call per step (not per request) lets a caller batch its own I/O per step.
+        Exceptions it raises are logged and do not reach the engine.
+        """
+        self._step_listener = listener
+
     def _distribute(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             collector = self._output_collectors.get(output.request_id)
             if collector is not None:
                 collector.put(output)
+            elif output.finished:  # nobody streams it: its bookkeeping ends here
+                self._request_loops.pop(output.request_id, None)
+        listener = self._step_listener
+        if listener is not None:
+            try:
+                listener(outputs)
+            except Exception:
+                log.exception("step_listener_failed")
 
     async def _abort_and_collect(
         self, request_id: str, collector: RequestOutputCollector
