@@ -216,7 +216,7 @@ class EngineCore:
                 if output is None:
                     try:
                         output = await asyncio.wait_for(collector.get(), timeout)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         log.warning("stream_outputs_timeout", request_id=request_id)
                         output = await self._abort_and_collect(request_id, collector)
                 finished = output.finished
