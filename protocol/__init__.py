@@ -1,0 +1,84 @@
+"""The Redis wire protocol of mlx-worker: keys, messages, codec, client and CLI.
+
+The specification is protocol/README.md. Nothing here imports from `worker`.
+"""
+
+from protocol.client import Client
+from protocol.codec import (
+    decode_command,
+    decode_event,
+    decode_job,
+    decode_reply,
+    encode_command,
+    encode_event,
+    encode_job,
+    encode_reply,
+)
+from protocol.constants import PROTOCOL_VERSION
+from protocol.errors import (
+    ERROR_CODES,
+    ClientError,
+    ControlTimeout,
+    ProtocolError,
+    RequestNotFound,
+    StreamTimeout,
+)
+from protocol.keys import Keys
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.messages import (
+    ChatMessage,
+    ControlCommand,
+    ControlReply,
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    ErrorInfo,
+    Event,
+    Job,
+    QueuedEvent,
+    ResetEvent,
+    TokenLogprob,
+    UnknownEvent,
+    Usage,
+)
+from protocol.scripts import last_seq, publish_events
+from protocol.sync_client import SyncClient
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "ERROR_CODES",
+    "PROTOCOL_VERSION",
+    "ChatMessage",
+    "Client",
+    "ClientError",
+    "ControlCommand",
+    "ControlReply",
+    "ControlTimeout",
+    "DeltaEvent",
+    "DoneEvent",
+    "ErrorEvent",
+    "ErrorInfo",
+    "Event",
+    "Job",
+    "Keys",
+    "Limits",
+    "ProtocolError",
+    "QueuedEvent",
+    "RequestNotFound",
+    "ResetEvent",
+    "StreamTimeout",
+    "SyncClient",
+    "TokenLogprob",
+    "UnknownEvent",
+    "Usage",
+    "decode_command",
+    "decode_event",
+    "decode_job",
+    "decode_reply",
+    "encode_command",
+    "encode_event",
+    "encode_job",
+    "encode_reply",
+    "last_seq",
+    "publish_events",
+]

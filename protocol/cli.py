@@ -1,0 +1,279 @@
+"""The ``submit``, ``stream`` and ``ctl`` commands of ``mlx-worker``.
+
+`add_commands` registers them on the main parser's subcommands and `run` executes one;
+`main` is a standalone parser with the same commands (``python -m protocol.cli``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+from contextlib import aclosing
+from typing import Any, Final, TextIO
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.exceptions
+
+from protocol.client import Client
+from protocol.constants import DEFAULT_CONTROL_TIMEOUT_SECONDS, DEFAULT_PREFIX, DEFAULT_REDIS_URL
+from protocol.errors import ControlTimeout, ProtocolError, RequestNotFound, StreamTimeout
+from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, ResetEvent
+from protocol.rendering import (
+    EXIT_CODES_HELP,
+    ExitCode,
+    describe_reply,
+    event_as_dict,
+    exit_code_for,
+    json_line,
+    reply_as_dict,
+)
+
+COMMANDS: Final = frozenset({"submit", "stream", "ctl"})
+CTL_COMMANDS: Final = ("stats", "ping", "abort", "cache-save", "cache-load", "cache-clear")
+
+
+def add_commands(subparsers: Any) -> None:
+    """Register submit, stream and ctl on an argparse ``add_subparsers()`` object."""
+    connection = _connection_options()
+    formatter = argparse.RawDescriptionHelpFormatter
+
+    submit = subparsers.add_parser(
+        "submit",
+        parents=[connection],
+        formatter_class=formatter,
+        help="queue a job and stream its text",
+        description="Queue a job and print its text as it arrives.",
+        epilog=EXIT_CODES_HELP,
+    )
+    submit.add_argument("prompt", help="the prompt text")
+    submit.add_argument("--max-tokens", type=int, default=None)
+    submit.add_argument("--temperature", type=float, default=None)
+    submit.add_argument("--top-p", type=float, default=None)
+    submit.add_argument("--seed", type=int, default=None)
+    submit.add_argument("--stop", action="append", default=None, help="a stop string (repeat)")
+    submit.add_argument("--request-id", default=None, help="default: a random id")
+    submit.add_argument(
+        "--chat", action="store_true", help="send the prompt as one user chat message"
+    )
+    submit.add_argument(
+        "--no-stream", action="store_true", help="print the request id and exit at once"
+    )
+    _output_options(submit)
+
+    stream = subparsers.add_parser(
+        "stream",
+        parents=[connection],
+        formatter_class=formatter,
+        help="follow a submitted request",
+        description="Print a request's events from the start, then live, until it ends.",
+        epilog=EXIT_CODES_HELP,
+    )
+    stream.add_argument("request_id")
+    _output_options(stream)
+
+    ctl = subparsers.add_parser("ctl", help="control commands to workers")
+    ctl_commands = ctl.add_subparsers(dest="ctl_command", required=True, metavar="COMMAND")
+    for name in CTL_COMMANDS:
+        command = ctl_commands.add_parser(
+            name,
+            parents=[connection],
+            formatter_class=formatter,
+            help=f"send {name.replace('-', '_')} to the workers",
+            epilog=EXIT_CODES_HELP,
+        )
+        if name == "abort":
+            command.add_argument("request_id")
+        else:
+            if name in ("cache-save", "cache-load"):
+                command.add_argument("name", help="cache name")
+            command.add_argument("--worker-id", default=None, help="one worker, not all")
+        command.add_argument("--timeout", type=float, default=DEFAULT_CONTROL_TIMEOUT_SECONDS)
+        command.add_argument("--json", action="store_true", help="one JSON object per reply")
+
+
+def run(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
+    """Execute a parsed submit / stream / ctl command; returns the exit status."""
+    out = stdout or sys.stdout
+    url = args.redis_url
+    try:
+        return asyncio.run(_run(args, out))
+    except KeyboardInterrupt:
+        return 130
+    # Before the OSError clause: StreamTimeout and ControlTimeout are TimeoutErrors.
+    except RequestNotFound as exc:
+        return _fail(ExitCode.NOT_FOUND, str(exc))
+    except (StreamTimeout, ControlTimeout) as exc:
+        return _fail(ExitCode.TIMEOUT, str(exc))
+    except redis.exceptions.AuthenticationError:
+        return _fail(
+            ExitCode.USAGE, f"cannot connect to Redis at {_redacted(url)}: authentication failed"
+        )
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+        return _fail(ExitCode.USAGE, f"cannot connect to Redis at {_redacted(url)}: {exc}")
+    except redis.exceptions.ResponseError as exc:
+        return _fail(ExitCode.USAGE, f"Redis at {_redacted(url)} refused a command: {exc}")
+    except ProtocolError as exc:
+        return _fail(ExitCode.USAGE, f"invalid message: {exc}")
+    except ValueError as exc:
+        return _fail(ExitCode.USAGE, str(exc))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlx-worker",
+        description="Submit jobs to, follow and control mlx-worker through Redis.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXIT_CODES_HELP,
+    )
+    add_commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse exits on usage errors and --help
+        return exc.code if isinstance(exc.code, int) else ExitCode.USAGE
+    return run(args)
+
+
+async def _run(args: argparse.Namespace, out: TextIO) -> int:
+    async with Client(args.redis_url, prefix=args.prefix) as client:
+        if args.command == "submit":
+            return await _submit(client, args, out)
+        if args.command == "stream":
+            return await _follow(client, args.request_id, args, out)
+        if args.command == "ctl":
+            return await _control(client, args, out)
+    raise ValueError(f"unknown command {args.command!r}")
+
+
+async def _submit(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    sampling = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    options: Any = {name: value for name, value in sampling.items() if value is not None}
+    if args.chat:
+        messages = [{"role": "user", "content": args.prompt}]
+        request_id = await client.submit(messages=messages, request_id=args.request_id, **options)
+    else:
+        request_id = await client.submit(args.prompt, request_id=args.request_id, **options)
+    if args.no_stream:
+        print(request_id, file=out, flush=True)
+        return ExitCode.OK
+    return await _follow(client, request_id, args, out)
+
+
+async def _follow(client: Client, request_id: str, args: argparse.Namespace, out: TextIO) -> int:
+    """Print the request's events; the exit status follows from how it ended."""
+    ended_with_newline = True
+    async with aclosing(client.stream(request_id, timeout=args.timeout)) as events:
+        async for event in events:
+            if args.json:
+                print(json_line(event_as_dict(event)), file=out, flush=True)
+            elif isinstance(event, DeltaEvent) and event.new_text:
+                out.write(event.new_text)
+                out.flush()
+                ended_with_newline = event.new_text.endswith("\n")
+            elif isinstance(event, ResetEvent):
+                if not ended_with_newline:
+                    out.write("\n")
+                    ended_with_newline = True
+                _note(f"[restarted as attempt {event.attempt}: the text above is void]")
+            if isinstance(event, DoneEvent | ErrorEvent):
+                if not args.json:
+                    if not ended_with_newline:
+                        out.write("\n")
+                        out.flush()
+                    _describe_end(event)
+                return exit_code_for(event)
+    return _fail(ExitCode.USAGE, f"request {request_id!r}: events ended without done or error")
+
+
+async def _control(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    command: str = args.ctl_command
+    timeout: float = args.timeout
+    worker_id = getattr(args, "worker_id", None)
+    if command == "abort":
+        replies = await client.abort(args.request_id, timeout=timeout)
+        if not replies and not args.json:
+            print(f"abort marker set for {args.request_id}; no worker replied", file=out)
+    elif command == "stats":
+        replies = await client.stats(worker_id=worker_id, timeout=timeout)
+    elif command == "ping":
+        replies = await client.ping(worker_id=worker_id, timeout=timeout)
+    elif command == "cache-save":
+        replies = await client.cache_save(args.name, worker_id=worker_id, timeout=timeout)
+    elif command == "cache-load":
+        replies = await client.cache_load(args.name, worker_id=worker_id, timeout=timeout)
+    else:
+        replies = await client.cache_clear(worker_id=worker_id, timeout=timeout)
+    for reply in replies:
+        line = json_line(reply_as_dict(reply)) if args.json else describe_reply(reply)
+        print(line, file=out, flush=True)
+    return ExitCode.OK if all(reply.ok for reply in replies) else ExitCode.ERROR
+
+
+def _connection_options() -> argparse.ArgumentParser:
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument(
+        "--redis-url",
+        default=os.environ.get("MLXW_REDIS_URL", DEFAULT_REDIS_URL),
+        # The default is not shown: it may come from the environment and hold a password.
+        help=f"rediss:// for TLS (default: $MLXW_REDIS_URL or {DEFAULT_REDIS_URL})",
+    )
+    options.add_argument(
+        "--prefix",
+        default=os.environ.get("MLXW_PREFIX", DEFAULT_PREFIX),
+        help=f"key prefix (default: $MLXW_PREFIX or {DEFAULT_PREFIX})",
+    )
+    return options
+
+
+def _output_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="one JSON object per event per line")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="give up after this many seconds without events"
+    )
+
+
+def _describe_end(event: DoneEvent | ErrorEvent) -> None:
+    if isinstance(event, ErrorEvent):
+        _note(f"error ({event.code}): {event.message}")
+    elif event.finish_reason in ("abort", "expired"):
+        _note(f"[{event.finish_reason}]")
+
+
+def _note(text: str) -> None:
+    """Messages for the person at the terminal go to stderr, keeping stdout the pure text."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def _fail(code: ExitCode, message: str) -> int:
+    print(f"mlx-worker: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, fit for an error message."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.hostname or ""
+        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    except ValueError:
+        return "<the given URL>"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Encoding and validating decoding of jobs (the entries of the job stream)."""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from protocol.errors import ProtocolError
+from protocol.fields import FieldReader
+from protocol.identifiers import ID_RULE, is_valid_id, new_request_id
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.messages import ChatMessage, Job
+from protocol.wire import pack, unpack
+
+PROMPT_FIELDS: Final = ("prompt", "prompt_token_ids", "messages")
+MAX_ROLE_LEN: Final = 64
+# Seeds feed a 64-bit PRNG key.
+MAX_SEED: Final = 2**64 - 1
+
+
+def encode_job(job: Job) -> bytes:
+    """The msgpack map stored in the job stream entry's ``job`` field (None fields omitted)."""
+    fields: dict[str, Any] = {}
+    for name in Job.__dataclass_fields__:
+        value = getattr(job, name)
+        if value is None:
+            continue
+        if name == "messages":
+            value = [{"role": m.role, "content": m.content} for m in value]
+        elif name == "metadata":
+            value = dict(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        fields[name] = value
+    return pack(fields, "job")
+
+
+def decode_job(data: object, limits: Limits = DEFAULT_LIMITS) -> Job:
+    """A validated Job. Raises only ProtocolError (with ``request_id`` once that was read).
+
+    A job without ``request_id`` gets a fresh one (nobody can subscribe to it, but it runs).
+    """
+    reader = FieldReader(unpack(data, limits, "job"), "job", limits)
+    reader.request_id = _request_id(reader)
+    prompt, prompt_token_ids, messages = _prompt(reader)
+    return Job(
+        request_id=reader.request_id,
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,
+        messages=messages,
+        max_tokens=_max_tokens(reader),
+        temperature=reader.number("temperature", minimum=0.0),
+        top_p=reader.number("top_p", minimum=0.0, maximum=1.0),
+        top_k=reader.integer("top_k", minimum=0),
+        min_p=reader.number("min_p", minimum=0.0, maximum=1.0),
+        repetition_penalty=reader.number("repetition_penalty", above=0.0),
+        presence_penalty=reader.number("presence_penalty"),
+        frequency_penalty=reader.number("frequency_penalty"),
+        seed=_seed(reader),
+        stop=_stop(reader),
+        stop_token_ids=reader.token_ids("stop_token_ids", max_items=limits.max_stop_token_ids),
+        logprobs=_logprobs(reader),
+        stream_interval=reader.integer("stream_interval", minimum=1),
+        deadline=reader.number("deadline"),
+        metadata=reader.metadata("metadata"),
+    )
+
+
+def _request_id(reader: FieldReader) -> str:
+    value = reader.message.get("request_id")
+    if value is None:
+        return new_request_id()
+    if not isinstance(value, str) or not is_valid_id(value):
+        raise reader.error("invalid_field", "request_id", f"must be {ID_RULE}")
+    return value
+
+
+def _prompt(
+    reader: FieldReader,
+) -> tuple[str | None, tuple[int, ...] | None, tuple[ChatMessage, ...] | None]:
+    present = [name for name in PROMPT_FIELDS if reader.has(name)]
+    if not present:
+        raise reader.error("missing_field", "prompt", "(or prompt_token_ids or messages) is needed")
+    if len(present) > 1:
+        raise ProtocolError(
+            "conflicting_fields",
+            f"job has {' and '.join(present)}; exactly one prompt kind is allowed",
+            request_id=reader.request_id,
+        )
+    limits = reader.limits
+    prompt = reader.string("prompt", non_empty=True, max_len=limits.max_str_len)
+    token_ids = reader.token_ids(
+        "prompt_token_ids", max_items=limits.max_prompt_tokens, min_items=1
+    )
+    return prompt, token_ids, _messages(reader)
+
+
+def _messages(reader: FieldReader) -> tuple[ChatMessage, ...] | None:
+    items = reader.array("messages", max_items=reader.limits.max_messages, min_items=1)
+    if items is None:
+        return None
+    messages = []
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise reader.error("invalid_field", f"messages[{index}]", "must be a map")
+        turn = FieldReader(item, f"{reader.what}.messages[{index}]", reader.limits)
+        turn.request_id = reader.request_id
+        role = turn.required_string("role", non_empty=True, max_len=MAX_ROLE_LEN)
+        content = turn.required_string("content", max_len=reader.limits.max_str_len)
+        messages.append(ChatMessage(role=role, content=content))
+    return tuple(messages)
+
+
+def _max_tokens(reader: FieldReader) -> int | None:
+    value = reader.integer("max_tokens", minimum=1)
+    if value is not None and value > reader.limits.max_tokens:
+        raise reader.error("limit_exceeded", "max_tokens", f"is over {reader.limits.max_tokens}")
+    return value
+
+
+def _seed(reader: FieldReader) -> int | None:
+    value = reader.integer("seed", minimum=0)
+    if value is not None and value > MAX_SEED:
+        raise reader.error("invalid_field", "seed", "must fit in 64 bits")
+    return value
+
+
+def _stop(reader: FieldReader) -> tuple[str, ...] | None:
+    items = reader.array("stop", max_items=reader.limits.max_stop)
+    if items is None:
+        return None
+    max_len = reader.limits.max_stop_len
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise reader.error("invalid_field", "stop", "must hold non-empty strings")
+        if len(item) > max_len:
+            raise reader.error("limit_exceeded", "stop", f"holds a string over {max_len} chars")
+    return tuple(items)
+
+
+def _logprobs(reader: FieldReader) -> int | None:
+    value = reader.integer("logprobs", minimum=0)
+    if value is not None and value > reader.limits.max_logprobs:
+        raise reader.error("limit_exceeded", "logprobs", f"is over {reader.limits.max_logprobs}")
+    return value

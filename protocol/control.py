@@ -1,0 +1,110 @@
+"""Control commands from the sender's side: publish, then collect replies from a list.
+
+A command goes out on pub/sub (to every worker, or one) naming a fresh ``reply_to`` list;
+workers RPUSH their replies there (with an EXPIRE) and the sender waits with BLPOP, so a
+reply pushed before the sender starts waiting is not lost and nothing polls.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Final
+
+from redis.asyncio import Redis
+
+from protocol.cancellation import raise_if_cancelled
+from protocol.codec import decode_reply, encode_command
+from protocol.errors import ControlTimeout
+from protocol.keys import Keys
+from protocol.limits import Limits
+from protocol.messages import ControlCommand, ControlReply
+
+# BLPOP treats a timeout of 0 as "forever", so the last wait is never rounded down to 0.
+_MIN_BLPOP_TIMEOUT: Final = 0.01
+_BLOCK_MARGIN: Final = 0.25
+# What a redis-py connection uses when no socket_timeout was given (redis-py >= 6).
+_REDIS_PY_SOCKET_TIMEOUT: Final = 5.0
+
+
+async def send_command(
+    redis: Redis,
+    keys: Keys,
+    kind: str,
+    *,
+    timeout: float,
+    limits: Limits,
+    worker_id: str | None = None,
+    request_id: str | None = None,
+    name: str | None = None,
+    require_reply: bool = True,
+) -> list[ControlReply]:
+    """Send one command and return the replies.
+
+    Waits for one reply when ``worker_id`` names a worker; for a broadcast, for as many
+    replies as there are live heartbeats (or pub/sub receivers when no worker heartbeats),
+    or until ``timeout``. Raises ControlTimeout if no reply came and ``require_reply``.
+    """
+    token = uuid.uuid4().hex
+    command = ControlCommand(
+        kind=kind, id=token, reply_to=keys.reply(token), request_id=request_id, name=name
+    )
+    channel = keys.control if worker_id is None else keys.control_for(worker_id)
+    receivers = int(await redis.publish(channel, encode_command(command)))
+    if worker_id is None:
+        heartbeats = await count_live_workers(redis, keys)
+    else:
+        heartbeats = int(await redis.exists(keys.worker(worker_id)))
+    expected = (heartbeats or receivers) if worker_id is None else 1
+    try:
+        # Nobody subscribed and nobody alive: no reply can come, so don't wait for one.
+        if receivers == 0 and heartbeats == 0:
+            replies = []
+        else:
+            replies = await _collect(redis, command, expected, timeout, limits)
+    finally:
+        await redis.delete(command.reply_to)
+    if not replies and require_reply:
+        target = f"worker {worker_id!r}" if worker_id is not None else "any worker"
+        raise ControlTimeout(f"no reply to {kind!r} from {target} within {timeout:g} s")
+    return replies
+
+
+async def count_live_workers(redis: Redis, keys: Keys) -> int:
+    """How many workers have an unexpired heartbeat."""
+    count = 0
+    async for _key in redis.scan_iter(match=keys.worker_pattern, count=1000):
+        count += 1
+    return count
+
+
+def longest_block(redis: Redis) -> float:
+    """How long one BLPOP may block: well inside the client's socket timeout (redis-py's
+    default is 5 s), which would otherwise fail the read of a longer BLPOP. The margin covers
+    the server's timeout granularity (100 ms at the default hz 10)."""
+    configured = redis.connection_pool.connection_kwargs
+    socket_timeout = configured.get("socket_timeout", _REDIS_PY_SOCKET_TIMEOUT)
+    if not socket_timeout:
+        return float("inf")
+    block: float = min(socket_timeout / 2, socket_timeout - _BLOCK_MARGIN)
+    return max(block, _MIN_BLPOP_TIMEOUT)
+
+
+async def _collect(
+    redis: Redis, command: ControlCommand, expected: int, timeout: float, limits: Limits
+) -> list[ControlReply]:
+    replies: list[ControlReply] = []
+    deadline = time.monotonic() + timeout
+    block_limit = longest_block(redis)
+    while len(replies) < expected and (remaining := deadline - time.monotonic()) > 0:
+        raise_if_cancelled()
+        block = max(min(remaining, block_limit), _MIN_BLPOP_TIMEOUT)
+        popped = await redis.blpop([command.reply_to], timeout=block)
+        if popped is None:
+            continue
+        reply = decode_reply(popped[1], limits)
+        # The list name is unique to this command, but a confused worker could still answer
+        # another id; such a reply is not an answer to this command.
+        if reply.id == command.id:
+            replies.append(reply)
+    return replies

@@ -1,0 +1,62 @@
+"""The protocol's error codes (one table) and the exceptions of the protocol and client."""
+
+from __future__ import annotations
+
+from typing import Final
+
+# Every error code on the wire: in ProtocolError, in `error` events and in control replies.
+ERROR_CODES: Final[dict[str, str]] = {
+    # Raised by the decoders.
+    "malformed": "not msgpack, trailing bytes, not a map, or an unsupported msgpack type",
+    "too_large": "the message is longer than max_message_bytes",
+    "unsupported_version": "the message's `v` is not a protocol version this reader speaks",
+    "missing_field": "a required field is absent",
+    "invalid_field": "a field has the wrong type or a value out of range",
+    "limit_exceeded": "a string, list, prompt, max_tokens or metadata is over its limit",
+    "conflicting_fields": "fields that exclude each other are both set (e.g. two prompt kinds)",
+    # Sent by workers in `error` events.
+    "invalid_job": "the job failed validation (the message says which field and why)",
+    "dead_lettered": "the job failed too many deliveries and was moved to the dead stream",
+    "engine_error": "the inference engine failed while running the request",
+    "queue_full": "the worker's admission queue is full; submit again later",
+    "internal": "an unexpected worker failure",
+    # Sent by workers in control replies.
+    "unknown_command": "the worker does not implement this control command",
+    "not_found": "the named thing (a saved cache, a request) does not exist",
+}
+
+
+class ProtocolError(Exception):
+    """A message that does not follow the protocol.
+
+    ``request_id`` is set when a job was readable enough to name its request, so the worker
+    can answer that request with an `error` event instead of silently dropping it.
+    """
+
+    def __init__(self, code: str, message: str, *, request_id: str | None = None) -> None:
+        if code not in ERROR_CODES:
+            raise ValueError(f"unknown protocol error code {code!r}")
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class ClientError(Exception):
+    """Base of the client library's own failures (not Redis connection errors)."""
+
+
+class RequestNotFound(ClientError):
+    """The request has no replay log: it was never submitted, or its log expired."""
+
+    def __init__(self, request_id: str, detail: str = "unknown request or its log expired") -> None:
+        super().__init__(f"request {request_id!r}: {detail}")
+        self.request_id = request_id
+
+
+class StreamTimeout(ClientError, TimeoutError):
+    """No event arrived for a request within the stream's timeout."""
+
+
+class ControlTimeout(ClientError, TimeoutError):
+    """No worker replied to a control command within its timeout."""

@@ -1,0 +1,101 @@
+"""Event builders and a scripted stand-in for a worker, writing events the way one would."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+from redis.asyncio import Redis
+
+from protocol.codec import encode_event
+from protocol.constants import JOB_FIELD, LOG_EVENT_FIELD, LOG_SEQ_FIELD
+from protocol.keys import Keys
+from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, Event, ResetEvent, Usage
+from protocol.scripts import publish_events
+
+T = TypeVar("T")
+
+
+def delta(request_id: str, seq: int, text: str, attempt: int = 1) -> DeltaEvent:
+    return DeltaEvent(
+        request_id=request_id,
+        seq=seq,
+        attempt=attempt,
+        new_text=text,
+        new_token_ids=tuple(range(seq * 10, seq * 10 + len(text))),
+    )
+
+
+def done(request_id: str, seq: int, text: str, reason: Any = "stop", attempt: int = 1) -> DoneEvent:
+    return DoneEvent(
+        request_id=request_id,
+        seq=seq,
+        attempt=attempt,
+        finish_reason=reason,
+        output_text=text,
+        usage=Usage(prompt_tokens=3, completion_tokens=len(text), ttft_ms=1.5),
+    )
+
+
+def error(request_id: str, seq: int, code: str = "engine_error", attempt: int = 1) -> ErrorEvent:
+    return ErrorEvent(
+        request_id=request_id, seq=seq, attempt=attempt, code=code, message="it broke"
+    )
+
+
+def reset(request_id: str, seq: int, attempt: int) -> ResetEvent:
+    return ResetEvent(request_id=request_id, seq=seq, attempt=attempt)
+
+
+def text_events(request_id: str, pieces: Iterable[str], reason: Any = "stop") -> list[Event]:
+    """Deltas for each piece, then done with the joined text."""
+    pieces = list(pieces)
+    events: list[Event] = [delta(request_id, i + 1, piece) for i, piece in enumerate(pieces)]
+    events.append(done(request_id, len(pieces) + 1, "".join(pieces), reason))
+    return events
+
+
+async def emit(redis: Redis, keys: Keys, *events: Event) -> None:
+    """Publish and log, exactly as a worker does."""
+    await publish_events(redis, keys, events)
+
+
+async def append_only(redis: Redis, keys: Keys, event: Event) -> None:
+    """Log an event without publishing it (a publish lost on the way)."""
+    fields = {LOG_SEQ_FIELD: event.seq, LOG_EVENT_FIELD: encode_event(event)}
+    await redis.xadd(keys.log(event.request_id), fields)  # type: ignore[arg-type]
+
+
+async def publish_only(redis: Redis, keys: Keys, event: Event) -> None:
+    """Publish an event without logging it (a repeated or reordered delivery)."""
+    await redis.publish(keys.out(event.request_id), encode_event(event))
+
+
+async def wait_for_job(redis: Redis, keys: Keys, timeout: float = 5.0) -> bytes:
+    """The first job entry's encoded job, as a worker would read it."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    # Blocks of 1 s: redis-py's default socket timeout (5 s) would cut a longer XREAD short.
+    while not (entries := await redis.xread({keys.jobs: "0"}, count=1, block=1000)):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("no job arrived")
+    _stream, messages = entries[0]
+    _entry_id, fields = messages[0]
+    data: bytes = fields[JOB_FIELD.encode()]
+    return data
+
+
+async def until(condition: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+    """Wait until an async condition holds (tests only; short sleeps between checks)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+def run(coroutine: Awaitable[T]) -> T:
+    async def main() -> T:
+        return await coroutine
+
+    return asyncio.run(main())

@@ -1,0 +1,249 @@
+"""The command line: what it prints and how it exits, against stand-in workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from protocol.cli import main
+from protocol.codec import decode_job
+from protocol.keys import Keys
+from protocol.messages import Event, Job
+from tests.protocol.background import Background
+from tests.protocol.fake_responder import FakeResponder
+from tests.protocol.helpers import delta, done, emit, error, reset, text_events, wait_for_job
+from tests.redis_server import RedisServer, free_port
+
+Script = Callable[[Job], list[Event]]
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def fake_worker(redis_url: str, keys: Keys, script: Script) -> Background:
+    """Takes the first job off the stream and writes the events ``script`` makes for it."""
+
+    async def work(stop: asyncio.Event) -> None:
+        redis = Redis.from_url(redis_url)
+        try:
+            job = decode_job(await wait_for_job(redis, keys))
+            await emit(redis, keys, *script(job))
+            await stop.wait()
+        finally:
+            await redis.aclose()
+
+    return Background(work)
+
+
+def control_responder(redis_url: str, keys: Keys) -> Background:
+    async def serve(stop: asyncio.Event) -> None:
+        redis = Redis.from_url(redis_url)
+        try:
+            async with FakeResponder(redis, keys, "w-1"):
+                await stop.wait()
+        finally:
+            await redis.aclose()
+
+    return Background(serve)
+
+
+def cli(redis_url: str, prefix: str, *args: str) -> int:
+    command, *rest = args
+    if command == "ctl":
+        return main([command, rest[0], "--redis-url", redis_url, "--prefix", prefix, *rest[1:]])
+    return main([command, "--redis-url", redis_url, "--prefix", prefix, *rest])
+
+
+def hello(job: Job) -> list[Event]:
+    return text_events(job.request_id, ["Hello", ", ", "world"])
+
+
+def test_submit_streams_text_and_exits_0_on_done(
+    redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with fake_worker(redis_url, keys, hello):
+        code = cli(redis_url, keys.prefix, "submit", "Say hello", "--timeout", "5")
+    assert code == 0
+    assert capsys.readouterr().out == "Hello, world\n"
+
+
+def test_submit_json_prints_one_object_per_event(
+    redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with fake_worker(redis_url, keys, hello):
+        code = cli(redis_url, keys.prefix, "submit", "hi", "--json", "--request-id", "r-json")
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0
+    assert [line["type"] for line in lines] == ["queued", "delta", "delta", "delta", "done"]
+    assert [line["seq"] for line in lines] == [0, 1, 2, 3, 4]
+    assert all(line["request_id"] == "r-json" for line in lines)
+    assert lines[-1]["output_text"] == "Hello, world"
+    assert lines[-1]["usage"]["completion_tokens"] == len("Hello, world")
+
+
+def test_submit_sends_the_options(
+    redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[Job] = []
+
+    def record(job: Job) -> list[Event]:
+        seen.append(job)
+        return hello(job)
+
+    with fake_worker(redis_url, keys, record):
+        args = ["--max-tokens", "7", "--temperature", "0.5", "--stop", "x", "--chat"]
+        assert cli(redis_url, keys.prefix, "submit", "hi", *args) == 0
+    job = seen[0]
+    assert (job.max_tokens, job.temperature, job.stop) == (7, 0.5, ("x",))
+    assert job.chat_messages() == [{"role": "user", "content": "hi"}]
+
+
+def test_error_event_exits_1(
+    redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def failing(job: Job) -> list[Event]:
+        return [delta(job.request_id, 1, "par"), error(job.request_id, 2, "engine_error")]
+
+    with fake_worker(redis_url, keys, failing):
+        assert cli(redis_url, keys.prefix, "submit", "hi") == 1
+    captured = capsys.readouterr()
+    assert captured.out == "par\n"
+    assert "engine_error" in captured.err
+
+
+@pytest.mark.parametrize("reason", ["abort", "expired"])
+def test_aborted_or_expired_exits_3(
+    redis_url: str, keys: Keys, reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def ended(job: Job) -> list[Event]:
+        return [done(job.request_id, 1, "", reason)]
+
+    with fake_worker(redis_url, keys, ended):
+        assert cli(redis_url, keys.prefix, "submit", "hi") == 3
+    assert reason in capsys.readouterr().err
+
+
+def test_reset_is_reported_and_the_stream_goes_on(
+    redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def redelivered(job: Job) -> list[Event]:
+        rid = job.request_id
+        return [
+            delta(rid, 1, "lost"),
+            reset(rid, 2, attempt=2),
+            delta(rid, 3, "kept", attempt=2),
+            done(rid, 4, "kept", attempt=2),
+        ]
+
+    with fake_worker(redis_url, keys, redelivered):
+        assert cli(redis_url, keys.prefix, "submit", "hi") == 0
+    captured = capsys.readouterr()
+    assert captured.out == "lost\nkept\n"
+    assert "attempt 2" in captured.err
+
+
+def test_no_stream_prints_the_request_id(
+    redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli(redis_url, keys.prefix, "submit", "hi", "--no-stream", "--request-id", "r-7") == 0
+    assert capsys.readouterr().out == "r-7\n"
+
+
+def test_stream_replays_a_finished_request(
+    redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with fake_worker(redis_url, keys, hello):
+        assert cli(redis_url, keys.prefix, "submit", "hi", "--request-id", "r-8") == 0
+    capsys.readouterr()
+    assert cli(redis_url, keys.prefix, "stream", "r-8") == 0
+    assert capsys.readouterr().out == "Hello, world\n"
+
+
+def test_unknown_request_exits_4(
+    redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli(redis_url, keys.prefix, "stream", "no-such-request") == 4
+    assert "no-such-request" in capsys.readouterr().err
+
+
+def test_no_event_within_timeout_exits_5(
+    redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli(redis_url, keys.prefix, "submit", "hi", "--timeout", "0.3") == 5
+
+
+def test_unreachable_redis_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    assert main(["submit", "hi", "--redis-url", url]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"mlx-worker: cannot connect to Redis at {url}")
+
+
+def test_wrong_password_exits_2_saying_so(capsys: pytest.CaptureFixture[str]) -> None:
+    with RedisServer(extra_args=["--requirepass", "right"]) as server:
+        url = f"redis://:wrong@127.0.0.1:{server.port}/0"
+        assert main(["ctl", "ping", "--redis-url", url]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"mlx-worker: cannot connect to Redis at redis://:***@127.0.0.1:{server.port}/0: "
+        "authentication failed\n"
+    )
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert main(["submit"]) == 2
+    assert main(["submit", "hi", "--prefix", "bad{prefix"]) == 2
+    assert main(["submit", "hi", "--temperature", "-1", "--redis-url", "redis://x:1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_environment_provides_url_and_prefix(
+    redis_url: str, keys: Keys, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("MLXW_REDIS_URL", redis_url)
+    monkeypatch.setenv("MLXW_PREFIX", keys.prefix)
+    assert main(["submit", "hi", "--no-stream", "--request-id", "from-env"]) == 0
+    assert main(["stream", "from-env", "--timeout", "0.2"]) == 5  # found, but nothing runs it
+
+
+def test_ctl_commands(redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]) -> None:
+    prefix = keys.prefix
+    with control_responder(redis_url, keys):
+        assert cli(redis_url, prefix, "ctl", "ping") == 0
+        assert capsys.readouterr().out == "w-1: ok\n"
+        assert cli(redis_url, prefix, "ctl", "stats", "--json") == 0
+        reply = json.loads(capsys.readouterr().out)
+        assert reply["ok"] and reply["worker_id"] == "w-1" and reply["result"]["running"] == 1
+        assert cli(redis_url, prefix, "ctl", "cache-save", "warm", "--worker-id", "w-1") == 0
+        assert cli(redis_url, prefix, "ctl", "cache-load", "missing") == 1
+        assert "not_found" in capsys.readouterr().out
+        assert cli(redis_url, prefix, "ctl", "cache-clear") == 0
+        assert cli(redis_url, prefix, "ctl", "abort", "some-request") == 0
+
+
+def test_ctl_without_workers(
+    redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli(redis_url, keys.prefix, "ctl", "ping", "--timeout", "0.2") == 5
+    assert cli(redis_url, keys.prefix, "ctl", "abort", "r-1") == 0
+    assert "no worker replied" in capsys.readouterr().out
+
+
+def test_module_entry_point(redis_url: str, keys: Keys) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "protocol.cli", "stream", "nope", "--redis-url", redis_url],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "MLXW_PREFIX": keys.prefix},
+    )
+    assert result.returncode == 4, result.stderr

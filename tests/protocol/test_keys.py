@@ -1,0 +1,50 @@
+"""Key names: the documented layout, and one Cluster slot per request."""
+
+from __future__ import annotations
+
+import pytest
+from redis.crc import key_slot
+
+from protocol.identifiers import is_valid_cache_name, is_valid_id
+from protocol.keys import Keys
+
+
+def test_layout_under_the_default_prefix() -> None:
+    keys = Keys()
+    assert (keys.jobs, keys.group, keys.dead) == ("mlxw:jobs", "mlxw", "mlxw:dead")
+    assert keys.out("abc") == "mlxw:out:{abc}"
+    assert keys.log("abc") == "mlxw:log:{abc}"
+    assert keys.abort("abc") == "mlxw:abort:{abc}"
+    assert keys.control == "mlxw:control"
+    assert keys.control_for("w1") == "mlxw:control:{w1}"
+    assert keys.worker("w1") == "mlxw:worker:{w1}"
+    assert keys.worker_pattern == "mlxw:worker:*"
+    assert keys.reply("t1") == "mlxw:reply:{t1}"
+    assert Keys("app.v2").log("x") == "app.v2:log:{x}"
+
+
+def test_one_request_lands_on_one_cluster_slot() -> None:
+    keys = Keys()
+    for request_id in ("abc", "a-very:long.request_id-123", "0"):
+        slots = {key_slot(name.encode()) for name in (keys.out(request_id), keys.log(request_id))}
+        slots.add(key_slot(keys.abort(request_id).encode()))
+        assert slots == {key_slot(request_id.encode())}
+
+
+@pytest.mark.parametrize("bad", ["", "a{b", "a}b", "a b", "x*", "é", "a" * 129, "a/b"])
+def test_ids_that_could_break_a_hash_tag_are_refused(bad: str) -> None:
+    assert not is_valid_id(bad)
+    with pytest.raises(ValueError):
+        Keys().log(bad)
+
+
+@pytest.mark.parametrize("bad", ["", "a{b", "a*", "a b", "a\n"])
+def test_bad_prefixes_are_refused(bad: str) -> None:
+    with pytest.raises(ValueError):
+        Keys(bad)
+
+
+def test_cache_names_are_safe_file_names() -> None:
+    assert is_valid_cache_name("warm-v1.2_x")
+    for bad in ("", ".hidden", "..", "a/b", "a:b", "a" * 129):
+        assert not is_valid_cache_name(bad)

@@ -1,0 +1,77 @@
+"""The publish+append script: through a caller's pipeline, a plain client, after SCRIPT FLUSH."""
+
+from __future__ import annotations
+
+import pytest
+from redis.asyncio import Redis
+
+from protocol.codec import decode_event
+from protocol.keys import Keys
+from protocol.scripts import last_seq, publish_events, read_log
+from tests.protocol.helpers import delta, run, text_events
+
+
+@pytest.mark.parametrize("transaction", [False, True])
+def test_events_queued_on_a_callers_pipeline(redis_url: str, keys: Keys, transaction: bool) -> None:
+    events = text_events("r1", ["a", "b", "c"])
+
+    async def scenario() -> tuple[list[int], int, int, list[bytes]]:
+        redis = Redis.from_url(redis_url)
+        pubsub = redis.pubsub()
+        try:
+            await pubsub.subscribe(keys.out("r1"))
+            await pubsub.get_message(timeout=2)  # the subscribe confirmation
+            await redis.script_flush()  # the pipeline must load the script itself
+            async with redis.pipeline(transaction=transaction) as pipeline:
+                await publish_events(pipeline, keys, events, ttl_seconds=120)
+                pipeline.set(f"{keys.prefix}:other", b"batched in the same round trip")
+                await pipeline.execute()
+            entries = await read_log(redis, keys, "r1")
+            published = []
+            while len(published) < len(events):
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
+                assert message is not None, "a published event is missing"
+                published.append(message["data"])
+            assert published == [entry.data for entry in entries]
+            return (
+                [entry.seq for entry in entries],
+                await redis.ttl(keys.log("r1")),
+                await last_seq(redis, keys, "r1"),
+                published,
+            )
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await redis.aclose()
+
+    seqs, ttl, last, published = run(scenario())
+    assert seqs == [1, 2, 3, 4]
+    assert 110 <= ttl <= 120
+    assert last == 4
+    assert [decode_event(data) for data in published] == events
+
+
+def test_single_event_on_a_client_after_script_flush(redis_url: str, keys: Keys) -> None:
+    async def scenario() -> list[int]:
+        redis = Redis.from_url(redis_url)
+        try:
+            await redis.script_flush()
+            await publish_events(redis, keys, [delta("r2", 1, "x")])
+            await redis.script_flush()
+            await publish_events(redis, keys, [delta("r2", 2, "y"), delta("r2", 3, "z")])
+            return [entry.seq for entry in await read_log(redis, keys, "r2")]
+        finally:
+            await redis.aclose()
+
+    assert run(scenario()) == [1, 2, 3]
+
+
+def test_ttl_must_be_positive(redis_url: str, keys: Keys) -> None:
+    async def scenario() -> None:
+        redis = Redis.from_url(redis_url)
+        try:
+            await publish_events(redis, keys, [delta("r3", 1, "x")], ttl_seconds=0)
+        finally:
+            await redis.aclose()
+
+    with pytest.raises(ValueError):
+        run(scenario())
