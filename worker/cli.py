@@ -8,6 +8,10 @@ import sys
 from collections.abc import Sequence
 
 import worker  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+from protocol.cli import COMMANDS as CLIENT_COMMANDS
+from protocol.cli import add_commands as add_client_commands
+from protocol.cli import run as run_client_command
+from worker.daemon.settings import WorkerSettings, load_settings
 from worker.logs import configure_logging
 
 
@@ -52,11 +56,63 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--skip", default="", help="paths to skip: sequential,batch,sync,async")
     engine.add_argument("--repeat", type=int, default=3, help="rotations of all paths per level")
 
+    run = commands.add_parser("run", help="run the worker daemon")
+    _add_worker_flags(run)
+    health = commands.add_parser("health", help="exit 0 when the worker's heartbeat is alive")
+    _add_worker_flags(health, only=("redis_url", "prefix", "worker_id", "config"))
+
+    add_client_commands(commands)  # submit, stream, ctl: the protocol's own client CLI
+
     demo = commands.add_parser("demo", help="stream a few concurrent generations")
     demo.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
     demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument(
+        "--embedded-redis",
+        action="store_true",
+        help="use the embedded Redis even when a real one is available",
+    )
 
     return parser
+
+
+WORKER_FLAGS: dict[str, tuple[type, str]] = {
+    "model": (str, "model folder, hub id, or fixture name (tiny, smollm2)"),
+    "redis_url": (str, "redis://[user:password@]host:port/db or rediss:// for TLS"),
+    "prefix": (str, "key prefix"),
+    "worker_id": (str, "consumer name (default: host name + a stable suffix)"),
+    "max_concurrency": (int, "jobs running at once (the engine's batch)"),
+    "cache_dir": (str, "where cache_save/cache_load keep prefix caches"),
+    "lease_seconds": (float, "idle time after which another worker reclaims a job"),
+    "max_deliveries": (int, "deliveries before a job is dead-lettered"),
+    "drain_timeout": (float, "seconds in-flight jobs get to finish on SIGTERM"),
+    "heartbeat_interval": (float, "seconds between heartbeats"),
+    "metrics_port": (int, "serve Prometheus metrics on 127.0.0.1:PORT"),
+}
+
+
+def _add_worker_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    for name, (kind, help_text) in WORKER_FLAGS.items():
+        if only is None or name in only:
+            flag = "--" + name.replace("_", "-")
+            parser.add_argument(
+                flag,
+                dest=name,
+                type=kind,
+                default=None,
+                help=f"{help_text} (env MLXW_{name.upper()})",
+            )
+    parser.add_argument(
+        "--config",
+        default=os.environ.get("MLXW_CONFIG"),
+        help="TOML file with the same settings (env MLXW_CONFIG)",
+    )
+
+
+def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
+    flags = {name: getattr(args, name, None) for name in WORKER_FLAGS}
+    flags["log_format"] = args.log_format
+    flags["log_level"] = args.log_level
+    return load_settings(flags, config_file=args.config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,6 +126,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from worker.bench.engine_bench import run_bench
 
         return run_bench(args)
+    if args.command in CLIENT_COMMANDS:
+        return run_client_command(args)
+    if args.command in ("run", "health"):
+        from worker.daemon.service import check_health, serve
+
+        settings = _worker_settings(args)
+        return serve(settings) if args.command == "run" else check_health(settings)
     if args.command == "demo":
         from worker.demo import run_demo
 

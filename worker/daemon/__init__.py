@@ -1,0 +1,1 @@
+"""The Redis side of the worker: jobs in, events out, control, lifecycle."""

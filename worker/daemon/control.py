@@ -1,0 +1,198 @@
+"""The control channel: abort, stats, prefix-cache save/load/clear and ping.
+
+Commands arrive on the broadcast channel and on this worker's own channel; each reply is pushed
+to the list the command names in ``reply_to`` (with a TTL). Cache names are plain names inside
+``--cache-dir``: a name with a slash, ``..`` or an absolute path is refused, so no command reads
+or writes outside that directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from protocol.codec import decode_command, encode_reply
+from protocol.codec_control import MAX_KIND_LEN, MAX_REPLY_TO_LEN
+from protocol.errors import ProtocolError
+from protocol.identifiers import is_valid_id
+from protocol.keys import Keys
+from protocol.limits import Limits
+from protocol.messages import ControlCommand, ControlReply, ErrorInfo
+from protocol.wire import unpack
+from worker.daemon.backoff import REDIS_DOWN, Backoff
+from worker.engine import EngineCore
+
+log = structlog.get_logger(__name__)
+
+CACHE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class CommandRefused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def cache_path(cache_dir: Path, name: str | None) -> Path:
+    """The directory for a saved cache called ``name``, strictly inside ``cache_dir``."""
+    if not name or not CACHE_NAME.fullmatch(name) or ".." in name:
+        raise CommandRefused(
+            "invalid_field",
+            f"cache name {name!r} must be 1-128 of [A-Za-z0-9._-], no '..', no slash",
+        )
+    root = cache_dir.resolve()
+    path = (root / name).resolve()
+    if path.parent != root:
+        raise CommandRefused("invalid_field", f"cache name {name!r} leaves the cache directory")
+    return path
+
+
+class ControlListener:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        worker_id: str,
+        engine: EngineCore,
+        cache_dir: Path,
+        reply_ttl: int,
+        limits: Limits,
+        abort_job: Callable[[str], Awaitable[bool]],
+        extra_stats: Callable[[], Awaitable[dict[str, Any]]],
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.worker_id = worker_id
+        self.engine = engine
+        self.cache_dir = cache_dir
+        self.reply_ttl = reply_ttl
+        self.limits = limits
+        self.abort_job = abort_job
+        self.extra_stats = extra_stats
+        self.handled = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def listen(self) -> None:
+        """Subscribe and serve until cancelled; re-subscribes after Redis comes back."""
+        backoff = Backoff()
+        channels = (self.keys.control, self.keys.control_for(self.worker_id))
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(*channels)
+                backoff.reset()
+                while True:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None and message.get("type") == "message":
+                        task = asyncio.create_task(self.handle(message["data"]))
+                        self._tasks.add(task)
+                        task.add_done_callback(self._tasks.discard)
+            except (RedisError, *REDIS_DOWN) as exc:
+                delay = backoff.next_delay()
+                log.warning("control_reconnect", error=str(exc), retry_in=round(delay, 2))
+                await asyncio.sleep(delay)
+            finally:
+                await _close_quietly(pubsub)
+
+    async def handle(self, data: object) -> None:
+        try:
+            command = decode_command(data, self.limits)
+        except ProtocolError as exc:
+            log.warning("control_command_rejected", code=exc.code, error=exc.message)
+            rejected = _answerable(data, self.limits)
+            if rejected is not None:  # it says where to answer: tell the sender why
+                await self._reply(rejected, self._error(rejected, exc.code, exc.message))
+            return
+        try:
+            reply = ControlReply(
+                id=command.id,
+                ok=True,
+                worker_id=self.worker_id,
+                result=await self.dispatch(command),
+            )
+        except CommandRefused as exc:
+            reply = self._error(command, exc.code, exc.message)
+        except Exception as exc:
+            log.exception("control_command_failed", kind=command.kind)
+            reply = self._error(command, "internal", f"{type(exc).__name__}: {exc}")
+        self.handled += 1
+        await self._reply(command, reply)
+
+    async def _reply(self, command: ControlCommand, reply: ControlReply) -> None:
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.rpush(command.reply_to, encode_reply(reply))
+                pipe.expire(command.reply_to, self.reply_ttl)
+                await pipe.execute()
+        except (RedisError, *REDIS_DOWN) as exc:
+            log.warning("control_reply_failed", kind=command.kind, error=str(exc))
+
+    async def dispatch(self, command: ControlCommand) -> dict[str, Any]:
+        kind = command.kind
+        if kind == "ping":
+            return {"pong": True, "time": time.time()}
+        if kind == "abort":
+            if not command.request_id:
+                raise CommandRefused("missing_field", "abort needs request_id")
+            return {"aborted": await self.abort_job(command.request_id)}
+        if kind == "stats":
+            return {
+                "engine": self.engine.get_stats(),
+                "prefix_cache": self.engine.get_cache_stats(),
+                **(await self.extra_stats()),
+            }
+        if kind == "cache_save":
+            path = cache_path(self.cache_dir, command.name)
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            saved = await asyncio.to_thread(self.engine.save_cache_to_disk, str(path))
+            if not saved:
+                raise CommandRefused("internal", "the prefix cache could not be saved (see logs)")
+            entries = (self.engine.get_cache_stats() or {}).get("entries", 0)
+            return {"saved": True, "name": command.name, "entries": entries}
+        if kind == "cache_load":
+            path = cache_path(self.cache_dir, command.name)
+            if not path.is_dir():
+                raise CommandRefused("not_found", f"no saved cache named {command.name!r}")
+            loaded = await asyncio.to_thread(self.engine.load_cache_from_disk, str(path))
+            return {"loaded": loaded, "name": command.name}
+        if kind == "cache_clear":
+            cleared = await asyncio.to_thread(self.engine.clear_runtime_caches)
+            return {"cleared": cleared or {}}
+        raise CommandRefused("unknown_command", f"unknown command {kind!r}")
+
+    def _error(self, command: ControlCommand, code: str, message: str) -> ControlReply:
+        return ControlReply(
+            id=command.id, ok=False, worker_id=self.worker_id, error=ErrorInfo(code, message)
+        )
+
+
+def _answerable(data: object, limits: Limits) -> ControlCommand | None:
+    """A command that failed validation, reduced to its id and reply_to when both are usable,
+    so the sender gets the refusal instead of waiting for its timeout."""
+    try:
+        fields = unpack(data, limits, "command")
+    except ProtocolError:
+        return None
+    command_id, reply_to, kind = fields.get("id"), fields.get("reply_to"), fields.get("kind")
+    if not isinstance(command_id, str) or not is_valid_id(command_id):
+        return None
+    if not isinstance(reply_to, str) or not 0 < len(reply_to) <= MAX_REPLY_TO_LEN:
+        return None
+    kind = kind[:MAX_KIND_LEN] if isinstance(kind, str) else "?"
+    return ControlCommand(kind=kind, id=command_id, reply_to=reply_to)
+
+
+async def _close_quietly(pubsub: Any) -> None:
+    try:
+        await pubsub.aclose()
+    except Exception:  # closing a broken connection; nothing to do about it
+        log.debug("pubsub_close_failed")

@@ -1,0 +1,150 @@
+"""The job stream seen through the consumer group: read, reclaim, keep leases, ack, dead-letter.
+
+At-least-once: an entry stays pending until ``ack`` (after its terminal event is written). A
+worker that dies leaves its entries pending; once idle past the lease, another worker takes them
+with XAUTOCLAIM. Live jobs never look idle because ``extend_leases`` re-claims them (JUSTID:
+the delivery count is not bumped). The delivery count decides when a job is dead-lettered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from protocol.constants import JOB_FIELD
+from protocol.keys import Keys
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One job stream entry handed to this worker."""
+
+    entry_id: str
+    job_bytes: bytes | None
+    times_delivered: int
+
+
+class JobQueue:
+    def __init__(self, redis: Redis, keys: Keys, consumer: str, lease_ms: int) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.consumer = consumer
+        self.lease_ms = lease_ms
+        self._reclaim_cursor = "0-0"
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.jobs, self.keys.group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read_own_pending(self, count: int) -> list[Delivery]:
+        """This consumer's entries from before a restart (delivered, never acknowledged)."""
+        return await self._read("0", count, block_ms=None)
+
+    async def read_new(self, count: int, block_ms: int) -> list[Delivery]:
+        return await self._read(">", count, block_ms)
+
+    async def reclaim(self, count: int) -> list[Delivery]:
+        """Take over entries idle longer than the lease (their worker died), following the
+        XAUTOCLAIM cursor across calls so the whole pending list is visited over time."""
+        reply: Any = await self.redis.xautoclaim(
+            self.keys.jobs,
+            self.keys.group,
+            self.consumer,
+            min_idle_time=self.lease_ms,
+            start_id=self._reclaim_cursor,
+            count=count,
+        )
+        cursor, entries = reply[0], reply[1]
+        self._reclaim_cursor = _text(cursor)
+        return await self._with_delivery_counts(entries)
+
+    async def extend_leases(self, entry_ids: list[str]) -> None:
+        if entry_ids:
+            ids: list[Any] = list(entry_ids)
+            await self.redis.xclaim(
+                self.keys.jobs, self.keys.group, self.consumer, 0, ids, justid=True
+            )
+
+    async def ack(self, entry_id: str) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xack(self.keys.jobs, self.keys.group, entry_id)
+            pipe.xdel(self.keys.jobs, entry_id)
+            await pipe.execute()
+
+    async def dead_letter(
+        self, delivery: Delivery, code: str, message: str, request_id: str | None
+    ) -> None:
+        """Move an entry to the dead-letter stream (fields as in protocol/README.md)."""
+        fields: dict[Any, Any] = {
+            JOB_FIELD: delivery.job_bytes if delivery.job_bytes is not None else b"",
+            "code": code,
+            "message": message,
+            "deliveries": delivery.times_delivered,
+            "entry_id": delivery.entry_id,
+            "worker": self.consumer,
+        }
+        if request_id is not None:
+            fields["request_id"] = request_id
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(self.keys.dead, fields)
+            pipe.xack(self.keys.jobs, self.keys.group, delivery.entry_id)
+            pipe.xdel(self.keys.jobs, delivery.entry_id)
+            await pipe.execute()
+
+    async def group_info(self) -> dict[str, Any]:
+        """Lag and pending count of our group (for stats)."""
+        groups: Any = await self.redis.xinfo_groups(self.keys.jobs)
+        for group in groups:
+            if _text(group.get("name", group.get(b"name", b""))) == self.keys.group:
+                return {
+                    _text(k): (_text(v) if isinstance(v, bytes) else v) for k, v in group.items()
+                }
+        return {}
+
+    async def _read(self, stream_id: str, count: int, block_ms: int | None) -> list[Delivery]:
+        reply: Any = await self.redis.xreadgroup(
+            self.keys.group,
+            self.consumer,
+            {self.keys.jobs: stream_id},
+            count=count,
+            block=block_ms,
+        )
+        entries = reply[0][1] if reply else []
+        return await self._with_delivery_counts(entries)
+
+    async def _with_delivery_counts(self, entries: list[Any]) -> list[Delivery]:
+        # History reads can return entries deleted meanwhile as (id, None): nothing to run.
+        live = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
+        if not live:
+            return []
+        ids = [_text(entry_id) for entry_id, _ in live]
+        pending: Any = await self.redis.xpending_range(
+            self.keys.jobs,
+            self.keys.group,
+            min=ids[0],
+            max=ids[-1],
+            count=len(ids) + 64,
+            consumername=self.consumer,
+        )
+        counts = {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        deliveries = []
+        for entry_id, (_, fields) in zip(ids, live, strict=True):
+            job = fields.get(JOB_FIELD.encode(), fields.get(JOB_FIELD))
+            deliveries.append(
+                Delivery(
+                    entry_id=entry_id,
+                    job_bytes=job if isinstance(job, bytes) else None,
+                    times_delivered=counts.get(entry_id, 1),
+                )
+            )
+        return deliveries
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,211 @@
+"""Running one delivered job: validate, check, start, wait for its terminal event, acknowledge.
+
+Order matters for at-least-once: the entry is acknowledged only after its terminal event is in
+the request's log, and a job is skipped (but acknowledged) when its log already ends in a
+terminal event, so a redelivery never runs a finished job twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import structlog
+from redis.asyncio import Redis
+from structlog.contextvars import bound_contextvars
+
+from protocol.codec import decode_event, decode_job
+from protocol.errors import ProtocolError
+from protocol.keys import Keys
+from protocol.limits import Limits
+from protocol.messages import Job
+from protocol.scripts import read_log
+from worker.daemon.backoff import retry_until_done
+from worker.daemon.job_queue import Delivery, JobQueue
+from worker.daemon.publisher import EventPublisher
+from worker.engine import EngineCore, QueueFullError, SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+class JobRunner:
+    def __init__(
+        self,
+        engine: EngineCore,
+        redis: Redis,
+        keys: Keys,
+        queue: JobQueue,
+        publisher: EventPublisher,
+        limits: Limits,
+        max_deliveries: int,
+        default_stream_interval: int,
+    ) -> None:
+        self.engine = engine
+        self.redis = redis
+        self.keys = keys
+        self.queue = queue
+        self.publisher = publisher
+        self.limits = limits
+        self.max_deliveries = max_deliveries
+        self.default_stream_interval = default_stream_interval
+        self.in_flight: dict[str, str] = {}  # request_id -> entry id
+        self.outcomes: dict[str, int] = {}
+        self.draining = False
+
+    async def run(self, delivery: Delivery) -> None:
+        try:
+            job = decode_job(delivery.job_bytes, self.limits)
+        except ProtocolError as exc:
+            await self._reject(delivery, exc.request_id, exc.code, exc.message)
+            return
+        with bound_contextvars(request_id=job.request_id, entry_id=delivery.entry_id):
+            await self._run_job(delivery, job)
+
+    async def _run_job(self, delivery: Delivery, job: Job) -> None:
+        rid = job.request_id
+        if rid in self.in_flight:  # the same request twice at once: let the first one finish
+            log.warning("job_duplicate_in_flight")
+            return
+        last_seq, finished = await retry_until_done(lambda: self._log_state(rid), "read log")
+        if finished:
+            await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
+            self._count("already_done")
+            log.info("job_already_done")
+            return
+        attempt = delivery.times_delivered
+        written = self.publisher.open(rid, attempt, last_seq + 1, job.metadata)
+        if attempt > 1:
+            self.publisher.reset(rid)
+        if delivery.times_delivered > self.max_deliveries:
+            message = f"delivered {delivery.times_delivered} times (limit {self.max_deliveries})"
+            self.publisher.error(rid, "dead_lettered", message)
+            await self._finish(
+                delivery, written, "dead_lettered", dead=("dead_lettered", message), rid=rid
+            )
+            return
+        if await retry_until_done(lambda: self.redis.exists(self.keys.abort(rid)), "abort check"):
+            self.publisher.done(rid, "abort")
+            await self._finish(delivery, written, "aborted_before_start")
+            return
+        if job.is_expired(time.time()):
+            self.publisher.done(rid, "expired")
+            await self._finish(delivery, written, "expired")
+            return
+        try:
+            prompt = self._prompt(job)
+            params = SamplingParams(**job.sampling_kwargs())
+            self.in_flight[rid] = delivery.entry_id
+            started = time.monotonic()
+            log.info("job_started", attempt=attempt, prompt_kind=_prompt_kind(job))
+            await self.engine.add_request(
+                prompt,
+                params,
+                request_id=rid,
+                stream_interval=job.stream_interval or self.default_stream_interval,
+                collect=False,
+            )
+        except (ValueError, TypeError) as exc:
+            self.in_flight.pop(rid, None)
+            self.publisher.error(rid, "invalid_job", str(exc))
+            await self._finish(
+                delivery, written, "invalid", dead=("invalid_job", str(exc)), rid=rid
+            )
+            return
+        except QueueFullError:
+            self.in_flight.pop(rid, None)
+            self.publisher.abandon(rid)  # left pending: retried after the lease
+            self._count("requeued")
+            return
+        try:
+            await written
+        except asyncio.CancelledError:
+            self.in_flight.pop(rid, None)
+            if self.draining:  # abandoned at shutdown: not acknowledged, another worker re-runs it
+                self._count("abandoned")
+                log.info("job_abandoned")
+                return
+            raise
+        self.in_flight.pop(rid, None)
+        await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
+        self._count("completed")
+        log.info("job_finished", seconds=round(time.monotonic() - started, 3))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a job running here; its stream ends with ``done(abort)``."""
+        if request_id not in self.in_flight:
+            return False
+        return await self.engine.abort_request(request_id)
+
+    async def abandon_all(self) -> None:
+        """Shutdown after the drain timeout: stop what runs, publish no terminal, keep pending."""
+        self.draining = True
+        for rid in list(self.in_flight):
+            self.publisher.abandon(rid)
+            await self.engine.abort_request(rid)
+
+    def _prompt(self, job: Job) -> str | list[int]:
+        if job.prompt is not None:
+            return job.prompt
+        if job.prompt_token_ids is not None:
+            return list(job.prompt_token_ids)
+        rendered: str = self.engine.tokenizer.apply_chat_template(
+            job.chat_messages(), add_generation_prompt=True, tokenize=False
+        )
+        return rendered
+
+    async def _log_state(self, request_id: str) -> tuple[int, bool]:
+        """The last seq in the request's log and whether the log already ends the request."""
+        entries = await read_log(self.redis, self.keys, request_id)
+        if not entries:
+            return 0, False
+        last = max(entries, key=lambda e: e.seq)
+        try:
+            finished = decode_event(last.data, self.limits).terminal
+        except ProtocolError:
+            finished = False
+        return max(last.seq, 0), finished
+
+    async def _reject(self, delivery: Delivery, rid: str | None, code: str, message: str) -> None:
+        """An undecodable job: dead-letter it, and tell its request when we know which one."""
+        log.warning("job_rejected", code=code, error=message, request_id=rid)
+        written = None
+        if rid is not None and rid not in self.in_flight:
+            last_seq, _ = await retry_until_done(lambda: self._log_state(rid), "read log")
+            written = self.publisher.open(rid, delivery.times_delivered, last_seq + 1, None)
+            self.publisher.error(rid, "invalid_job", f"{code}: {message}")
+        await self._finish(delivery, written, "invalid", dead=(code, message), rid=rid)
+
+    async def _finish(
+        self,
+        delivery: Delivery,
+        written: asyncio.Future[None] | None,
+        outcome: str,
+        dead: tuple[str, str] | None = None,
+        rid: str | None = None,
+    ) -> None:
+        """Acknowledge (or dead-letter, with ``dead = (code, message)``) once the terminal
+        event is written."""
+        if written is not None:
+            await written
+        if dead is not None:
+            code, message = dead
+            await retry_until_done(
+                lambda: self.queue.dead_letter(delivery, code, message, rid), "dead-letter"
+            )
+        else:
+            await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
+        self._count(outcome)
+        log.info("job_finished_early", outcome=outcome)
+
+    def _count(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def stats(self) -> dict[str, Any]:
+        return {"in_flight": sorted(self.in_flight), "outcomes": dict(self.outcomes)}
+
+
+def _prompt_kind(job: Job) -> str:
+    if job.prompt is not None:
+        return "prompt"
+    return "prompt_token_ids" if job.prompt_token_ids is not None else "messages"

@@ -1,0 +1,286 @@
+"""Engine outputs → protocol events → Redis, one pipelined round trip per engine step.
+
+The engine calls ``on_step`` once per step with every streamed output; the events it makes are
+drafts until a flush gives them their ``seq`` and sends them all in one pipeline, each one
+appended to its request's log and published on its channel by one Lua script. When Redis is
+down the flush keeps what it could not send and retries with backoff; meanwhile new deltas of a
+request merge into its unsent delta, so the buffer stays one delta plus one terminal event per
+request and no token and no terminal event is lost. A slow subscriber costs nothing here: Redis
+buffers pub/sub output per client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from protocol.codec import encode_event
+from protocol.keys import Keys
+from protocol.messages import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    ResetEvent,
+    TokenLogprob,
+    Usage,
+)
+from protocol.scripts import PUBLISH_EVENT
+from worker.daemon.backoff import REDIS_DOWN, Backoff
+from worker.engine import RequestOutput
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Publishing state of one request attempt."""
+
+    request_id: str
+    attempt: int
+    next_seq: int
+    metadata: Mapping[str, Any] | None
+    started: float
+    written: asyncio.Future[None]
+
+
+@dataclass(slots=True)
+class _Draft:
+    """An event waiting for its seq; deltas of one request merge while unsent."""
+
+    stream: _Stream
+    kind: str
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def terminal(self) -> bool:
+        return self.kind in ("done", "error")
+
+    def to_event(self, seq: int) -> Event:
+        common: dict[str, Any] = {
+            "request_id": self.stream.request_id,
+            "seq": seq,
+            "attempt": self.stream.attempt,
+        }
+        if self.kind == "delta":
+            return DeltaEvent(
+                **common,
+                new_text=self.new_text,
+                new_token_ids=tuple(self.new_token_ids),
+                logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
+            )
+        if self.kind == "reset":
+            return ResetEvent(**common)
+        if self.kind == "done":
+            return DoneEvent(**common, metadata=self.stream.metadata, **self.fields)
+        return ErrorEvent(**common, metadata=self.stream.metadata, **self.fields)
+
+
+class EventPublisher:
+    def __init__(self, redis: Redis, keys: Keys, log_ttl: int) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.log_ttl = log_ttl
+        self._streams: dict[str, _Stream] = {}
+        self._drafts: list[_Draft] = []
+        self._unsent_delta: dict[str, _Draft] = {}
+        self._failed: list[tuple[_Draft, Event]] = []
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.steps = 0
+        self.round_trips = 0
+        self.events_published = 0
+        self.redis_failures = 0
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def open(
+        self, request_id: str, attempt: int, first_seq: int, metadata: Mapping[str, Any] | None
+    ) -> asyncio.Future[None]:
+        """Start publishing a request; the future resolves once its terminal event is in Redis."""
+        stream = _Stream(
+            request_id=request_id,
+            attempt=attempt,
+            next_seq=first_seq,
+            metadata=metadata,
+            started=time.monotonic(),
+            written=asyncio.get_running_loop().create_future(),
+        )
+        self._streams[request_id] = stream
+        return stream.written
+
+    def reset(self, request_id: str) -> None:
+        self._add(_Draft(self._streams[request_id], "reset"))
+
+    def error(self, request_id: str, code: str, message: str) -> None:
+        self._add(
+            _Draft(self._streams[request_id], "error", fields={"code": code, "message": message})
+        )
+
+    def done(
+        self, request_id: str, finish_reason: str, output: RequestOutput | None = None
+    ) -> None:
+        stream = self._streams[request_id]
+        usage = Usage(
+            prompt_tokens=output.prompt_tokens if output else 0,
+            completion_tokens=output.completion_tokens if output else 0,
+            cached_tokens=output.cached_tokens if output else 0,
+            ttft_ms=output.ttft * 1000 if output and output.ttft is not None else None,
+            tokens_per_second=output.tokens_per_second if output else 0.0,
+            duration_ms=(time.monotonic() - stream.started) * 1000,
+        )
+        fields = {
+            "finish_reason": finish_reason,
+            "output_text": output.output_text if output else "",
+            "usage": usage,
+        }
+        self._add(_Draft(stream, "done", fields=fields))
+
+    def abandon(self, request_id: str) -> None:
+        """Stop publishing a request without a terminal event (shutdown: it will be re-run)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self._drafts = [d for d in self._drafts if d.stream is not stream]
+        self._unsent_delta.pop(request_id, None)
+        if not stream.written.done():
+            stream.written.cancel()
+
+    def on_step(self, outputs: list[RequestOutput]) -> None:
+        """Engine step listener (event loop thread)."""
+        self.steps += 1
+        for output in outputs:
+            if output.request_id not in self._streams:
+                continue
+            if output.new_token_ids or output.new_text:
+                self._add_delta(output)
+            if output.finished:
+                if output.finish_reason == "error":
+                    self.error(output.request_id, "engine_error", output.error or "engine error")
+                else:
+                    self.done(output.request_id, output.finish_reason or "stop", output)
+
+    # -- sending -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Flush forever; cancel to stop (``drain`` first to send what is pending)."""
+        backoff = Backoff()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._failed or self._drafts:
+                try:
+                    await self._flush_once()
+                    backoff.reset()
+                except (RedisError, *REDIS_DOWN) as exc:
+                    self.redis_failures += 1
+                    delay = backoff.next_delay()
+                    log.warning(
+                        "publish_failed",
+                        error=str(exc),
+                        retry_in=round(delay, 2),
+                        pending=len(self._failed) + len(self._drafts),
+                    )
+                    await asyncio.sleep(delay)
+            self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until everything queued so far is in Redis; False on timeout."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return self._idle.is_set() and not self._drafts and not self._failed
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "round_trips": self.round_trips,
+            "events_published": self.events_published,
+            "redis_failures": self.redis_failures,
+            "pending_events": len(self._drafts) + len(self._failed),
+            "open_streams": len(self._streams),
+        }
+
+    async def _flush_once(self) -> None:
+        batch = self._failed or self._number(self._take_drafts())
+        self._failed = batch  # until Redis confirms it, it is the batch to resend
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for _, event in batch:
+                rid = event.request_id
+                pipe.eval(
+                    PUBLISH_EVENT,
+                    2,
+                    self.keys.out(rid),
+                    self.keys.log(rid),
+                    encode_event(event),
+                    event.seq,
+                    self.log_ttl,
+                )
+            await pipe.execute()
+        self._failed = []
+        self.round_trips += 1
+        self.events_published += len(batch)
+        for draft, _ in batch:
+            if draft.terminal:
+                self._finish(draft.stream)
+
+    def _take_drafts(self) -> list[_Draft]:
+        drafts, self._drafts = self._drafts, []
+        self._unsent_delta.clear()
+        return drafts
+
+    def _number(self, drafts: list[_Draft]) -> list[tuple[_Draft, Event]]:
+        numbered = []
+        for draft in drafts:
+            numbered.append((draft, draft.to_event(draft.stream.next_seq)))
+            draft.stream.next_seq += 1
+        return numbered
+
+    def _finish(self, stream: _Stream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+        if not stream.written.done():
+            stream.written.set_result(None)
+
+    def _add_delta(self, output: RequestOutput) -> None:
+        pending = self._unsent_delta.get(output.request_id)
+        logprobs = (
+            [
+                TokenLogprob(lp.token_id, lp.logprob, tuple(lp.top_logprobs))
+                for lp in output.logprobs
+            ]
+            if output.logprobs is not None
+            else None
+        )
+        if pending is not None:
+            pending.new_text += output.new_text
+            pending.new_token_ids.extend(output.new_token_ids)
+            if logprobs is not None:
+                pending.logprobs = (pending.logprobs or []) + logprobs
+            return
+        draft = _Draft(
+            self._streams[output.request_id],
+            "delta",
+            new_text=output.new_text,
+            new_token_ids=list(output.new_token_ids),
+            logprobs=logprobs,
+        )
+        self._add(draft)
+        self._unsent_delta[output.request_id] = draft
+
+    def _add(self, draft: _Draft) -> None:
+        self._unsent_delta.pop(draft.stream.request_id, None)  # later deltas must follow this
+        self._drafts.append(draft)
+        self._idle.clear()
+        self._wake.set()

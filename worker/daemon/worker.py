@@ -1,0 +1,265 @@
+"""The worker daemon: wires the engine to Redis and runs until told to stop.
+
+Tasks on one event loop: the consumer (reads only as many jobs as there are free slots), the
+reclaimer (XAUTOCLAIM of jobs whose worker died), the lease keeper (re-claims our running jobs
+so they never look idle), the heartbeat, the control listener and the publisher. The engine runs
+on its own thread. Stopping: no new reads, in-flight jobs get ``drain_timeout`` to finish, the
+rest are aborted without acknowledgement (another worker re-runs them), then everything closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from protocol.keys import Keys
+from protocol.limits import DEFAULT_LIMITS
+from worker.daemon.backoff import REDIS_DOWN, REDIS_REFUSED, Backoff, retry_until_done
+from worker.daemon.control import ControlListener
+from worker.daemon.job_queue import Delivery, JobQueue
+from worker.daemon.jobs import JobRunner
+from worker.daemon.publisher import EventPublisher
+from worker.daemon.settings import WorkerSettings
+from worker.engine import EngineConfig, EngineCore, SchedulerConfig
+from worker.models import load_model
+
+log = structlog.get_logger(__name__)
+
+BACKLOG_READ_LIMIT = 100_000
+
+
+class Worker:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        model_and_tokenizer: tuple[Any, Any] | None = None,
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.keys = Keys(settings.prefix)
+        self._model_and_tokenizer = model_and_tokenizer
+        self._on_ready = on_ready
+        self._stop = asyncio.Event()
+        self._slot_freed = asyncio.Event()
+        self._jobs: dict[str, asyncio.Task[None]] = {}  # entry id -> task
+        self._backlog: list[Delivery] = []
+        self.started_at = time.time()
+        self.ready = asyncio.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> int:
+        settings = self.settings
+        model, tokenizer = self._model_and_tokenizer or load_model(settings.model)
+        scheduler = SchedulerConfig(
+            max_num_seqs=settings.max_concurrency, max_waiting_requests=settings.max_concurrency
+        )
+        self.engine = EngineCore(
+            model, tokenizer, EngineConfig(model_name=settings.model, scheduler_config=scheduler)
+        )
+        self.redis = Redis.from_url(
+            settings.redis_url,
+            socket_timeout=settings.socket_timeout,
+            socket_connect_timeout=settings.socket_timeout,
+            health_check_interval=30,
+        )
+        self.queue = JobQueue(
+            self.redis, self.keys, settings.worker_id, int(settings.lease_seconds * 1000)
+        )
+        self.publisher = EventPublisher(self.redis, self.keys, settings.log_ttl)
+        self.runner = JobRunner(
+            self.engine,
+            self.redis,
+            self.keys,
+            self.queue,
+            self.publisher,
+            DEFAULT_LIMITS,
+            settings.max_deliveries,
+            settings.stream_interval,
+        )
+        self.control = ControlListener(
+            self.redis,
+            self.keys,
+            settings.worker_id,
+            self.engine,
+            settings.cache_path,
+            settings.reply_ttl,
+            DEFAULT_LIMITS,
+            self.runner.abort,
+            self._stats,
+        )
+        self.engine.set_step_listener(self.publisher.on_step)
+        try:
+            await retry_until_done(self.queue.ensure_group, "create consumer group")
+            await self.engine.start()
+            self._backlog = await retry_until_done(
+                lambda: self.queue.read_own_pending(BACKLOG_READ_LIMIT), "read own pending"
+            )
+            return await self._serve()
+        finally:
+            self.engine.close()
+            await self.redis.aclose()
+
+    async def _serve(self) -> int:
+        settings = self.settings
+        background = [
+            asyncio.create_task(self.publisher.run(), name="publisher"),
+            asyncio.create_task(self.control.listen(), name="control"),
+            asyncio.create_task(
+                self._every(settings.heartbeat_interval, self._heartbeat), name="heartbeat"
+            ),
+            asyncio.create_task(
+                self._every(settings.lease_refresh_interval, self._extend_leases), name="leases"
+            ),
+        ]
+        readers = [
+            asyncio.create_task(self._consume(), name="consumer"),
+            asyncio.create_task(
+                self._every(settings.reclaim_interval, self._reclaim), name="reclaimer"
+            ),
+        ]
+        log.info(
+            "worker_ready",
+            worker_id=settings.worker_id,
+            backlog=len(self._backlog),
+            model=settings.model,
+            max_concurrency=settings.max_concurrency,
+        )
+        self.ready.set()
+        if self._on_ready is not None:
+            self._on_ready()
+        await self._stop.wait()
+        log.info("worker_stopping", in_flight=len(self._jobs))
+        await _cancel(readers)
+        await self._drain()
+        await _cancel(background)
+        with contextlib.suppress(RedisError, *REDIS_DOWN):
+            await self.redis.delete(self.keys.worker(settings.worker_id))
+        await self.engine.stop()
+        log.info("worker_stopped")
+        return 0
+
+    async def _drain(self) -> None:
+        jobs = list(self._jobs.values())
+        if jobs:
+            _, still_running = await asyncio.wait(jobs, timeout=self.settings.drain_timeout)
+            if still_running:
+                log.warning("drain_timeout_abandoning", jobs=len(still_running))
+                await self.runner.abandon_all()
+                await asyncio.wait(still_running, timeout=10)
+        if not await self.publisher.drain(timeout=10):
+            log.warning("publisher_not_drained", **self.publisher.stats())
+
+    # -- reading jobs ------------------------------------------------------------------------
+
+    async def _consume(self) -> None:
+        backoff = Backoff()
+        while True:
+            free = self.settings.max_concurrency - len(self._jobs)
+            if free <= 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            if self._backlog:
+                batch, self._backlog = self._backlog[:free], self._backlog[free:]
+                self._start(batch)
+                continue
+            try:
+                deliveries = await self.queue.read_new(free, self.settings.read_block_ms)
+                backoff.reset()
+            except REDIS_REFUSED:
+                raise
+            except (RedisError, *REDIS_DOWN) as exc:
+                delay = backoff.next_delay()
+                log.warning("read_failed", error=str(exc), retry_in=round(delay, 2))
+                await asyncio.sleep(delay)
+                continue
+            self._start(deliveries)
+
+    async def _reclaim(self) -> None:
+        free = self.settings.max_concurrency - len(self._jobs) - len(self._backlog)
+        if free > 0:
+            claimed = await self.queue.reclaim(free)
+            if claimed:
+                log.info("jobs_reclaimed", count=len(claimed))
+            self._start(claimed)
+
+    async def _extend_leases(self) -> None:
+        await self.queue.extend_leases(list(self._jobs) + [d.entry_id for d in self._backlog])
+
+    def _start(self, deliveries: list[Delivery]) -> None:
+        for delivery in deliveries:
+            if delivery.entry_id in self._jobs:
+                continue
+            task = asyncio.create_task(self.runner.run(delivery))
+            self._jobs[delivery.entry_id] = task
+            task.add_done_callback(functools.partial(self._job_done, delivery.entry_id))
+
+    def _job_done(self, entry_id: str, task: asyncio.Task[None]) -> None:
+        self._jobs.pop(entry_id, None)
+        self._slot_freed.set()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("job_task_failed", entry_id=entry_id, error=repr(task.exception()))
+
+    # -- periodic ----------------------------------------------------------------------------
+
+    async def _every(self, seconds: float, action: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            try:
+                await action()
+            except REDIS_REFUSED:
+                raise
+            except (RedisError, *REDIS_DOWN) as exc:
+                log.warning("periodic_task_failed", action=action.__name__, error=str(exc))
+            await asyncio.sleep(seconds)
+
+    async def _heartbeat(self) -> None:
+        beat = {
+            "worker_id": self.settings.worker_id,
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "in_flight": len(self._jobs),
+            "model": self.settings.model,
+        }
+        await self.redis.set(
+            self.keys.worker(self.settings.worker_id),
+            json.dumps(beat),
+            px=int(self.settings.heartbeat_ttl * 1000),
+        )
+
+    async def _stats(self) -> dict[str, Any]:
+        try:
+            group = await self.queue.group_info()
+        except (RedisError, *REDIS_DOWN) as exc:
+            group = {"error": str(exc)}
+        return {
+            "worker_id": self.settings.worker_id,
+            "jobs": self.runner.stats(),
+            "publisher": self.publisher.stats(),
+            "group": group,
+            "uptime_seconds": time.time() - self.started_at,
+        }
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel and wait; cancel again while any survives (on Python 3.11 redis-py's internal
+    ``wait_for`` can swallow a cancel that lands as its command completes)."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=1.0)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("task_failed", task=task.get_name(), error=repr(task.exception()))
