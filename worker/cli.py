@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_client_commands(commands)  # submit, stream, ctl: the protocol's own client CLI
 
+    e2e = bench_commands.add_parser("e2e", help="Redis + worker + client vs engine alone")
+    e2e.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
+    e2e.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
+    e2e.add_argument("--prompt-tokens", type=int, default=32)
+    e2e.add_argument("--max-tokens", type=int, default=64)
+    e2e.add_argument("--repeat", type=int, default=3, help="rotations of all paths per level")
+    e2e.add_argument("--redis-url", default=None, help="default: MLXW_REDIS_URL or a private one")
+
     demo = commands.add_parser("demo", help="stream a few concurrent generations")
     demo.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
     demo.add_argument("--max-tokens", type=int, default=48)
@@ -122,6 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from worker.models.prepare import run_prepare
 
         return run_prepare(args)
+    if args.command == "bench" and args.bench_command == "e2e":
+        from worker.bench.e2e_bench import run_e2e_bench
+
+        return run_e2e_bench(args)
     if args.command == "bench":
         from worker.bench.engine_bench import run_bench
 
