@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run the worker daemon")
     _add_worker_flags(run)
     health = commands.add_parser("health", help="exit 0 when the worker's heartbeat is alive")
-    _add_worker_flags(health, only=("redis_url", "prefix", "worker_id", "config"))
+    _add_worker_flags(health, only=("redis_url", "redis_url_file", "prefix", "worker_id", "config"))
 
     add_client_commands(commands)  # submit, stream, ctl: the protocol's own client CLI
 
@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
 WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "model": (str, "model folder, hub id, or fixture name (tiny, smollm2)"),
     "redis_url": (str, "redis://[user:password@]host:port/db or rediss:// for TLS"),
+    "redis_url_file": (
+        str,
+        "a file (mode 0600) holding the Redis URL, to keep secrets out of argv",
+    ),
     "prefix": (str, "key prefix"),
     "worker_id": (str, "consumer name (default: host name + a stable suffix)"),
     "max_concurrency": (int, "jobs running at once (the engine's batch)"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +103,9 @@ class EventPublisher:
         self.round_trips = 0
         self.events_published = 0
         self.redis_failures = 0
+        # Observer of each done event's usage (metrics); kept a plain hook so the publisher
+        # knows nothing of who listens.
+        self.on_done: Callable[[str, Usage], None] | None = None
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -147,6 +150,13 @@ class EventPublisher:
             "usage": usage,
         }
         self._add(_Draft(stream, "done", fields=fields))
+        if self.on_done is not None:
+            # Called from the engine's step listener: an observer's bug must not cost the
+            # step's other outputs.
+            try:
+                self.on_done(request_id, usage)
+            except Exception:
+                log.exception("on_done_observer_failed")
 
     def abandon(self, request_id: str) -> None:
         """Stop publishing a request without a terminal event (shutdown: it will be re-run)."""

@@ -31,6 +31,9 @@ def default_worker_id() -> str:
 class WorkerSettings:
     model: str = "smollm2"
     redis_url: str = DEFAULT_REDIS_URL
+    # A file holding the Redis URL, so a password stays out of flags, plists and unit files
+    # (which other users can read); ``load_settings`` reads it into ``redis_url``.
+    redis_url_file: str | None = None
     prefix: str = DEFAULT_PREFIX
     worker_id: str = field(default_factory=default_worker_id)
     max_concurrency: int = 32
@@ -95,20 +98,51 @@ def load_settings(
     """Merge the sources; ``flags`` holds only options given on the command line (not None)."""
     environ = os.environ if environ is None else environ
     types = {f.name: f.type for f in fields(WorkerSettings)}
-    merged: dict[str, Any] = {}
+    from_file: dict[str, Any] = {}
     if config_file:
         with open(config_file, "rb") as handle:
             for key, value in tomllib.load(handle).items():
                 name = key.replace("-", "_")
                 if name not in types:
                     raise ValueError(f"{config_file}: unknown setting {key!r}")
-                merged[name] = value
+                from_file[name] = value
+    from_env: dict[str, Any] = {}
     for name in types:
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is not None and raw != "":
-            merged[name] = _parse(name, raw, str(types[name]))
-    merged.update({k: v for k, v in flags.items() if v is not None and k in types})
+            from_env[name] = _parse(name, raw, str(types[name]))
+    from_flags = {k: v for k, v in flags.items() if v is not None and k in types}
+    merged: dict[str, Any] = {}
+    for source in (from_file, from_env, from_flags):
+        _merge_redis_url(merged, source)
+    if merged.get("redis_url_file"):
+        merged["redis_url"] = read_url_file(merged["redis_url_file"])
     return dataclasses.replace(WorkerSettings(), **merged) if merged else WorkerSettings()
+
+
+def _merge_redis_url(merged: dict[str, Any], source: Mapping[str, Any]) -> None:
+    """Merge one source over the lower ones. ``redis_url`` and ``redis_url_file`` are one
+    setting: whichever a higher source names replaces both from lower sources (a URL flag
+    overrides a file named in the environment), and one source naming both is an error."""
+    if "redis_url" in source and "redis_url_file" in source:
+        raise ValueError("give redis_url or redis_url_file, not both")
+    if "redis_url" in source:
+        merged.pop("redis_url_file", None)
+    if "redis_url_file" in source:
+        merged.pop("redis_url", None)
+    merged.update(source)
+
+
+def read_url_file(path: str) -> str:
+    """The one-line URL in ``path`` (surrounding whitespace and the final newline dropped).
+    Errors name the file but never echo its contents: they hold a password."""
+    try:
+        text = Path(path).expanduser().read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"redis_url_file {path}: cannot read it: {exc}") from exc
+    if not text or "\n" in text:
+        raise ValueError(f"redis_url_file {path}: must hold exactly one line, the Redis URL")
+    return text
 
 
 def _parse(name: str, raw: str, annotation: str) -> Any:

@@ -28,7 +28,9 @@ from worker.daemon.backoff import REDIS_DOWN, REDIS_REFUSED, Backoff, retry_unti
 from worker.daemon.control import ControlListener
 from worker.daemon.job_queue import Delivery, JobQueue
 from worker.daemon.jobs import JobRunner
+from worker.daemon.metrics import Metrics
 from worker.daemon.publisher import EventPublisher
+from worker.daemon.sd_notify import Notifier
 from worker.daemon.settings import WorkerSettings
 from worker.engine import EngineConfig, EngineCore, SchedulerConfig
 from worker.models import load_model
@@ -100,14 +102,25 @@ class Worker:
             self._stats,
         )
         self.engine.set_step_listener(self.publisher.on_step)
+        self.notifier = Notifier()
+        self.metrics: Metrics | None = None
+        if settings.metrics_port is not None:
+            self.metrics = Metrics(
+                settings.metrics_port, self.engine, self.runner, self.publisher, self.queue
+            )
+            self.publisher.on_done = self.metrics.observe_done
         try:
             await retry_until_done(self.queue.ensure_group, "create consumer group")
             await self.engine.start()
+            if self.metrics is not None:
+                self.metrics.start()
             self._backlog = await retry_until_done(
                 lambda: self.queue.read_own_pending(BACKLOG_READ_LIMIT), "read own pending"
             )
             return await self._serve()
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
             self.engine.close()
             await self.redis.aclose()
 
@@ -122,7 +135,14 @@ class Worker:
             asyncio.create_task(
                 self._every(settings.lease_refresh_interval, self._extend_leases), name="leases"
             ),
+            asyncio.create_task(self.notifier.keep_alive(self.engine.is_running), name="watchdog"),
         ]
+        if self.metrics is not None:
+            background.append(
+                asyncio.create_task(
+                    self._every(settings.heartbeat_interval, self.metrics.refresh), name="metrics"
+                )
+            )
         readers = [
             asyncio.create_task(self._consume(), name="consumer"),
             asyncio.create_task(
@@ -136,11 +156,13 @@ class Worker:
             model=settings.model,
             max_concurrency=settings.max_concurrency,
         )
+        self.notifier.ready(status=f"serving {settings.model} as {settings.worker_id}")
         self.ready.set()
         if self._on_ready is not None:
             self._on_ready()
         await self._stop.wait()
         log.info("worker_stopping", in_flight=len(self._jobs))
+        self.notifier.stopping(status=f"draining {len(self._jobs)} jobs")
         await _cancel(readers)
         await self._drain()
         await _cancel(background)
