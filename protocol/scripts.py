@@ -19,12 +19,24 @@ from protocol.constants import DEFAULT_LOG_TTL_SECONDS, LOG_EVENT_FIELD, LOG_SEQ
 from protocol.keys import Keys
 from protocol.messages import Event
 
-# KEYS[1] channel, KEYS[2] log; ARGV[1] encoded event, ARGV[2] seq, ARGV[3] log TTL seconds.
-# The channel is passed as a key only so Redis Cluster routes the call by its hash tag, which
-# it shares with the log. `seq` is stored as its own field so XREVRANGE COUNT 1 finds the last
-# one without decoding. Append before publish: whoever hears the event can find it logged.
+# KEYS[1] channel, KEYS[2] log; ARGV[1] encoded event, ARGV[2] seq, ARGV[3] log TTL seconds,
+# ARGV[4] attempt. The channel is passed as a key only so Redis Cluster routes the call by its
+# hash tag, which it shares with the log. `seq` and `a` (attempt) are stored as fields of their
+# own so XREVRANGE COUNT 1 finds them without decoding. The attempt fence: once a newer attempt
+# of the request has written to the log, a stale worker's events are refused (the script
+# returns 0) instead of interleaving two attempts. Append before publish: whoever hears the
+# event can find it logged.
 PUBLISH_EVENT: Final = """
-local id = redis.call('XADD', KEYS[2], '*', 'seq', ARGV[2], 'e', ARGV[1])
+local newest = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
+if newest then
+  local fields = newest[2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 'a' and tonumber(fields[i + 1]) > tonumber(ARGV[4]) then
+      return 0
+    end
+  end
+end
+local id = redis.call('XADD', KEYS[2], '*', 'seq', ARGV[2], 'a', ARGV[4], 'e', ARGV[1])
 redis.call('PUBLISH', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 return id
@@ -78,12 +90,17 @@ async def _queue(pipeline: Pipeline, keys: Keys, events: list[Event], ttl: int) 
         await script(keys=_script_keys(keys, event), args=_script_args(event, ttl), client=pipeline)
 
 
+def publish_call(keys: Keys, event: Event, ttl: int) -> tuple[list[str], list[bytes | int]]:
+    """KEYS and ARGV of one PUBLISH_EVENT call, for callers that EVAL it themselves."""
+    return _script_keys(keys, event), _script_args(event, ttl)
+
+
 def _script_keys(keys: Keys, event: Event) -> list[str]:
     return [keys.out(event.request_id), keys.log(event.request_id)]
 
 
 def _script_args(event: Event, ttl: int) -> list[bytes | int]:
-    return [encode_event(event), event.seq, ttl]
+    return [encode_event(event), event.seq, ttl, event.attempt]
 
 
 async def last_seq(redis: Redis, keys: Keys, request_id: str) -> int:

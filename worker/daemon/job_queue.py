@@ -17,6 +17,22 @@ from redis.exceptions import ResponseError
 from protocol.constants import JOB_FIELD
 from protocol.keys import Keys
 
+# KEYS[1] job stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids. Re-claiming only
+# what is still ours, atomically: a plain XCLAIM would take back a job that another worker
+# reclaimed while we were stalled, and both would run it. Returns the ids we lost.
+EXTEND_LEASES = """
+local lost = {}
+for i = 3, #ARGV do
+  local mine = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #mine == 1 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
@@ -36,6 +52,8 @@ class JobQueue:
         self._reclaim_cursor = "0-0"
 
     async def ensure_group(self) -> None:
+        """Create the consumer group (and the stream) unless it exists; also after Redis lost
+        its data, which takes the group with it."""
         try:
             await self.redis.xgroup_create(self.keys.jobs, self.keys.group, id="0", mkstream=True)
         except ResponseError as exc:
@@ -64,12 +82,14 @@ class JobQueue:
         self._reclaim_cursor = _text(cursor)
         return await self._with_delivery_counts(entries)
 
-    async def extend_leases(self, entry_ids: list[str]) -> None:
-        if entry_ids:
-            ids: list[Any] = list(entry_ids)
-            await self.redis.xclaim(
-                self.keys.jobs, self.keys.group, self.consumer, 0, ids, justid=True
-            )
+    async def extend_leases(self, entry_ids: list[str]) -> list[str]:
+        """Refresh the lease of entries we still own; return those another worker took."""
+        if not entry_ids:
+            return []
+        lost: Any = await self.redis.eval(
+            EXTEND_LEASES, 1, self.keys.jobs, self.keys.group, self.consumer, *entry_ids
+        )
+        return [_text(entry_id) for entry_id in lost]
 
     async def ack(self, entry_id: str) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -52,6 +52,8 @@ class JobRunner:
         self.in_flight: dict[str, str] = {}  # request_id -> entry id
         self.outcomes: dict[str, int] = {}
         self.draining = False
+        self._lost: set[str] = set()
+        self._background: set[asyncio.Task[bool]] = set()
 
     async def run(self, delivery: Delivery) -> None:
         try:
@@ -121,6 +123,11 @@ class JobRunner:
             await written
         except asyncio.CancelledError:
             self.in_flight.pop(rid, None)
+            if rid in self._lost:  # another worker took it over: theirs to finish and ack
+                self._lost.discard(rid)
+                self._count("lost_lease")
+                log.warning("job_lost_to_another_worker")
+                return
             if self.draining:  # abandoned at shutdown: not acknowledged, another worker re-runs it
                 self._count("abandoned")
                 log.info("job_abandoned")
@@ -136,6 +143,23 @@ class JobRunner:
         if request_id not in self.in_flight:
             return False
         return await self.engine.abort_request(request_id)
+
+    def lose(self, request_id: str) -> None:
+        """Another worker now owns this job (we stalled past the lease): stop it here, publish
+        nothing more, do not acknowledge."""
+        if request_id not in self.in_flight:
+            return
+        self._lost.add(request_id)
+        self.publisher.abandon(request_id)
+        task = asyncio.get_running_loop().create_task(self.engine.abort_request(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def lose_entries(self, entry_ids: list[str]) -> None:
+        lost = set(entry_ids)
+        for request_id, entry_id in list(self.in_flight.items()):
+            if entry_id in lost:
+                self.lose(request_id)
 
     async def abandon_all(self) -> None:
         """Shutdown after the drain timeout: stop what runs, publish no terminal, keep pending."""

@@ -22,7 +22,6 @@ import structlog
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from protocol.codec import encode_event
 from protocol.keys import Keys
 from protocol.messages import (
     DeltaEvent,
@@ -33,7 +32,7 @@ from protocol.messages import (
     TokenLogprob,
     Usage,
 )
-from protocol.scripts import PUBLISH_EVENT
+from protocol.scripts import PUBLISH_EVENT, publish_call
 from worker.daemon.backoff import REDIS_DOWN, Backoff
 from worker.engine import RequestOutput
 
@@ -106,6 +105,9 @@ class EventPublisher:
         # Observer of each done event's usage (metrics); kept a plain hook so the publisher
         # knows nothing of who listens.
         self.on_done: Callable[[str, Usage], None] | None = None
+        # Told when a request's events were refused because a newer attempt took it over.
+        self.on_fenced: Callable[[str], None] | None = None
+        self.fenced = 0
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -218,6 +220,7 @@ class EventPublisher:
             "round_trips": self.round_trips,
             "events_published": self.events_published,
             "redis_failures": self.redis_failures,
+            "fenced": self.fenced,
             "pending_events": len(self._drafts) + len(self._failed),
             "open_streams": len(self._streams),
         }
@@ -227,23 +230,24 @@ class EventPublisher:
         self._failed = batch  # until Redis confirms it, it is the batch to resend
         async with self.redis.pipeline(transaction=False) as pipe:
             for _, event in batch:
-                rid = event.request_id
-                pipe.eval(
-                    PUBLISH_EVENT,
-                    2,
-                    self.keys.out(rid),
-                    self.keys.log(rid),
-                    encode_event(event),
-                    event.seq,
-                    self.log_ttl,
-                )
-            await pipe.execute()
+                script_keys, script_args = publish_call(self.keys, event, self.log_ttl)
+                pipe.eval(PUBLISH_EVENT, 2, *script_keys, *script_args)
+            results = await pipe.execute()
         self._failed = []
         self.round_trips += 1
         self.events_published += len(batch)
-        for draft, _ in batch:
-            if draft.terminal:
+        fenced: set[str] = set()
+        for (draft, event), result in zip(batch, results, strict=True):
+            if result == 0:  # a newer attempt owns the log: this one lost the job
+                fenced.add(event.request_id)
+            elif draft.terminal:
                 self._finish(draft.stream)
+        for request_id in fenced:
+            self.fenced += 1
+            log.warning("events_fenced", request_id=request_id)
+            self.abandon(request_id)
+            if self.on_fenced is not None:
+                self.on_fenced(request_id)
 
     def _take_drafts(self) -> list[_Draft]:
         drafts, self._drafts = self._drafts, []

@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from protocol.keys import Keys
 from protocol.limits import DEFAULT_LIMITS
@@ -102,6 +102,7 @@ class Worker:
             self._stats,
         )
         self.engine.set_step_listener(self.publisher.on_step)
+        self.publisher.on_fenced = self.runner.lose
         self.notifier = Notifier()
         self.metrics: Metrics | None = None
         if settings.metrics_port is not None:
@@ -205,6 +206,7 @@ class Worker:
             except (RedisError, *REDIS_DOWN) as exc:
                 delay = backoff.next_delay()
                 log.warning("read_failed", error=str(exc), retry_in=round(delay, 2))
+                await self._recreate_group_if_lost(exc)
                 await asyncio.sleep(delay)
                 continue
             self._start(deliveries)
@@ -218,7 +220,13 @@ class Worker:
             self._start(claimed)
 
     async def _extend_leases(self) -> None:
-        await self.queue.extend_leases(list(self._jobs) + [d.entry_id for d in self._backlog])
+        lost = await self.queue.extend_leases(
+            list(self._jobs) + [d.entry_id for d in self._backlog]
+        )
+        if lost:
+            log.warning("leases_lost", entries=lost)
+            self._backlog = [d for d in self._backlog if d.entry_id not in lost]
+            self.runner.lose_entries(lost)
 
     def _start(self, deliveries: list[Delivery]) -> None:
         for delivery in deliveries:
@@ -244,7 +252,16 @@ class Worker:
                 raise
             except (RedisError, *REDIS_DOWN) as exc:
                 log.warning("periodic_task_failed", action=action.__name__, error=str(exc))
+                await self._recreate_group_if_lost(exc)
             await asyncio.sleep(seconds)
+
+    async def _recreate_group_if_lost(self, exc: BaseException) -> None:
+        """Redis lost its data (restart without persistence, failover to an empty replica):
+        the group went with it. Re-create it so the worker serves again."""
+        if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+            log.warning("consumer_group_missing_recreating")
+            with contextlib.suppress(RedisError, *REDIS_DOWN):
+                await self.queue.ensure_group()
 
     async def _heartbeat(self) -> None:
         beat = {
