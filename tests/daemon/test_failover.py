@@ -1,0 +1,395 @@
+"""Workers dying, stopping and losing Redis: every request still ends exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from protocol.client import Client
+from protocol.codec import decode_event
+from protocol.messages import DoneEvent, Event
+from protocol.scripts import read_log
+from tests.daemon.conftest import Reference
+from tests.daemon.helpers import (
+    WorkerFactory,
+    check_stream,
+    collect,
+    collect_surviving_restarts,
+    health,
+    log_length,
+    pending_ids,
+    prompts,
+    run,
+    settled,
+    until,
+    wait_until,
+)
+from tests.redis_server import RedisServer
+
+T = TypeVar("T")
+
+LONG = 300  # tokens: several seconds on 2 cores, so the job is mid-way when we strike
+
+
+async def _deltas_at_least(client: Client, request_ids: list[str], count: int) -> bool:
+    """Every request has ``count`` events after its queued marker in the log."""
+    lengths = [await log_length(client, rid) for rid in request_ids]
+    return all(length > count for length in lengths)
+
+
+async def _log_terminal(client: Client, request_id: str) -> bool:
+    """Whether the request's log already holds a done or error event."""
+    events = await _log_events(client, request_id)
+    return any(event.terminal for event in events)
+
+
+async def _log_events(client: Client, request_id: str) -> list[Event]:
+    return [
+        decode_event(entry.data) for entry in await read_log(client.redis, client.keys, request_id)
+    ]
+
+
+@pytest.mark.timeout(150)
+def test_sigkill_mid_generation_another_worker_finishes_with_reset(
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+) -> None:
+    """A worker SIGKILLed mid-generation leaves its jobs pending; a second worker (short lease)
+    reclaims them: each stream gets reset(attempt 2) then exactly one done with the greedy text.
+    Also `mlx-worker health`: 0 while the worker runs, 1 once its heartbeat expired, 1 for an
+    unknown worker id."""
+    texts = prompts(3, seed=11)
+    max_tokens = 200
+    expected = reference.texts(texts, max_tokens)
+    victim = workers.start("victim", lease_seconds=2)
+    assert health("victim", redis_url, prefix) == 0
+    assert health("nobody", redis_url, prefix) == 1
+
+    async def main() -> tuple[list[str], list[list[Event]], dict[str, int], dict[str, str]]:
+        async with Client(redis_url, prefix=prefix) as client:
+            rids = [
+                await client.submit(text, max_tokens=max_tokens, temperature=0.0) for text in texts
+            ]
+            streams = [asyncio.create_task(collect(client, rid)) for rid in rids]
+            await until(lambda: _deltas_at_least(client, rids, 5), 60, "deltas of every job")
+            victim.kill()
+            for rid in rids:  # really mid-generation
+                assert not await _log_terminal(client, rid), rid
+            at_kill = {rid: await log_length(client, rid) for rid in rids}
+            owners = await pending_ids(client)
+            assert sorted(owners.values()) == ["victim"] * 3
+
+            # The heartbeat expires (TTL 2 s) and health says so.
+            await asyncio.to_thread(
+                wait_until, lambda: not victim.heartbeat_alive(), 10, "heartbeat expiry"
+            )
+            assert await asyncio.to_thread(health, "victim", redis_url, prefix) == 1
+
+            await asyncio.to_thread(workers.start, "rescuer", lease_seconds=2)
+            results = await asyncio.gather(*streams)
+            await until(lambda: settled(client), 10, "entries acknowledged")
+            return rids, results, at_kill, await pending_ids(client)
+
+    rids, results, at_kill, pending = run(main())
+    for rid, events, want in zip(rids, results, expected, strict=True):
+        summary = check_stream(events, rid)
+        assert isinstance(summary.terminal, DoneEvent), summary.terminal
+        assert summary.attempts == [1, 2]
+        assert [(r.attempt, r.seq) for r in summary.resets] == [(2, at_kill[rid])], (
+            "the reset follows the last event the dead worker wrote"
+        )
+        assert summary.terminal.attempt == 2
+        assert summary.terminal.finish_reason == "length"
+        assert summary.terminal.usage.completion_tokens == max_tokens
+        assert summary.terminal.output_text == want
+        first_attempt = "".join(d.new_text for d in summary.deltas if d.attempt == 1)
+        assert len([d for d in summary.deltas if d.attempt == 1]) >= 5
+        assert want.startswith(first_attempt)  # greedy: the dead attempt was the same text
+    assert pending == {}
+
+
+@pytest.mark.timeout(120)
+def test_worker_restarted_under_the_same_id_resumes_its_own_pending_jobs(
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+) -> None:
+    """SIGKILL, then the same worker id again (a supervisor restarting it): it reads its own
+    pending entries at start, without waiting for a lease (60 s here) to expire."""
+    text = prompts(1, seed=91)[0]
+    max_tokens = 100
+    expected = reference.texts([text], max_tokens)[0]
+    first = workers.start("same", lease_seconds=60)
+
+    async def main() -> None:
+        async with Client(redis_url, prefix=prefix) as client:
+            rid = await client.submit(text, max_tokens=max_tokens, temperature=0.0)
+            stream = asyncio.create_task(collect(client, rid))
+            await until(lambda: _deltas_at_least(client, [rid], 5), 30, "first deltas")
+            first.kill()
+            at_kill = await log_length(client, rid)
+            await asyncio.to_thread(workers.start, "same", lease_seconds=60)
+            summary = check_stream(await asyncio.wait_for(stream, 30), rid)
+            assert isinstance(summary.terminal, DoneEvent)
+            assert [(r.attempt, r.seq) for r in summary.resets] == [(2, at_kill)]
+            assert summary.terminal.output_text == expected
+            await until(lambda: settled(client), 10, "entry acknowledged")
+
+    run(main())
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_drains_the_job_in_flight_and_exits_zero(
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+) -> None:
+    """SIGTERM: no new job is read, the running one finishes (done, acknowledged), exit 0."""
+    text = prompts(1, seed=21)[0]
+    max_tokens = 120
+    expected = reference.texts([text], max_tokens)[0]
+    worker = workers.start("drainer", drain_timeout=30)
+
+    async def main() -> None:
+        async with Client(redis_url, prefix=prefix) as client:
+            rid = await client.submit(text, max_tokens=max_tokens, temperature=0.0)
+            stream = asyncio.create_task(collect(client, rid))
+            await until(lambda: _deltas_at_least(client, [rid], 3), 30, "first deltas")
+            signalled = time.monotonic()
+            worker.signal(signal.SIGTERM)
+            await asyncio.to_thread(
+                wait_until,
+                lambda: any(e.get("event") == "worker_stopping" for e in worker.log_events()),
+                10,
+                "worker_stopping in the log",
+            )
+            await asyncio.sleep(0.5)  # past any blocked read of the consumer
+            late = await client.submit(text, max_tokens=5, temperature=0.0)
+
+            code = await asyncio.to_thread(worker.wait, 30)
+            took = time.monotonic() - signalled
+            assert code == 0
+            assert took < 30
+
+            summary = check_stream(await stream, rid)
+            assert isinstance(summary.terminal, DoneEvent)
+            assert summary.terminal.finish_reason == "length"
+            assert summary.terminal.usage.completion_tokens == max_tokens
+            assert summary.terminal.output_text == expected
+            # Acknowledged; the job submitted during the drain was never read.
+            assert await pending_ids(client) == {}
+            assert await log_length(client, late) == 1
+            assert await client.redis.xlen(client.keys.jobs) == 1
+            # A clean stop removes the heartbeat at once.
+            assert not worker.heartbeat_alive()
+
+    run(main())
+    events = [e.get("event") for e in worker.log_events()]
+    assert "drain_timeout_abandoning" not in events
+    assert events[-1] == "worker_stopped"
+
+
+@pytest.mark.timeout(150)
+def test_sigterm_with_short_drain_leaves_the_job_to_another_worker(
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+) -> None:
+    """drain_timeout 1 s and a long job: exit 0 without acknowledging (still pending, no
+    terminal event), and a second worker later completes it with reset + done."""
+    text = prompts(1, seed=31)[0]
+    expected = reference.texts([text], LONG)[0]
+    worker = workers.start("quitter", drain_timeout=1, lease_seconds=2)
+
+    async def main() -> None:
+        async with Client(redis_url, prefix=prefix) as client:
+            rid = await client.submit(text, max_tokens=LONG, temperature=0.0)
+            stream = asyncio.create_task(collect(client, rid))
+            await until(lambda: _deltas_at_least(client, [rid], 3), 30, "first deltas")
+            signalled = time.monotonic()
+            worker.signal(signal.SIGTERM)
+            code = await asyncio.to_thread(worker.wait, 30)
+            assert code == 0
+            assert time.monotonic() - signalled < 15
+            assert not await _log_terminal(client, rid)
+            owners = await pending_ids(client)
+            assert list(owners.values()) == ["quitter"]
+            at_stop = await log_length(client, rid)
+
+            await asyncio.to_thread(workers.start, "successor", lease_seconds=2)
+            summary = check_stream(await stream, rid)
+            assert isinstance(summary.terminal, DoneEvent)
+            assert [(r.attempt, r.seq) for r in summary.resets] == [(2, at_stop)]
+            assert summary.terminal.attempt == 2
+            assert summary.terminal.output_text == expected
+            await until(lambda: settled(client), 10, "entry acknowledged")
+
+    run(main())
+    events = [e.get("event") for e in worker.log_events()]
+    assert "drain_timeout_abandoning" in events
+    assert "job_abandoned" in events
+
+
+@pytest.mark.timeout(150)
+def test_redis_restart_under_a_running_worker(
+    workers: WorkerFactory, tmp_path: Path, reference: Reference
+) -> None:
+    """Redis (appendonly) restarted while jobs stream: they complete, nothing is lost or
+    doubled, and the worker serves new jobs afterwards."""
+    server = RedisServer(extra_args=["--appendonly", "yes"], directory=tmp_path / "redis")
+    server.start()
+    try:
+        _restart_scenario(workers, server, reference)
+    finally:
+        server.close()
+
+
+def _restart_scenario(workers: WorkerFactory, server: RedisServer, reference: Reference) -> None:
+    prefix = "restart"
+    long_max, short_max = 200, 12
+    long_texts = prompts(3, seed=41)
+    short_texts = prompts(3, seed=42)
+    expected = {
+        **dict(zip(long_texts, reference.texts(long_texts, long_max), strict=True)),
+        **dict(zip(short_texts, reference.texts(short_texts, short_max), strict=True)),
+    }
+    worker = workers.start("survivor", redis_url=server.url, prefix=prefix)
+
+    async def main() -> tuple[dict[str, tuple[str, list[Event]]], int, dict[str, object]]:
+        async with Client(server.url, prefix=prefix) as client:
+            long_ids = {
+                await client.submit(t, max_tokens=long_max, temperature=0.0): t for t in long_texts
+            }
+            streams = {
+                rid: asyncio.create_task(collect_surviving_restarts(client, rid))
+                for rid in long_ids
+            }
+            await until(lambda: _deltas_at_least(client, list(long_ids), 5), 30, "deltas")
+            await asyncio.to_thread(server.stop)
+            await asyncio.sleep(1.0)  # the worker keeps generating and buffers meanwhile
+            await asyncio.to_thread(server.start)
+
+            short_ids = {}
+            for text in short_texts:
+                rid = await _retrying(
+                    lambda t=text: client.submit(t, max_tokens=short_max, temperature=0.0)
+                )
+                short_ids[rid] = text
+                streams[rid] = asyncio.create_task(collect_surviving_restarts(client, rid))
+            results = {rid: await task for rid, task in streams.items()}
+            await until(lambda: settled(client), 20, "every entry acknowledged")
+            stats = await client.stats()
+            texts = {**long_ids, **short_ids}
+            failures = sum(failed for _, failed in results.values())
+            return (
+                {rid: (texts[rid], events) for rid, (events, _) in results.items()},
+                failures,
+                dict(stats[0].result["publisher"]),
+            )
+
+    results, client_failures, publisher = run(main())
+    assert len(results) == 6
+    for rid, (text, events) in results.items():
+        summary = check_stream(events, rid)
+        assert isinstance(summary.terminal, DoneEvent), summary.terminal
+        assert summary.attempts == [1]  # nothing was re-run: the worker rode it out
+        assert summary.terminal.output_text == expected[text]
+    assert publisher["redis_failures"] >= 1, publisher  # it really lost Redis mid-stream
+    assert publisher["pending_events"] == 0
+    assert worker.running()
+    print(f"client streams restarted {client_failures} times; publisher {publisher}")
+
+
+@pytest.mark.timeout(120)
+def test_worker_stalled_past_its_lease_is_fenced_off(
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+) -> None:
+    """SIGSTOP (a long GC pause, a frozen VM) past the lease: another worker reclaims the job;
+    after SIGCONT the stale worker neither finishes it nor writes into its log (no seq twice,
+    one terminal event), and does not acknowledge it."""
+    text = prompts(1, seed=81)[0]
+    max_tokens = 200
+    expected = reference.texts([text], max_tokens)[0]
+    stalled = workers.start("stalled", lease_seconds=2)
+
+    async def main() -> dict[str, dict[str, int]]:
+        async with Client(redis_url, prefix=prefix) as client:
+            rid = await client.submit(text, max_tokens=max_tokens, temperature=0.0)
+            stream = asyncio.create_task(collect(client, rid))
+            await until(lambda: _deltas_at_least(client, [rid], 5), 30, "first deltas")
+            await asyncio.to_thread(workers.start, "healthy", lease_seconds=2)
+            stalled.signal(signal.SIGSTOP)
+            try:
+                await until(lambda: _owned_by(client, "healthy"), 30, "the job reclaimed")
+                await asyncio.sleep(1.0)
+            finally:
+                stalled.signal(signal.SIGCONT)
+            summary = check_stream(await stream, rid)
+            assert isinstance(summary.terminal, DoneEvent)
+            assert summary.terminal.attempt == 2
+            assert summary.terminal.output_text == expected
+            outcomes = await until(lambda: _idle_outcomes(client), 60, "both workers idle")
+
+            entries = await read_log(client.redis, client.keys, rid)
+            seqs = [entry.seq for entry in entries]
+            assert seqs == list(range(len(seqs))), "the log holds a seq twice or out of order"
+            terminals = [e for e in (decode_event(x.data) for x in entries) if e.terminal]
+            assert len(terminals) == 1, terminals
+            assert await settled(client)
+            return outcomes
+
+    outcomes = run(main())
+    assert outcomes == {"stalled": {"lost_lease": 1}, "healthy": {"completed": 1}}
+
+
+@pytest.mark.timeout(90)
+def test_worker_recovers_when_redis_comes_back_empty(
+    workers: WorkerFactory, tmp_path: Path
+) -> None:
+    """Redis restarted without persistence (or failed over to an empty replica) loses the
+    consumer group: the worker re-creates it and serves the next job."""
+    server = RedisServer(directory=tmp_path / "redis")  # no persistence: restart loses data
+    server.start()
+    try:
+        worker = workers.start("amnesiac", redis_url=server.url, prefix="empty")
+
+        async def main() -> None:
+            async with Client(server.url, prefix="empty") as client:
+                before = await client.generate("before", max_tokens=5, timeout=30)
+                assert isinstance(before, DoneEvent)
+            await asyncio.to_thread(server.restart)
+            async with Client(server.url, prefix="empty") as client:
+                assert not await client.redis.exists(client.keys.log(before.request_id))
+                await asyncio.to_thread(
+                    wait_until, worker.heartbeat_alive, 10, "heartbeat after the restart"
+                )
+                rid = await client.submit("after", max_tokens=5)
+                done = await asyncio.wait_for(client.wait(rid), 30)
+                assert isinstance(done, DoneEvent)
+                assert done.usage.completion_tokens == 5
+
+        run(main())
+    finally:
+        server.close()
+
+
+async def _owned_by(client: Client, consumer: str) -> bool:
+    return list((await pending_ids(client)).values()) == [consumer]
+
+
+async def _idle_outcomes(client: Client) -> dict[str, dict[str, int]] | None:
+    """Each worker's job outcomes once none has a job in flight (else None)."""
+    replies = await client.stats(timeout=2)
+    if len(replies) != 2 or any(r.result["jobs"]["in_flight"] for r in replies):
+        return None
+    return {r.worker_id: dict(r.result["jobs"]["outcomes"]) for r in replies}
+
+
+async def _retrying(call: Callable[[], Awaitable[T]]) -> T:
+    """A producer call retried while the connection pool reconnects after the restart."""
+    for _ in range(50):
+        try:
+            return await call()
+        except (RedisConnectionError, ConnectionError, OSError):
+            await asyncio.sleep(0.1)
+    return await call()

@@ -1,0 +1,141 @@
+"""Jobs flowing through real workers: concurrent producers, and aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from protocol.client import Client
+from protocol.messages import ControlReply, DeltaEvent, DoneEvent, Event
+from tests.daemon.conftest import Reference
+from tests.daemon.helpers import (
+    WorkerFactory,
+    check_stream,
+    collect,
+    log_length,
+    pending_ids,
+    prompts,
+    run,
+    settled,
+    until,
+)
+
+MAX_TOKENS = 12
+
+Result = tuple[str, str, list[list[Event]]]  # prompt, request id, one stream per subscriber
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_producers_get_greedy_texts_and_gapless_streams(
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+) -> None:
+    """20 jobs from 4 producers (each its own Client) over 2 workers of one group."""
+    texts = prompts(20, seed=7)
+    expected = dict(zip(texts, reference.texts(texts, MAX_TOKENS), strict=True))
+    assert len(set(expected.values())) >= 15  # distinct answers: the comparison means something
+    first = workers.start("w1", max_concurrency=8, wait=False)
+    second = workers.start("w2", max_concurrency=8, wait=False)
+    first.wait_ready()
+    second.wait_ready()
+
+    async def producer(mine: list[str], observer: Client) -> list[Result]:
+        """Submit, follow each job live (own client and a shared observer client), then
+        replay each finished one from its log (a late subscriber)."""
+        async with Client(redis_url, prefix=prefix) as client:
+            live = []
+            for prompt in mine:
+                rid = await client.submit(prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+                own = asyncio.create_task(collect(client, rid))
+                watched = asyncio.create_task(collect(observer, rid))
+                live.append((prompt, rid, own, watched))
+            results = []
+            for prompt, rid, own, watched in live:
+                streams = [await own, await watched, await collect(client, rid)]
+                results.append((prompt, rid, streams))
+            return results
+
+    async def main() -> tuple[list[Result], list[ControlReply]]:
+        async with Client(redis_url, prefix=prefix) as observer:
+            per_producer = await asyncio.gather(
+                *(producer(texts[i::4], observer) for i in range(4))
+            )
+            await until(lambda: settled(observer), 10, "every entry acknowledged and deleted")
+            replies = await observer.stats()
+        return [r for results in per_producer for r in results], replies
+
+    results, replies = run(main())
+    assert len(results) == 20
+    assert len({rid for _, rid, _ in results}) == 20
+    for prompt, rid, streams in results:
+        for events in streams:
+            summary = check_stream(events, rid)
+            assert isinstance(summary.terminal, DoneEvent), summary.terminal
+            assert summary.terminal.finish_reason == "length"
+            assert summary.terminal.usage.completion_tokens == MAX_TOKENS
+            assert summary.resets == []
+            assert summary.attempts == [1]
+            assert summary.terminal.output_text == expected[prompt], prompt
+            assert events == streams[0]  # every subscriber saw the very same events
+    # Both workers took part.
+    completed = {r.worker_id: r.result["jobs"]["outcomes"].get("completed", 0) for r in replies}
+    assert sum(completed.values()) == 20, completed
+    assert set(completed) == {"w1", "w2"}
+
+
+@pytest.mark.timeout(120)
+def test_abort_running_and_queued_jobs(workers: WorkerFactory, redis_url: str, prefix: str) -> None:
+    """With one slot: abort a job that is still queued behind a long one (it never runs), then
+    the running long one (its stream ends with done(abort)); both entries are acknowledged.
+    A job past its deadline is not started either: done(expired)."""
+    workers.start("w1", max_concurrency=1)
+
+    async def main() -> None:
+        async with Client(redis_url, prefix=prefix) as client:
+            running = await client.submit("a long story", max_tokens=2000, temperature=0.0)
+            running_stream = asyncio.create_task(collect(client, running))
+            await until(lambda: _has(client, running, 4), 30, "a few deltas of the long job")
+            queued = await client.submit("never runs", max_tokens=50, temperature=0.0)
+            queued_stream = asyncio.create_task(collect(client, queued))
+            await asyncio.sleep(0.5)  # the worker has no free slot: it must not read it
+            assert len(await pending_ids(client)) == 1
+            replies = await client.abort(queued)
+            # Nobody runs it yet, so no worker reports aborting it.
+            assert [r.result for r in replies] == [{"aborted": False}]
+            assert await log_length(client, queued) == 1  # only the queued marker
+
+            replies = await client.abort(running)
+            assert [r.result for r in replies] == [{"aborted": True}]
+            events = await asyncio.wait_for(running_stream, 30)
+            summary = check_stream(events, running)
+            assert isinstance(summary.terminal, DoneEvent)
+            assert summary.terminal.finish_reason == "abort"
+            assert 0 < summary.terminal.usage.completion_tokens < 2000
+            assert summary.deltas
+
+            events = await asyncio.wait_for(queued_stream, 30)
+            summary = check_stream(events, queued)
+            assert isinstance(summary.terminal, DoneEvent)
+            assert summary.terminal.finish_reason == "abort"
+            assert summary.terminal.usage.completion_tokens == 0
+            assert summary.terminal.output_text == ""
+            assert not [e for e in events if isinstance(e, DeltaEvent)]
+
+            late = await client.submit("too late", max_tokens=50, deadline=time.time() - 1)
+            events = await collect(client, late)
+            assert [e.type for e in events] == ["queued", "done"]
+            assert events[-1].finish_reason == "expired"
+            assert events[-1].usage.completion_tokens == 0
+
+            # All acknowledged (nothing pending) and deleted from the job stream.
+            await until(lambda: settled(client), 10, "entries acknowledged and deleted")
+            stats = await client.stats()
+            outcomes = stats[0].result["jobs"]["outcomes"]
+            assert outcomes == {"completed": 1, "aborted_before_start": 1, "expired": 1}
+
+    run(main())
+
+
+async def _has(client: Client, request_id: str, deltas: int) -> bool:
+    return await log_length(client, request_id) > deltas
