@@ -147,7 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("run", "health"):
         from worker.daemon.service import check_health, serve
 
-        settings = _worker_settings(args)
+        try:
+            settings = _worker_settings(args)
+        except (ValueError, OSError) as exc:
+            print(f"mlx-worker {args.command}: bad settings: {exc}", file=sys.stderr)
+            return 2
         return serve(settings) if args.command == "run" else check_health(settings)
     if args.command == "demo":
         from worker.demo import run_demo

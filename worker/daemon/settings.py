@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.constants import DEFAULT_PREFIX, DEFAULT_REDIS_URL
+from protocol.identifiers import ID_RULE, is_valid_id
 
 ENV_PREFIX = "MLXW_"
 
@@ -80,6 +81,8 @@ class WorkerSettings:
             raise ValueError("heartbeat_ttl must exceed heartbeat_interval")
         if self.log_format not in ("json", "console"):
             raise ValueError("log_format must be json or console")
+        if not is_valid_id(self.worker_id):
+            raise ValueError(f"worker_id must be {ID_RULE}, got {self.worker_id!r}")
 
     @property
     def lease_refresh_interval(self) -> float:
