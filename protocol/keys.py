@@ -52,6 +52,10 @@ class Keys:
         """The request's replay log (a stream with a TTL)."""
         return f"{self.prefix}:log:{{{_checked(request_id, 'request id')}}}"
 
+    def attempt(self, request_id: str) -> str:
+        """The request's current attempt number: the fence against a stale worker's events."""
+        return f"{self.prefix}:attempt:{{{_checked(request_id, 'request id')}}}"
+
     def abort(self, request_id: str) -> str:
         """The marker that stops a request from starting (or continuing)."""
         return f"{self.prefix}:abort:{{{_checked(request_id, 'request id')}}}"

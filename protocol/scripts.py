@@ -19,27 +19,46 @@ from protocol.constants import DEFAULT_LOG_TTL_SECONDS, LOG_EVENT_FIELD, LOG_SEQ
 from protocol.keys import Keys
 from protocol.messages import Event
 
-# KEYS[1] channel, KEYS[2] log; ARGV[1] encoded event, ARGV[2] seq, ARGV[3] log TTL seconds,
-# ARGV[4] attempt. The channel is passed as a key only so Redis Cluster routes the call by its
-# hash tag, which it shares with the log. `seq` and `a` (attempt) are stored as fields of their
-# own so XREVRANGE COUNT 1 finds them without decoding. The attempt fence: once a newer attempt
-# of the request has written to the log, a stale worker's events are refused (the script
+# KEYS[1] channel, KEYS[2] log, KEYS[3] attempt key; ARGV[1] encoded event, ARGV[2] seq,
+# ARGV[3] log TTL seconds, ARGV[4] the event's attempt. The channel is passed as a key only so
+# Redis Cluster routes the call by its hash tag, which all three share. `seq` is stored as a
+# field of its own so XREVRANGE COUNT 1 finds the last one without decoding. The fence: once a
+# newer attempt has begun (BEGIN_ATTEMPT), a stale worker's events are refused (the script
 # returns 0) instead of interleaving two attempts. Append before publish: whoever hears the
 # event can find it logged.
 PUBLISH_EVENT: Final = """
-local newest = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)[1]
-if newest then
-  local fields = newest[2]
-  for i = 1, #fields, 2 do
-    if fields[i] == 'a' and tonumber(fields[i + 1]) > tonumber(ARGV[4]) then
-      return 0
-    end
-  end
+if tonumber(redis.call('GET', KEYS[3]) or '0') > tonumber(ARGV[4]) then
+  return 0
 end
-local id = redis.call('XADD', KEYS[2], '*', 'seq', ARGV[2], 'a', ARGV[4], 'e', ARGV[1])
+local id = redis.call('XADD', KEYS[2], '*', 'seq', ARGV[2], 'e', ARGV[1])
 redis.call('PUBLISH', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('EXPIRE', KEYS[3], ARGV[3])
+end
 return id
+"""
+
+# KEYS[1] log, KEYS[2] attempt key; ARGV[1] attempt, ARGV[2] TTL seconds. A worker calls it
+# before publishing anything for an attempt: from then on older attempts are fenced off, and
+# the seq it returns (the log's last) is final, since no older attempt can append after it.
+# Returns -1 when a newer attempt has already begun (this delivery is stale).
+BEGIN_ATTEMPT: Final = """
+if tonumber(redis.call('GET', KEYS[2]) or '0') > tonumber(ARGV[1]) then
+  return -1
+end
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
+if not newest then
+  return 0
+end
+local fields = newest[2]
+for i = 1, #fields, 2 do
+  if fields[i] == 'seq' then
+    return tonumber(fields[i + 1])
+  end
+end
+return 0
 """
 
 
@@ -96,11 +115,23 @@ def publish_call(keys: Keys, event: Event, ttl: int) -> tuple[list[str], list[by
 
 
 def _script_keys(keys: Keys, event: Event) -> list[str]:
-    return [keys.out(event.request_id), keys.log(event.request_id)]
+    rid = event.request_id
+    return [keys.out(rid), keys.log(rid), keys.attempt(rid)]
 
 
 def _script_args(event: Event, ttl: int) -> list[bytes | int]:
     return [encode_event(event), event.seq, ttl, event.attempt]
+
+
+async def begin_attempt(
+    redis: Redis, keys: Keys, request_id: str, attempt: int, ttl_seconds: int
+) -> int | None:
+    """Fence off older attempts of the request; return the log's last seq to continue from,
+    or None when a newer attempt has already begun."""
+    last: int = await redis.eval(
+        BEGIN_ATTEMPT, 2, keys.log(request_id), keys.attempt(request_id), attempt, ttl_seconds
+    )
+    return None if last < 0 else last
 
 
 async def last_seq(redis: Redis, keys: Keys, request_id: str) -> int:

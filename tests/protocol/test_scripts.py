@@ -7,7 +7,7 @@ from redis.asyncio import Redis
 
 from protocol.codec import decode_event
 from protocol.keys import Keys
-from protocol.scripts import last_seq, publish_events, read_log
+from protocol.scripts import begin_attempt, last_seq, publish_events, read_log
 from tests.protocol.helpers import delta, run, text_events
 
 
@@ -75,3 +75,30 @@ def test_ttl_must_be_positive(redis_url: str, keys: Keys) -> None:
 
     with pytest.raises(ValueError):
         run(scenario())
+
+
+def test_a_begun_attempt_fences_off_older_ones(redis_url: str, keys: Keys) -> None:
+    """BEGIN_ATTEMPT returns the seq to continue from; afterwards a stale attempt's events are
+    refused (nothing appended, nothing published), and a stale begin is refused too."""
+
+    async def scenario() -> tuple[int | None, int | None, list[int], list[int]]:
+        redis = Redis.from_url(redis_url)
+        try:
+            first = await begin_attempt(redis, keys, "r9", 1, 120)
+            await publish_events(redis, keys, [delta("r9", 1, "a"), delta("r9", 2, "b")])
+            taken_over_at = await begin_attempt(redis, keys, "r9", 2, 120)
+            # The stalled attempt 1 wakes up and flushes: refused.
+            await publish_events(redis, keys, [delta("r9", 3, "c", attempt=1)])
+            stale = await begin_attempt(redis, keys, "r9", 1, 120)
+            await publish_events(redis, keys, [delta("r9", 3, "C", attempt=2)])
+            entries = await read_log(redis, keys, "r9")
+            attempts = [decode_event(e.data).attempt for e in entries]
+            marker = -1 if stale is None else stale
+            return first, taken_over_at, [e.seq for e in entries], [*attempts, marker]
+        finally:
+            await redis.aclose()
+
+    first, taken_over_at, seqs, attempts = run(scenario())
+    assert first == 0 and taken_over_at == 2
+    assert seqs == [1, 2, 3]
+    assert attempts == [1, 1, 2, -1]

@@ -16,11 +16,12 @@ from redis.asyncio import Redis
 from structlog.contextvars import bound_contextvars
 
 from protocol.codec import decode_event, decode_job
+from protocol.constants import LOG_EVENT_FIELD
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.limits import Limits
 from protocol.messages import Job
-from protocol.scripts import read_log
+from protocol.scripts import begin_attempt
 from worker.daemon.backoff import retry_until_done
 from worker.daemon.job_queue import Delivery, JobQueue
 from worker.daemon.publisher import EventPublisher
@@ -69,14 +70,19 @@ class JobRunner:
         if rid in self.in_flight:  # the same request twice at once: let the first one finish
             log.warning("job_duplicate_in_flight")
             return
-        last_seq, finished = await retry_until_done(lambda: self._log_state(rid), "read log")
+        finished = await retry_until_done(lambda: self._log_finished(rid), "read log")
         if finished:
             await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
             self._count("already_done")
             log.info("job_already_done")
             return
         attempt = delivery.times_delivered
-        written = self.publisher.open(rid, attempt, last_seq + 1, job.metadata)
+        first_seq = await self._begin_attempt(rid, attempt)
+        if first_seq is None:  # a newer attempt runs elsewhere: that worker owns the job now
+            self._count("stale_delivery")
+            log.warning("job_stale_delivery", attempt=attempt)
+            return
+        written = self.publisher.open(rid, attempt, first_seq, job.metadata)
         if attempt > 1:
             self.publisher.reset(rid)
         if delivery.times_delivered > self.max_deliveries:
@@ -178,26 +184,36 @@ class JobRunner:
         )
         return rendered
 
-    async def _log_state(self, request_id: str) -> tuple[int, bool]:
-        """The last seq in the request's log and whether the log already ends the request."""
-        entries = await read_log(self.redis, self.keys, request_id)
-        if not entries:
-            return 0, False
-        last = max(entries, key=lambda e: e.seq)
+    async def _log_finished(self, request_id: str) -> bool:
+        """Whether the request's log already ends with a terminal event."""
+        newest: Any = await self.redis.xrevrange(self.keys.log(request_id), "+", "-", count=1)
+        if not newest:
+            return False
+        fields = newest[0][1] or {}
         try:
-            finished = decode_event(last.data, self.limits).terminal
+            return decode_event(fields.get(LOG_EVENT_FIELD.encode()), self.limits).terminal
         except ProtocolError:
-            finished = False
-        return max(last.seq, 0), finished
+            return False
+
+    async def _begin_attempt(self, request_id: str, attempt: int) -> int | None:
+        """Fence off older attempts; the first seq this attempt publishes, or None if stale."""
+        last = await retry_until_done(
+            lambda: begin_attempt(
+                self.redis, self.keys, request_id, attempt, self.publisher.log_ttl
+            ),
+            "begin attempt",
+        )
+        return None if last is None else last + 1
 
     async def _reject(self, delivery: Delivery, rid: str | None, code: str, message: str) -> None:
         """An undecodable job: dead-letter it, and tell its request when we know which one."""
         log.warning("job_rejected", code=code, error=message, request_id=rid)
         written = None
         if rid is not None and rid not in self.in_flight:
-            last_seq, _ = await retry_until_done(lambda: self._log_state(rid), "read log")
-            written = self.publisher.open(rid, delivery.times_delivered, last_seq + 1, None)
-            self.publisher.error(rid, "invalid_job", f"{code}: {message}")
+            first_seq = await self._begin_attempt(rid, delivery.times_delivered)
+            if first_seq is not None:
+                written = self.publisher.open(rid, delivery.times_delivered, first_seq, None)
+                self.publisher.error(rid, "invalid_job", f"{code}: {message}")
         await self._finish(delivery, written, "invalid", dead=(code, message), rid=rid)
 
     async def _finish(

@@ -231,7 +231,7 @@ class EventPublisher:
         async with self.redis.pipeline(transaction=False) as pipe:
             for _, event in batch:
                 script_keys, script_args = publish_call(self.keys, event, self.log_ttl)
-                pipe.eval(PUBLISH_EVENT, 2, *script_keys, *script_args)
+                pipe.eval(PUBLISH_EVENT, len(script_keys), *script_keys, *script_args)
             results = await pipe.execute()
         self._failed = []
         self.round_trips += 1
