@@ -294,38 +294,31 @@ class EngineCore:
 
     def save_cache_to_disk(self, cache_dir: str) -> bool:
         """Write the prefix cache to ``cache_dir`` atomically, tagged with the model's identity."""
-        if self.scheduler.prefix_cache is None:
-            return False
-        try:
-            count = self._on_engine(
-                lambda s: (
-                    s.prefix_cache.save(cache_dir, self._model_fingerprint())
-                    if s.prefix_cache
-                    else 0
-                )
-            )
-        except Exception as exc:
-            log.error("prefix_cache_save_failed", directory=cache_dir, error=str(exc))
-            return False
-        log.info("prefix_cache_saved", directory=cache_dir, entries=count)
-        return True
+        return self._disk_cache_op("save", cache_dir) is not None
 
     def load_cache_from_disk(self, cache_dir: str) -> int:
         """Load a saved prefix cache; returns the number of entries added (0 when refused)."""
+        return self._disk_cache_op("load", cache_dir) or 0
+
+    def _disk_cache_op(self, operation: str, cache_dir: str) -> int | None:
+        """Run the prefix cache's save or load on the engine thread; the entry count, or None
+        when there is no prefix cache or the operation failed (logged)."""
         if self.scheduler.prefix_cache is None:
-            return 0
+            return None
+
+        def run(scheduler: Scheduler) -> int | None:
+            cache = scheduler.prefix_cache
+            if cache is None:
+                return None
+            method = cache.save if operation == "save" else cache.load
+            return method(cache_dir, self._model_fingerprint())
+
         try:
-            count = self._on_engine(
-                lambda s: (
-                    s.prefix_cache.load(cache_dir, self._model_fingerprint())
-                    if s.prefix_cache
-                    else 0
-                )
-            )
+            count = self._on_engine(run)
         except Exception as exc:
-            log.error("prefix_cache_load_failed", directory=cache_dir, error=str(exc))
-            return 0
-        log.info("prefix_cache_loaded", directory=cache_dir, entries=count)
+            log.error(f"prefix_cache_{operation}_failed", directory=cache_dir, error=str(exc))
+            return None
+        log.info(f"prefix_cache_{operation}", directory=cache_dir, entries=count)
         return count
 
     def clear_runtime_caches(self) -> dict[str, Any] | None:
