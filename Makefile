@@ -24,6 +24,15 @@ typecheck: $(STAMP)/venv
 bench: models
 	$(BIN)/mlx-worker bench engine --model tiny --concurrency 1,8,32
 
+# The reliability suite's long profiles (the short ones run inside `make test`); each prints
+# the figures table that README.md's "Reliability" section quotes.
+.PHONY: chaos
+chaos: models
+	$(BIN)/python -m tests.reliability.chaos --jobs 1000 --workers 3 --producers 3
+	$(BIN)/python -m tests.reliability.hostile --entries 10000
+	$(BIN)/python -m tests.reliability.subscribers
+	$(BIN)/python -m tests.reliability.soak --requests 2000
+
 setup: $(STAMP)/venv
 
 models: $(STAMP)/models

@@ -1,15 +1,15 @@
 """The control channel: abort, stats, prefix-cache save/load/clear and ping.
 
 Commands arrive on the broadcast channel and on this worker's own channel; each reply is pushed
-to the list the command names in ``reply_to`` (with a TTL). Cache names are plain names inside
-``--cache-dir``: a name with a slash, ``..`` or an absolute path is refused, so no command reads
-or writes outside that directory.
+to the list the command names in ``reply_to`` (with a TTL), which must be one of the prefix's
+reply lists (``mlxw:reply:{token}``): a command naming any other key is ignored. Cache names
+are plain names inside ``--cache-dir``: a name with a slash, ``..`` or an absolute path is
+refused, so no command reads or writes outside that directory.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 from protocol.codec import decode_command, encode_reply
 from protocol.codec_control import MAX_KIND_LEN, MAX_REPLY_TO_LEN
 from protocol.errors import ProtocolError
-from protocol.identifiers import is_valid_id
+from protocol.identifiers import CACHE_NAME_RULE, is_valid_cache_name, is_valid_id
 from protocol.keys import Keys
 from protocol.limits import Limits
 from protocol.messages import ControlCommand, ControlReply, ErrorInfo
@@ -31,8 +31,6 @@ from worker.daemon.backoff import REDIS_DOWN, Backoff
 from worker.engine import EngineCore
 
 log = structlog.get_logger(__name__)
-
-CACHE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class CommandRefused(Exception):
@@ -44,10 +42,10 @@ class CommandRefused(Exception):
 
 def cache_path(cache_dir: Path, name: str | None) -> Path:
     """The directory for a saved cache called ``name``, strictly inside ``cache_dir``."""
-    if not name or not CACHE_NAME.fullmatch(name) or ".." in name:
+    if not name or not is_valid_cache_name(name) or ".." in name:
         raise CommandRefused(
             "invalid_field",
-            f"cache name {name!r} must be 1-128 of [A-Za-z0-9._-], no '..', no slash",
+            f"cache name {name!r} must be {CACHE_NAME_RULE}, without '..'",
         )
     root = cache_dir.resolve()
     path = (root / name).resolve()
@@ -109,8 +107,15 @@ class ControlListener:
         except ProtocolError as exc:
             log.warning("control_command_rejected", code=exc.code, error=exc.message)
             rejected = _answerable(data, self.limits)
-            if rejected is not None:  # it says where to answer: tell the sender why
+            if rejected is not None and self._is_reply_list(rejected.reply_to):
+                # It says where to answer: tell the sender why.
                 await self._reply(rejected, self._error(rejected, exc.code, exc.message))
+            return
+        if not self._is_reply_list(command.reply_to):
+            # RPUSH + EXPIRE on a key the sender picked would let anyone who may publish here
+            # append to, or expire, any key (the job stream included): run nothing, answer
+            # nothing.
+            log.warning("control_command_refused_reply_to", kind=command.kind, id=command.id)
             return
         try:
             reply = ControlReply(
@@ -126,6 +131,14 @@ class ControlListener:
             reply = self._error(command, "internal", f"{type(exc).__name__}: {exc}")
         self.handled += 1
         await self._reply(command, reply)
+
+    def _is_reply_list(self, reply_to: str) -> bool:
+        """Whether ``reply_to`` is one of this prefix's reply lists, ``{prefix}:reply:{token}``
+        (the only keys a control command may make the worker write)."""
+        head = f"{self.keys.prefix}:reply:{{"
+        if not (reply_to.startswith(head) and reply_to.endswith("}")):
+            return False
+        return is_valid_id(reply_to[len(head) : -1])
 
     async def _reply(self, command: ControlCommand, reply: ControlReply) -> None:
         try:

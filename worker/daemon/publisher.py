@@ -143,7 +143,10 @@ class EventPublisher:
             completion_tokens=output.completion_tokens if output else 0,
             cached_tokens=output.cached_tokens if output else 0,
             ttft_ms=output.ttft * 1000 if output and output.ttft is not None else None,
-            tokens_per_second=output.tokens_per_second if output else 0.0,
+            # The engine reports (n - 1) / decode time, negative when the first token already
+            # ended the request (EOS or a stop token: 0 completion tokens); the protocol wants
+            # >= 0, and an event its decoder refuses would be unreadable for every subscriber.
+            tokens_per_second=max(output.tokens_per_second, 0.0) if output else 0.0,
             duration_ms=(time.monotonic() - stream.started) * 1000,
         )
         fields = {

@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import mlx.core as mx
 import structlog
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
@@ -63,13 +64,6 @@ class Worker:
 
     async def run(self) -> int:
         settings = self.settings
-        model, tokenizer = self._model_and_tokenizer or load_model(settings.model)
-        scheduler = SchedulerConfig(
-            max_num_seqs=settings.max_concurrency, max_waiting_requests=settings.max_concurrency
-        )
-        self.engine = EngineCore(
-            model, tokenizer, EngineConfig(model_name=settings.model, scheduler_config=scheduler)
-        )
         self.redis = Redis.from_url(
             settings.redis_url,
             socket_timeout=settings.socket_timeout,
@@ -78,6 +72,23 @@ class Worker:
         )
         self.queue = JobQueue(
             self.redis, self.keys, settings.worker_id, int(settings.lease_seconds * 1000)
+        )
+        try:
+            # Redis first: a wrong password or a missing permission fails now, not after a
+            # model load that can take minutes (an unreachable Redis is waited for).
+            await retry_until_done(self.queue.ensure_group, "create consumer group")
+            model, tokenizer = self._model_and_tokenizer or load_model(settings.model)
+            return await self._run_engine(model, tokenizer)
+        finally:
+            await self.redis.aclose()
+
+    async def _run_engine(self, model: Any, tokenizer: Any) -> int:
+        settings = self.settings
+        scheduler = SchedulerConfig(
+            max_num_seqs=settings.max_concurrency, max_waiting_requests=settings.max_concurrency
+        )
+        self.engine = EngineCore(
+            model, tokenizer, EngineConfig(model_name=settings.model, scheduler_config=scheduler)
         )
         self.publisher = EventPublisher(self.redis, self.keys, settings.log_ttl)
         self.runner = JobRunner(
@@ -111,7 +122,6 @@ class Worker:
             )
             self.publisher.on_done = self.metrics.observe_done
         try:
-            await retry_until_done(self.queue.ensure_group, "create consumer group")
             await self.engine.start()
             if self.metrics is not None:
                 self.metrics.start()
@@ -123,7 +133,6 @@ class Worker:
             if self.metrics is not None:
                 self.metrics.close()
             self.engine.close()
-            await self.redis.aclose()
 
     async def _serve(self) -> int:
         settings = self.settings
@@ -232,6 +241,13 @@ class Worker:
         for delivery in deliveries:
             if delivery.entry_id in self._jobs:
                 continue
+            if len(self._jobs) >= self.settings.max_concurrency:
+                # The consumer's read and the reclaimer both sized their batch from the same
+                # free slots: what does not fit waits in the backlog (ours, its lease kept)
+                # instead of overfilling the engine, whose full queue would fail the job.
+                if all(d.entry_id != delivery.entry_id for d in self._backlog):
+                    self._backlog.append(delivery)
+                continue
             task = asyncio.create_task(self.runner.run(delivery))
             self._jobs[delivery.entry_id] = task
             task.add_done_callback(functools.partial(self._job_done, delivery.entry_id))
@@ -287,8 +303,44 @@ class Worker:
             "jobs": self.runner.stats(),
             "publisher": self.publisher.stats(),
             "group": group,
+            "memory": await self._memory(),
             "uptime_seconds": time.time() - self.started_at,
         }
+
+    async def _memory(self) -> dict[str, Any]:
+        """The process's resident memory and MLX's allocator figures. MLX is asked on the engine
+        thread (the one thread that touches MLX), between two steps; a step longer than a second
+        (a long prefill) leaves them out rather than hold up the reply."""
+        memory: dict[str, Any] = {"rss_bytes": _rss_bytes()}
+        try:
+            active, cache, peak = await asyncio.to_thread(
+                self.engine._engine_loop.call_sync, _mlx_memory, 1.0
+            )
+        except Exception as exc:  # engine stopped, or busy past the timeout: say so, don't fail
+            memory["mlx_error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            memory.update(
+                mlx_active_memory_bytes=active,
+                mlx_cache_memory_bytes=cache,
+                mlx_peak_memory_bytes=peak,
+            )
+        return memory
+
+
+def _mlx_memory(_scheduler: object) -> tuple[int, int, int]:
+    return int(mx.get_active_memory()), int(mx.get_cache_memory()), int(mx.get_peak_memory())
+
+
+def _rss_bytes() -> int | None:
+    """Resident set size from /proc (Linux); None where there is no /proc."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:

@@ -318,7 +318,9 @@ class Scheduler:
                 completion_tokens=completion,
                 cached_tokens=request.cached_tokens,
                 ttft=first - request.arrival_time if first is not None else None,
-                tokens_per_second=(completion - 1) / decode_seconds if decode_seconds > 0 else 0.0,
+                tokens_per_second=(
+                    max(completion - 1, 0) / decode_seconds if decode_seconds > 0 else 0.0
+                ),
                 logprobs=sequence.pending_logprobs
                 if request.sampling_params.logprobs is not None
                 else None,
