@@ -401,7 +401,9 @@ def test_step_listener_sees_each_step_once_and_uncollected_requests_leave_no_sta
 
     async def scenario() -> dict[str, Any]:
         ids = [
-            await engine.add_request(p, SamplingParams(max_tokens=5, temperature=0.0), collect=False)
+            await engine.add_request(
+                p, SamplingParams(max_tokens=5, temperature=0.0), collect=False
+            )
             for p in PROMPTS[:3]
         ]
         for _ in range(500):
