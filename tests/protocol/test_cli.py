@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -41,16 +43,25 @@ def fake_worker(redis_url: str, keys: Keys, script: Script) -> Background:
     return Background(work)
 
 
-def control_responder(redis_url: str, keys: Keys) -> Background:
+@contextlib.contextmanager
+def control_responder(redis_url: str, keys: Keys) -> Iterator[Background]:
+    """A fake worker answering control commands; subscribed and heartbeating on entry."""
+    ready = threading.Event()
+
     async def serve(stop: asyncio.Event) -> None:
         redis = Redis.from_url(redis_url)
         try:
             async with FakeResponder(redis, keys, "w-1"):
+                ready.set()
                 await stop.wait()
         finally:
             await redis.aclose()
 
-    return Background(serve)
+    with Background(serve) as background:
+        # Background only waits for its loop; a command sent before the responder subscribed
+        # and wrote its heartbeat would find no worker and time out at once.
+        assert ready.wait(10), "the fake responder did not start"
+        yield background
 
 
 def cli(redis_url: str, prefix: str, *args: str) -> int:
@@ -222,7 +233,20 @@ def test_ctl_commands(redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[
         assert cli(redis_url, prefix, "ctl", "stats", "--json") == 0
         reply = json.loads(capsys.readouterr().out)
         assert reply["ok"] and reply["worker_id"] == "w-1" and reply["result"]["running"] == 1
-        assert cli(redis_url, prefix, "ctl", "cache-save", "warm", "--worker-id", "w-1") == 0
+        assert (
+            cli(
+                redis_url,
+                prefix,
+                "ctl",
+                "cache-save",
+                "warm",
+                "--worker-id",
+                "w-1",
+                "--timeout",
+                "15",
+            )
+            == 0
+        )
         assert cli(redis_url, prefix, "ctl", "cache-load", "missing") == 1
         assert "not_found" in capsys.readouterr().out
         assert cli(redis_url, prefix, "ctl", "cache-clear") == 0
