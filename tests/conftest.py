@@ -5,11 +5,13 @@ from __future__ import annotations
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
 import worker  # noqa: F401  # isort: skip
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.redis_server import RedisServer
 from worker.models import load_model, prepare_smollm2, prepare_tiny
 
 
@@ -35,3 +37,20 @@ def tiny_model(tiny_model_path: Path) -> tuple[Any, Any]:
 def smollm2_model(smollm2_model_path: Path) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of SmolLM2-135M-Instruct (float32)."""
     return load_model(str(smollm2_model_path))
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One private redis-server for the session's tests that do not restart it (never the
+    Redis on 6379); tests keep apart by key prefix."""
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from tests.daemon.helpers import WorkerFactory
-from tests.redis_server import RedisServer
 from worker.engine import EngineCore, SamplingParams
 from worker.models import load_model
 
@@ -24,22 +23,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Generator[None, A
     outcome = yield
     report = outcome.get_result()
     setattr(item, f"rep_{report.when}", report)
-
-
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    """One private server for the tests that do not restart it (never the Redis on 6379)."""
-    server = RedisServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
-
-
-@pytest.fixture
-def redis_url(redis_server: RedisServer) -> str:
-    return redis_server.url
 
 
 @pytest.fixture

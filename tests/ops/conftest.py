@@ -6,23 +6,9 @@ from __future__ import annotations
 import worker  # noqa: F401  # isort: skip
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from tests.redis_server import RedisServer
-
-
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    """One private server for this folder (never the Redis on 6379)."""
-    server = RedisServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture
