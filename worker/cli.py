@@ -71,6 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--repeat", type=int, default=3, help="rotations of all paths per level")
     e2e.add_argument("--redis-url", default=None, help="default: MLXW_REDIS_URL or a private one")
 
+    prefix = bench_commands.add_parser(
+        "prefix", help="TTFT with a shared system prompt: cold, warm, after a restart"
+    )
+    prefix.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
+    prefix.add_argument("--system-tokens", type=int, default=1000)
+    prefix.add_argument("--user-tokens", type=int, default=32)
+    prefix.add_argument("--requests", type=int, default=5, help="questions per system prompt")
+    prefix.add_argument("--rounds", type=int, default=2, help="distinct system prompts")
+    prefix.add_argument("--max-tokens", type=int, default=8)
+    prefix.add_argument("--restored-from", default=None, help=argparse.SUPPRESS)
+
     demo = commands.add_parser("demo", help="stream a few concurrent generations")
     demo.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
     demo.add_argument("--max-tokens", type=int, default=48)
@@ -138,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from worker.bench.e2e_bench import run_e2e_bench
 
         return run_e2e_bench(args)
+    if args.command == "bench" and args.bench_command == "prefix":
+        from worker.bench.prefix_bench import run_prefix_bench
+
+        return run_prefix_bench(args)
     if args.command == "bench":
         from worker.bench.engine_bench import run_bench
 

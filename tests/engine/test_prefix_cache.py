@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.engine.helpers import PROMPTS, make_engine
+from tests.engine.helpers import PROMPTS, collect, make_engine, run
 from worker.engine import SamplingParams
 from worker.models import load_model
 
@@ -49,6 +49,56 @@ def test_shared_prefix_prefills_only_the_rest(tiny_model: Any) -> None:
     assert shared - 2 <= second.cached_tokens < second.prompt_tokens
     assert second.output_token_ids == baseline.output_token_ids
     assert uncached.get_cache_stats() is None
+
+
+def _run_one(engine: Any, prompt: list[int], boundary: int) -> Any:
+    async def one() -> Any:
+        rid = await engine.add_request(prompt, GREEDY, prefix_boundary=boundary)
+        return (await collect(engine, rid))[-1]
+
+    return run(one())
+
+
+def test_prefix_boundary_keeps_one_compact_entry_for_the_shared_prefix(
+    tiny_model: Any, tmp_path: Path
+) -> None:
+    _, tokenizer = tiny_model
+    system = tokenizer.encode(SYSTEM)
+    questions = [tokenizer.encode(f" question {q}", add_special_tokens=False) for q in "abc"]
+    prompts = [system + q for q in questions]
+
+    def serve(boundary: int, save: bool = False, **scheduler: Any) -> tuple[list[Any], Any]:
+        engine = make_engine(tiny_model, **scheduler)  # one engine per model at a time
+        try:
+            outputs = [_run_one(engine, p, boundary) for p in prompts]
+            if save:
+                assert engine.save_cache_to_disk(str(tmp_path / "cache"))
+            return outputs, engine.get_cache_stats()
+        finally:
+            engine.close()
+
+    shared, shared_stats = serve(len(system), save=True)
+    full, full_stats = serve(0)
+    baseline, _ = serve(0, enable_prefix_cache=False)
+    assert [o.cached_tokens for o in shared] == [0, len(system), len(system)]
+    for output, reference in zip(shared + full, baseline + baseline, strict=True):
+        assert output.output_token_ids == reference.output_token_ids
+    assert shared_stats is not None and full_stats is not None
+    # One entry of the system prompt alone, against one per request of prompt and output.
+    assert shared_stats["entries"] == 1 and full_stats["entries"] == 3
+    per_token = shared_stats["memory_bytes"] / len(system)
+    assert full_stats["memory_bytes"] >= 3 * per_token * (len(prompts[0]) + 1)
+    manifest = (tmp_path / "cache" / "manifest.json").read_text()
+    assert '"kind": "system"' in manifest
+
+    restored = make_engine(tiny_model)
+    try:
+        assert restored.load_cache_from_disk(str(tmp_path / "cache")) == 1
+        again = _run_one(restored, prompts[2], len(system))
+    finally:
+        restored.close()
+    assert again.cached_tokens == len(system)
+    assert again.output_token_ids == baseline[2].output_token_ids
 
 
 def test_cache_is_bounded_with_lru_eviction(tiny_model: Any) -> None:

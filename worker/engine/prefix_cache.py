@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import structlog
 from mlx_lm.models.cache import (
+    KVCache,
     LRUPromptCache,
     can_trim_prompt_cache,
     load_prompt_cache,
@@ -31,6 +32,10 @@ log = structlog.get_logger(__name__)
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _KEY = "model"  # one model per engine: a constant trie namespace
+# mlx-lm's LRU kinds: under pressure it evicts from "assistant" before "system", so the shared
+# prefixes callers declared (``prefix_boundary``) outlive whole conversations.
+FULL = "assistant"
+SHARED_PREFIX = "system"
 
 
 @dataclass(slots=True)
@@ -69,13 +74,33 @@ class PrefixCache:
         self.misses += 1
         return PrefixHit(None, 0)
 
-    def store(self, tokens: list[int], cache: list[Any]) -> None:
+    def store(self, tokens: list[int], cache: list[Any], kind: str = FULL) -> None:
+        """Keep ``cache`` (the KV state of ``tokens``); ``kind`` is FULL or SHARED_PREFIX."""
         if not tokens or not cache:
             return
         mx.eval([c.state for c in cache])
-        self._lru.insert_cache(_KEY, list(tokens), cache)
+        self._lru.insert_cache(_KEY, list(tokens), cache, cache_type=kind)
         self.stores += 1
         self._evict()
+
+    def store_prefix(self, tokens: list[int], boundary: int, cache: list[Any]) -> bool:
+        """Keep only the first ``boundary`` tokens of ``cache`` (a prefix many requests share).
+
+        One compact entry then serves every request with that prefix, instead of one entry per
+        request holding its whole prompt and output. Returns False (stores nothing) when the
+        cache cannot be cut back (a rotating window, say).
+        """
+        if not 0 < boundary <= len(tokens) or not can_trim_prompt_cache(cache):
+            return False
+        trim_prompt_cache(cache, len(tokens) - boundary)
+        for layer in cache:
+            if type(layer) is KVCache and layer.keys is not None:
+                # The trimmed layer still holds the whole buffer; copy out what is kept.
+                kept = layer.offset
+                layer.keys = mx.contiguous(layer.keys[..., :kept, :])
+                layer.values = mx.contiguous(layer.values[..., :kept, :])
+        self.store(tokens[:boundary], cache, SHARED_PREFIX)
+        return True
 
     def clear(self) -> dict[str, int]:
         cleared = {"entries": len(self._lru), "bytes": int(self._lru.nbytes)}
@@ -105,10 +130,10 @@ class PrefixCache:
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             entries = []
-            for index, (tokens, cache) in enumerate(self._entries()):
+            for index, (tokens, cache, kind) in enumerate(self._entries()):
                 name = f"entry-{index:05d}.safetensors"
                 save_prompt_cache(str(staging / name), cache, {"tokens": json.dumps(tokens)})
-                entries.append({"file": name, "num_tokens": len(tokens)})
+                entries.append({"file": name, "num_tokens": len(tokens), "kind": kind})
             manifest = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "entries": entries}
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
             _replace_dir(staging, target)
@@ -140,7 +165,7 @@ class PrefixCache:
                 model_fingerprint=fingerprint,
             )
             return 0
-        known = {tuple(tokens) for tokens, _ in self._entries()}
+        known = {tuple(tokens) for tokens, _, _ in self._entries()}
         loaded = 0
         for entry in manifest.get("entries", []):
             cache, metadata = load_prompt_cache(str(source / entry["file"]), return_metadata=True)
@@ -148,16 +173,18 @@ class PrefixCache:
             if tuple(tokens) in known:
                 continue
             known.add(tuple(tokens))
-            self.store(tokens, cache)
+            kind = entry.get("kind", FULL)
+            self.store(tokens, cache, kind if kind in (FULL, SHARED_PREFIX) else FULL)
             loaded += 1
         return loaded
 
-    def _entries(self) -> list[tuple[list[int], list[Any]]]:
+    def _entries(self) -> list[tuple[list[int], list[Any], str]]:
         # LRUPromptCache has no iteration API; its order deques hold (namespace, tokens) pairs.
         order = self._lru._lru
-        pairs = [pair for kind in order._ordering for pair in order._lrus[kind]]
         return [
-            (list(tokens), self._lru._trie.get(key, tokens).prompt_cache) for key, tokens in pairs
+            (list(tokens), self._lru._trie.get(key, tokens).prompt_cache, kind)
+            for kind in order._ordering
+            for key, tokens in order._lrus[kind]
         ]
 
     def _evict(self) -> None:

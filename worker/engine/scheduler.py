@@ -224,8 +224,8 @@ class Scheduler:
                     )
                 self._add_text(sequence, sequence.text.add_token(token))
                 stopped_by_text = sequence.text.stopped
-            if released and self.prefix_cache is not None and response.prompt_cache:
-                self.prefix_cache.store(response.all_tokens, response.prompt_cache)
+            if released and response.prompt_cache:
+                self._remember(request, list(response.all_tokens), response.prompt_cache)
         except Exception as exc:
             sequence.fail(exc)
         if sequence.failure is not None:
@@ -279,8 +279,17 @@ class Scheduler:
         caches = self._generator.remove([sequence.uid], return_prompt_caches=store)
         if store and sequence.uid in caches:
             cache, tokens = caches[sequence.uid]
-            assert self.prefix_cache is not None
-            self.prefix_cache.store(list(tokens), cache)
+            self._remember(sequence.request, list(tokens), cache)
+
+    def _remember(self, request: Request, tokens: list[int], cache: list[Any]) -> None:
+        """Offer a finished sequence's cache to the prefix cache: only the shared prefix the
+        request declared (``prefix_boundary``), or else the whole sequence."""
+        if self.prefix_cache is None:
+            return
+        boundary = request.prefix_boundary
+        if boundary > 0 and self.prefix_cache.store_prefix(tokens, boundary, cache):
+            return
+        self.prefix_cache.store(tokens, cache)
 
     def _fail_batch(self, exc: BaseException) -> None:
         """The batch step itself failed: fail what was in it and start over with a fresh one."""
