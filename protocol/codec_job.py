@@ -8,7 +8,7 @@ from protocol.errors import ProtocolError
 from protocol.fields import FieldReader
 from protocol.identifiers import ID_RULE, is_valid_id, new_request_id
 from protocol.limits import DEFAULT_LIMITS, Limits
-from protocol.messages import ChatMessage, Job
+from protocol.messages import SYSTEM_PREFIX, ChatMessage, Job, PrefixBoundary
 from protocol.wire import pack, unpack
 
 PROMPT_FIELDS: Final = ("prompt", "prompt_token_ids", "messages")
@@ -60,6 +60,7 @@ def decode_job(data: object, limits: Limits = DEFAULT_LIMITS) -> Job:
         stop_token_ids=reader.token_ids("stop_token_ids", max_items=limits.max_stop_token_ids),
         logprobs=_logprobs(reader),
         stream_interval=reader.integer("stream_interval", minimum=1),
+        prefix_boundary=_prefix_boundary(reader, prompt_token_ids, messages),
         deadline=reader.number("deadline"),
         metadata=reader.metadata("metadata"),
     )
@@ -135,6 +136,29 @@ def _stop(reader: FieldReader) -> tuple[str, ...] | None:
         if len(item) > max_len:
             raise reader.error("limit_exceeded", "stop", f"holds a string over {max_len} chars")
     return tuple(items)
+
+
+def _prefix_boundary(
+    reader: FieldReader,
+    prompt_token_ids: tuple[int, ...] | None,
+    messages: tuple[ChatMessage, ...] | None,
+) -> PrefixBoundary | None:
+    if reader.message.get("prefix_boundary") == SYSTEM_PREFIX:
+        if messages is None or messages[0].role != "system":
+            raise reader.error(
+                "invalid_field",
+                "prefix_boundary",
+                '"system" needs messages that start with a system turn',
+            )
+        return SYSTEM_PREFIX
+    value = reader.integer("prefix_boundary", minimum=0)
+    if value is not None and prompt_token_ids is not None and value > len(prompt_token_ids):
+        raise reader.error(
+            "invalid_field",
+            "prefix_boundary",
+            f"is over the prompt's {len(prompt_token_ids)} tokens",
+        )
+    return value
 
 
 def _logprobs(reader: FieldReader) -> int | None:

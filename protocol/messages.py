@@ -26,6 +26,10 @@ SAMPLING_FIELDS: Final = (
     "logprobs",
 )
 
+# `prefix_boundary: "system"`: the worker measures the leading system messages of a chat itself.
+SYSTEM_PREFIX: Final = "system"
+PrefixBoundary = int | Literal["system"]
+
 FinishReason = Literal["stop", "length", "abort", "expired"]
 FINISH_REASONS: Final[tuple[FinishReason, ...]] = ("stop", "length", "abort", "expired")
 
@@ -56,6 +60,7 @@ class JobOptions(TypedDict, total=False):
     stop_token_ids: list[int] | tuple[int, ...]
     logprobs: int
     stream_interval: int
+    prefix_boundary: PrefixBoundary
     deadline: float
     metadata: Mapping[str, Any]
 
@@ -92,6 +97,7 @@ class Job:
     stop_token_ids: tuple[int, ...] | None = None
     logprobs: int | None = None
     stream_interval: int | None = None
+    prefix_boundary: PrefixBoundary | None = None
     deadline: float | None = None
     metadata: Mapping[str, Any] | None = None
 

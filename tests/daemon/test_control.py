@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from protocol.client import Client
-from protocol.messages import DoneEvent
+from protocol.messages import DoneEvent, ErrorEvent
 from tests.daemon.helpers import WorkerFactory, prompts, run, settled, until
 
 MAX_TOKENS = 8
@@ -115,3 +115,37 @@ def test_cache_save_and_load_through_control(
             assert reply.result["prefix_cache"]["entries"] == 0
 
     run(load_and_reuse())
+
+
+@pytest.mark.timeout(120)
+def test_chat_jobs_share_their_system_prompt_through_prefix_boundary(
+    workers: WorkerFactory, redis_url: str, prefix: str
+) -> None:
+    """Chat jobs marked ``prefix_boundary="system"`` reuse one cache entry of their common
+    system turn; a boundary past the prompt is that job's error, and the worker goes on."""
+    workers.start("p1")
+    system = {"role": "system", "content": " ".join(prompts(12, seed=5))}
+
+    async def scenario() -> None:
+        async with Client(redis_url, prefix=prefix) as client:
+            done = []
+            for question in prompts(3, seed=9):  # one at a time: each finds the previous entry
+                chat = [system, {"role": "user", "content": question}]
+                done.append(
+                    await client.generate(
+                        messages=chat, max_tokens=4, temperature=0.0, prefix_boundary="system"
+                    )
+                )
+            assert all(isinstance(d, DoneEvent) for d in done), done
+            cached = [d.usage.cached_tokens for d in done]  # type: ignore[union-attr]
+            assert cached[0] == 0 and cached[1] == cached[2] > 20, cached
+            (reply,) = await client.stats()
+            assert reply.result["prefix_cache"]["entries"] == 1  # the system turn, once
+
+            failed = await client.generate("short", max_tokens=4, prefix_boundary=10_000)
+            assert isinstance(failed, ErrorEvent) and failed.code == "invalid_job", failed
+            assert "prefix_boundary" in failed.message
+            after = await client.generate("still serving", max_tokens=4)
+            assert isinstance(after, DoneEvent)
+
+    run(scenario())

@@ -54,11 +54,12 @@ JOBS = [
         deadline=1_900_000_000.25,
         metadata=METADATA,
     ),
-    Job(request_id="req-3", prompt_token_ids=(1, 2, 3, 4), max_tokens=1),
+    Job(request_id="req-3", prompt_token_ids=(1, 2, 3, 4), max_tokens=1, prefix_boundary=3),
     Job(
         request_id="req-4",
         messages=(ChatMessage("system", "Be brief."), ChatMessage("user", "")),
         temperature=0.0,
+        prefix_boundary="system",
     ),
 ]
 

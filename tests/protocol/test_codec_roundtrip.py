@@ -86,6 +86,21 @@ INVALID_JOBS = [
     ("stop too long", job(stop=["x" * 257]), "limit_exceeded"),
     ("logprobs 21", job(logprobs=21), "limit_exceeded"),
     ("stream_interval 0", job(stream_interval=0), "invalid_field"),
+    ("prefix_boundary negative", job(prefix_boundary=-1), "invalid_field"),
+    ("prefix_boundary other word", job(prefix_boundary="user"), "invalid_field"),
+    ("prefix_boundary system, plain prompt", job(prefix_boundary="system"), "invalid_field"),
+    (
+        "prefix_boundary system, no system turn",
+        pack(
+            request_id="r1", messages=[{"role": "user", "content": "x"}], prefix_boundary="system"
+        ),
+        "invalid_field",
+    ),
+    (
+        "prefix_boundary past the tokens",
+        pack(request_id="r1", prompt_token_ids=[1, 2], prefix_boundary=3),
+        "invalid_field",
+    ),
     ("deadline str", job(deadline="soon"), "invalid_field"),
     ("metadata list", job(metadata=[1]), "invalid_field"),
     ("metadata NaN", job(metadata={"x": float("nan")}), "invalid_field"),

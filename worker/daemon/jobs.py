@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from itertools import takewhile
 from typing import Any
 
 import structlog
@@ -20,12 +21,13 @@ from protocol.constants import LOG_EVENT_FIELD
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.limits import Limits
-from protocol.messages import Job
+from protocol.messages import SYSTEM_PREFIX, Job
 from protocol.scripts import begin_attempt
 from worker.daemon.backoff import retry_until_done
 from worker.daemon.job_queue import Delivery, JobQueue
 from worker.daemon.publisher import EventPublisher
 from worker.engine import EngineCore, QueueFullError, SamplingParams
+from worker.engine.prompt import encode_prompt, shared_prefix_length
 
 log = structlog.get_logger(__name__)
 
@@ -101,7 +103,7 @@ class JobRunner:
             await self._finish(delivery, written, "expired")
             return
         try:
-            prompt = self._prompt(job)
+            prompt, prefix_boundary = self._prompt(job)
             params = SamplingParams(**job.sampling_kwargs())
             self.in_flight[rid] = delivery.entry_id
             started = time.monotonic()
@@ -110,6 +112,7 @@ class JobRunner:
                 prompt,
                 params,
                 request_id=rid,
+                prefix_boundary=prefix_boundary,
                 stream_interval=job.stream_interval or self.default_stream_interval,
                 collect=False,
             )
@@ -174,15 +177,23 @@ class JobRunner:
             self.publisher.abandon(rid)
             await self.engine.abort_request(rid)
 
-    def _prompt(self, job: Job) -> str | list[int]:
+    def _prompt(self, job: Job) -> tuple[str | list[int], int]:
+        """The engine's prompt and its shared-prefix length (``prefix_boundary``)."""
+        boundary = job.prefix_boundary if isinstance(job.prefix_boundary, int) else 0
         if job.prompt is not None:
-            return job.prompt
+            return job.prompt, boundary
         if job.prompt_token_ids is not None:
-            return list(job.prompt_token_ids)
-        rendered: str = self.engine.tokenizer.apply_chat_template(
-            job.chat_messages(), add_generation_prompt=True, tokenize=False
-        )
-        return rendered
+            return list(job.prompt_token_ids), boundary
+        tokenizer = self.engine.tokenizer
+        messages = job.chat_messages() or []
+        token_ids = encode_prompt(tokenizer, _render(tokenizer, messages, True))
+        if job.prefix_boundary == SYSTEM_PREFIX:
+            # Where the system turns end in tokens; the common prefix is exact even when the
+            # template renders a lone system turn a little differently.
+            system = list(takewhile(lambda m: m["role"] == "system", messages))
+            system_ids = encode_prompt(tokenizer, _render(tokenizer, system, False))
+            boundary = shared_prefix_length(system_ids, token_ids)
+        return token_ids, boundary
 
     async def _log_finished(self, request_id: str) -> bool:
         """Whether the request's log already ends with a terminal event."""
@@ -243,6 +254,13 @@ class JobRunner:
 
     def stats(self) -> dict[str, Any]:
         return {"in_flight": sorted(self.in_flight), "outcomes": dict(self.outcomes)}
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    rendered: str = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tokenize=False
+    )
+    return rendered
 
 
 def _prompt_kind(job: Job) -> str:

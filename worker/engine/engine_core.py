@@ -24,6 +24,7 @@ from worker.engine.config import EngineConfig, SchedulerConfig
 from worker.engine.engine_loop import EngineLoop, EngineStoppedError
 from worker.engine.fingerprint import model_fingerprint
 from worker.engine.output_collector import RequestOutputCollector
+from worker.engine.prompt import encode_prompt
 from worker.engine.registry import ModelOwnershipError, get_registry
 from worker.engine.request import Request, RequestOutput, SamplingParams
 from worker.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
@@ -388,9 +389,7 @@ class EngineCore:
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            bos = getattr(self.tokenizer, "bos_token", None)
-            add_special = bos is None or not prompt.startswith(bos)
-            token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
+            token_ids = encode_prompt(self.tokenizer, prompt)
         elif isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
