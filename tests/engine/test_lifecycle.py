@@ -427,3 +427,33 @@ def test_step_listener_sees_each_step_once_and_uncollected_requests_leave_no_sta
             per_request.setdefault(output.request_id, []).extend(output.new_token_ids)
     assert sorted(len(tokens) for tokens in per_request.values()) == [5, 5, 5]
     assert max(len(batch) for batch in batches) == 3  # the three decode in one step
+
+
+EXIT_AFTER_CLOSE = """
+import worker.blas
+worker.blas.ensure_openblas()
+from worker.engine import EngineConfig, EngineCore, SamplingParams
+from worker.models import load_model
+
+model, tokenizer = load_model("tiny")
+engine = EngineCore(model, tokenizer, EngineConfig())
+for params in (SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, temperature=0.0)):
+    engine.generate_batch_sync([[5, 6, 7]], params)
+engine.close()
+print("closed")
+"""
+
+
+def test_a_program_exits_cleanly_after_closing_its_engine(tiny_model: Any) -> None:
+    """MLX frees a thread's compile cache in thread-exit destructors that need the GIL; left to
+    interpreter exit they abort the process (exit 134, "terminate called without an active
+    exception"), so the engine thread frees them before it ends."""
+    import subprocess
+    import sys
+
+    for _ in range(2):  # the abort was every time; twice guards against luck
+        result = subprocess.run(
+            [sys.executable, "-c", EXIT_AFTER_CLOSE], capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "closed" in result.stdout and "terminate" not in result.stderr

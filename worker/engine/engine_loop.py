@@ -195,6 +195,10 @@ class EngineLoop:
         finally:
             self._scheduler.close()
             mx.clear_cache()
+            # MLX frees this thread's streams and compile cache in thread-exit destructors that
+            # need the GIL; run late (at interpreter exit) they abort the process (exit 134).
+            # Freed here, while Python is whole (mlx's documented duty for worker threads).
+            mx.clear_streams()
 
     def _why_not_running(self) -> str:
         if self.fatal_error is not None:
