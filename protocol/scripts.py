@@ -20,17 +20,23 @@ from protocol.keys import Keys
 from protocol.messages import Event
 
 # KEYS[1] channel, KEYS[2] log, KEYS[3] attempt key; ARGV[1] encoded event, ARGV[2] seq,
-# ARGV[3] log TTL seconds, ARGV[4] the event's attempt. The channel is passed as a key only so
-# Redis Cluster routes the call by its hash tag, which all three share. `seq` is stored as a
-# field of its own so XREVRANGE COUNT 1 finds the last one without decoding. The fence: once a
-# newer attempt has begun (BEGIN_ATTEMPT), a stale worker's events are refused (the script
-# returns 0) instead of interleaving two attempts. Append before publish: whoever hears the
-# event can find it logged.
+# ARGV[3] log TTL seconds, ARGV[4] the event's attempt, ARGV[5] 1 for a terminal event. The
+# channel is passed as a key only so Redis Cluster routes the call by its hash tag, which all
+# three share. `seq` is stored as a field of its own so XREVRANGE COUNT 1 finds the last one
+# without decoding; a terminal event's entry also gets an `end` field, for BEGIN_ATTEMPT. The
+# fence: once a newer attempt has begun (BEGIN_ATTEMPT), a stale worker's events are refused
+# (the script returns 0) instead of interleaving two attempts. Append before publish: whoever
+# hears the event can find it logged.
 PUBLISH_EVENT: Final = """
 if tonumber(redis.call('GET', KEYS[3]) or '0') > tonumber(ARGV[4]) then
   return 0
 end
-local id = redis.call('XADD', KEYS[2], '*', 'seq', ARGV[2], 'e', ARGV[1])
+local id
+if ARGV[5] == '1' then
+  id = redis.call('XADD', KEYS[2], '*', 'seq', ARGV[2], 'e', ARGV[1], 'end', '1')
+else
+  id = redis.call('XADD', KEYS[2], '*', 'seq', ARGV[2], 'e', ARGV[1])
+end
 redis.call('PUBLISH', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 if redis.call('EXISTS', KEYS[3]) == 1 then
@@ -42,24 +48,32 @@ return id
 # KEYS[1] log, KEYS[2] attempt key; ARGV[1] attempt, ARGV[2] TTL seconds. A worker calls it
 # before publishing anything for an attempt: from then on older attempts are fenced off, and
 # the seq it returns (the log's last) is final, since no older attempt can append after it.
-# Returns -1 when a newer attempt has already begun (this delivery is stale).
+# Returns -1 when a newer attempt has already begun (this delivery is stale), and -2 when the
+# log already ends with a terminal event (the job is finished: nothing may follow it). Both
+# checks and the fence are one atomic step, so an older attempt's last event cannot land
+# between "not finished yet" and "fenced".
 BEGIN_ATTEMPT: Final = """
 if tonumber(redis.call('GET', KEYS[2]) or '0') > tonumber(ARGV[1]) then
   return -1
 end
-redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
 local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
-if not newest then
-  return 0
-end
-local fields = newest[2]
-for i = 1, #fields, 2 do
-  if fields[i] == 'seq' then
-    return tonumber(fields[i + 1])
+local seq = 0
+if newest then
+  local fields = newest[2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 'end' then
+      return -2
+    elseif fields[i] == 'seq' then
+      seq = tonumber(fields[i + 1])
+    end
   end
 end
-return 0
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+return seq
 """
+
+STALE_ATTEMPT: Final = -1
+FINISHED: Final = -2
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,18 +134,19 @@ def _script_keys(keys: Keys, event: Event) -> list[str]:
 
 
 def _script_args(event: Event, ttl: int) -> list[bytes | int]:
-    return [encode_event(event), event.seq, ttl, event.attempt]
+    return [encode_event(event), event.seq, ttl, event.attempt, int(event.terminal)]
 
 
 async def begin_attempt(
     redis: Redis, keys: Keys, request_id: str, attempt: int, ttl_seconds: int
-) -> int | None:
-    """Fence off older attempts of the request; return the log's last seq to continue from,
-    or None when a newer attempt has already begun."""
+) -> int:
+    """Fence off older attempts of the request and return the log's last seq to continue
+    from; or ``STALE_ATTEMPT`` when a newer attempt has already begun, or ``FINISHED`` when
+    the log already ends with a terminal event (then nothing was fenced)."""
     last: int = await redis.eval(
         BEGIN_ATTEMPT, 2, keys.log(request_id), keys.attempt(request_id), attempt, ttl_seconds
     )
-    return None if last < 0 else last
+    return last
 
 
 async def last_seq(redis: Redis, keys: Keys, request_id: str) -> int:

@@ -7,8 +7,15 @@ from redis.asyncio import Redis
 
 from protocol.codec import decode_event
 from protocol.keys import Keys
-from protocol.scripts import begin_attempt, last_seq, publish_events, read_log
-from tests.protocol.helpers import delta, run, text_events
+from protocol.scripts import (
+    FINISHED,
+    STALE_ATTEMPT,
+    begin_attempt,
+    last_seq,
+    publish_events,
+    read_log,
+)
+from tests.protocol.helpers import delta, done, run, text_events
 
 
 @pytest.mark.parametrize("transaction", [False, True])
@@ -81,7 +88,7 @@ def test_a_begun_attempt_fences_off_older_ones(redis_url: str, keys: Keys) -> No
     """BEGIN_ATTEMPT returns the seq to continue from; afterwards a stale attempt's events are
     refused (nothing appended, nothing published), and a stale begin is refused too."""
 
-    async def scenario() -> tuple[int | None, int | None, list[int], list[int]]:
+    async def scenario() -> tuple[int, int, list[int], list[int]]:
         redis = Redis.from_url(redis_url)
         try:
             first = await begin_attempt(redis, keys, "r9", 1, 120)
@@ -93,12 +100,36 @@ def test_a_begun_attempt_fences_off_older_ones(redis_url: str, keys: Keys) -> No
             await publish_events(redis, keys, [delta("r9", 3, "C", attempt=2)])
             entries = await read_log(redis, keys, "r9")
             attempts = [decode_event(e.data).attempt for e in entries]
-            marker = -1 if stale is None else stale
-            return first, taken_over_at, [e.seq for e in entries], [*attempts, marker]
+            return first, taken_over_at, [e.seq for e in entries], [*attempts, stale]
         finally:
             await redis.aclose()
 
     first, taken_over_at, seqs, attempts = run(scenario())
     assert first == 0 and taken_over_at == 2
     assert seqs == [1, 2, 3]
-    assert attempts == [1, 1, 2, -1]
+    assert attempts == [1, 1, 2, STALE_ATTEMPT]
+
+
+def test_a_finished_log_refuses_a_new_attempt(redis_url: str, keys: Keys) -> None:
+    """Once the log ends with a terminal event, BEGIN_ATTEMPT answers FINISHED and fences
+    nothing (so the finished attempt's bookkeeping stands and no second ending can follow)."""
+
+    async def scenario() -> tuple[int, int, bytes | None, int]:
+        redis = Redis.from_url(redis_url)
+        try:
+            await begin_attempt(redis, keys, "r10", 1, 120)
+            await publish_events(redis, keys, [delta("r10", 1, "a"), done("r10", 2, "a")])
+            again = await begin_attempt(redis, keys, "r10", 2, 120)
+            attempt_key = await redis.get(keys.attempt("r10"))
+            # A log whose last entry is not terminal (a reset, say) may be continued.
+            await begin_attempt(redis, keys, "r11", 1, 120)
+            await publish_events(redis, keys, [delta("r11", 1, "a")])
+            continued = await begin_attempt(redis, keys, "r11", 2, 120)
+            return again, len(await read_log(redis, keys, "r10")), attempt_key, continued
+        finally:
+            await redis.aclose()
+
+    again, entries, attempt_key, continued = run(scenario())
+    assert again == FINISHED
+    assert entries == 2 and attempt_key == b"1"
+    assert continued == 1

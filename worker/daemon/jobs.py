@@ -16,13 +16,12 @@ import structlog
 from redis.asyncio import Redis
 from structlog.contextvars import bound_contextvars
 
-from protocol.codec import decode_event, decode_job
-from protocol.constants import LOG_EVENT_FIELD
+from protocol.codec import decode_job
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.limits import Limits
 from protocol.messages import SYSTEM_PREFIX, Job
-from protocol.scripts import begin_attempt
+from protocol.scripts import FINISHED, STALE_ATTEMPT, begin_attempt
 from worker.daemon.backoff import retry_until_done
 from worker.daemon.job_queue import Delivery, JobQueue
 from worker.daemon.publisher import EventPublisher
@@ -72,18 +71,18 @@ class JobRunner:
         if rid in self.in_flight:  # the same request twice at once: let the first one finish
             log.warning("job_duplicate_in_flight")
             return
-        finished = await retry_until_done(lambda: self._log_finished(rid), "read log")
-        if finished:
+        attempt = delivery.times_delivered
+        last_seq = await self._begin_attempt(rid, attempt)
+        if last_seq == FINISHED:  # its log already ends: a redelivery of a finished job
             await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
             self._count("already_done")
             log.info("job_already_done")
             return
-        attempt = delivery.times_delivered
-        first_seq = await self._begin_attempt(rid, attempt)
-        if first_seq is None:  # a newer attempt runs elsewhere: that worker owns the job now
+        if last_seq == STALE_ATTEMPT:  # a newer attempt runs elsewhere: that worker owns it now
             self._count("stale_delivery")
             log.warning("job_stale_delivery", attempt=attempt)
             return
+        first_seq = last_seq + 1
         written = self.publisher.open(rid, attempt, first_seq, job.metadata)
         if attempt > 1:
             self.publisher.reset(rid)
@@ -195,35 +194,24 @@ class JobRunner:
             boundary = shared_prefix_length(system_ids, token_ids)
         return token_ids, boundary
 
-    async def _log_finished(self, request_id: str) -> bool:
-        """Whether the request's log already ends with a terminal event."""
-        newest: Any = await self.redis.xrevrange(self.keys.log(request_id), "+", "-", count=1)
-        if not newest:
-            return False
-        fields = newest[0][1] or {}
-        try:
-            return decode_event(fields.get(LOG_EVENT_FIELD.encode()), self.limits).terminal
-        except ProtocolError:
-            return False
-
-    async def _begin_attempt(self, request_id: str, attempt: int) -> int | None:
-        """Fence off older attempts; the first seq this attempt publishes, or None if stale."""
-        last = await retry_until_done(
+    async def _begin_attempt(self, request_id: str, attempt: int) -> int:
+        """Fence off older attempts (one round trip, atomic with the "already finished?"
+        check); the log's last seq, or ``STALE_ATTEMPT`` / ``FINISHED``."""
+        return await retry_until_done(
             lambda: begin_attempt(
                 self.redis, self.keys, request_id, attempt, self.publisher.log_ttl
             ),
             "begin attempt",
         )
-        return None if last is None else last + 1
 
     async def _reject(self, delivery: Delivery, rid: str | None, code: str, message: str) -> None:
         """An undecodable job: dead-letter it, and tell its request when we know which one."""
         log.warning("job_rejected", code=code, error=message, request_id=rid)
         written = None
         if rid is not None and rid not in self.in_flight:
-            first_seq = await self._begin_attempt(rid, delivery.times_delivered)
-            if first_seq is not None:
-                written = self.publisher.open(rid, delivery.times_delivered, first_seq, None)
+            last_seq = await self._begin_attempt(rid, delivery.times_delivered)
+            if last_seq >= 0:
+                written = self.publisher.open(rid, delivery.times_delivered, last_seq + 1, None)
                 self.publisher.error(rid, "invalid_job", f"{code}: {message}")
         await self._finish(delivery, written, "invalid", dead=(code, message), rid=rid)
 
