@@ -137,13 +137,22 @@ def test_stop_and_close_finish_every_open_request(tiny_model: Any) -> None:
 def test_engine_restarts_after_stop(tiny_model: Any) -> None:
     engine = make_engine(tiny_model)
 
+    cpu: list[float] = []
+
+    def engine_cpu() -> None:
+        cpu.append(engine.get_stats()["engine_thread_cpu_seconds"])
+
     async def twice() -> list[Any]:
         first = await engine.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0.0))
+        engine_cpu()
         await engine.stop()
+        engine_cpu()
         assert not engine.is_running()
         await engine.start()
         second = await engine.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0.0))
+        engine_cpu()
         await engine.stop()
+        engine_cpu()
         return [first, second]
 
     try:
@@ -151,6 +160,8 @@ def test_engine_restarts_after_stop(tiny_model: Any) -> None:
     finally:
         engine.close()
     assert first.output_token_ids == second.output_token_ids
+    # The engine thread's CPU time counts across restarts and never goes back.
+    assert 0 < cpu[0] <= cpu[1] <= cpu[2] <= cpu[3], cpu
 
 
 def test_images_on_a_text_model_are_a_clear_error(tiny_model: Any) -> None:

@@ -19,7 +19,11 @@ class FakeEngine:
         self.cache = cache
 
     def get_stats(self) -> dict[str, Any]:
-        return {"steps_executed": 42, "total_completion_tokens": 300}
+        return {
+            "steps_executed": 42,
+            "total_completion_tokens": 300,
+            "engine_thread_cpu_seconds": 1.5,
+        }
 
     def get_cache_stats(self) -> dict[str, Any] | None:
         return self.cache
@@ -60,6 +64,7 @@ def test_refresh_copies_the_sources() -> None:
     assert found["mlxw_jobs_total{outcome=completed}"] == 5
     assert found["mlxw_tokens_generated_total"] == 300
     assert found["mlxw_engine_steps_total"] == 42
+    assert found["mlxw_engine_thread_cpu_seconds_total"] == 1.5
     assert found["mlxw_redis_round_trips_total"] == 17
     assert found["mlxw_group_lag"] == 3
     assert found["mlxw_group_pending"] == 2

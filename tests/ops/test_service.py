@@ -137,6 +137,7 @@ METRIC_SAMPLES = (
     "mlxw_group_lag",
     "mlxw_group_pending",
     "mlxw_engine_steps_total",
+    "mlxw_engine_thread_cpu_seconds_total",
     "mlxw_prefix_cache_hit_rate",
     "mlxw_redis_round_trips_total",
 )
@@ -189,6 +190,7 @@ def test_metrics_endpoint_after_a_job(
     assert samples["mlxw_ttft_seconds_count"] == 1
     assert samples["mlxw_job_duration_seconds_count"] == 1
     assert samples["mlxw_engine_steps_total"] >= 8
+    assert samples["mlxw_engine_thread_cpu_seconds_total"] > 0
     assert samples["mlxw_redis_round_trips_total"] >= 1
     assert samples["mlxw_group_pending"] == 0
     assert samples["mlxw_group_lag"] == 0

@@ -53,6 +53,7 @@ class Snapshot:
     outcomes: Mapping[str, int] = field(default_factory=dict)
     tokens_generated: int = 0
     engine_steps: int = 0
+    engine_thread_cpu_seconds: float = 0.0
     redis_round_trips: int = 0
     # None when Redis could not be asked (down) or did not know (``lag`` can be NULL).
     group_lag: int | None = None
@@ -132,6 +133,7 @@ class Metrics:
             outcomes=dict(self.runner.outcomes),
             tokens_generated=int(engine.get("total_completion_tokens", 0)),
             engine_steps=int(engine.get("steps_executed", 0)),
+            engine_thread_cpu_seconds=float(engine.get("engine_thread_cpu_seconds", 0.0)),
             redis_round_trips=self.publisher.round_trips,
             group_lag=lag,
             group_pending=pending,
@@ -171,6 +173,11 @@ def _families(snapshot: Snapshot) -> Iterator[Metric]:
         "mlxw_engine_steps",
         "Engine steps (one batched decode or prefill each).",
         value=snapshot.engine_steps,
+    )
+    yield CounterMetricFamily(
+        "mlxw_engine_thread_cpu_seconds",
+        "CPU time of the engine thread; near 1 s per second means serving is host-bound.",
+        value=snapshot.engine_thread_cpu_seconds,
     )
     yield CounterMetricFamily(
         "mlxw_redis_round_trips",

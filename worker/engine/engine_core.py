@@ -283,6 +283,7 @@ class EngineCore:
             "running": self.is_running(),
             "uptime_seconds": uptime,
             "steps_executed": self._engine_loop.steps_executed,
+            "engine_thread_cpu_seconds": self._engine_loop.cpu_seconds(),
             "active_requests": len(self._request_loops) + len(self._sync_batches),
             "stream_interval": self.config.stream_interval,
             "requests": self.scheduler.get_running_requests_info(),

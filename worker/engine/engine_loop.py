@@ -10,8 +10,10 @@ forever.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -52,6 +54,8 @@ class EngineLoop:
         self.consecutive_failures = 0
         self.last_error: str | None = None
         self.fatal_error: str | None = None
+        self._cpu_seconds_of_ended_threads = 0.0
+        self._cpu_counted: threading.Thread | None = None
 
     # -- control (any thread) ----------------------------------------------------------------
 
@@ -109,6 +113,18 @@ class EngineLoop:
         if wait and thread is not None and not self.on_engine_thread():
             thread.join()
 
+    def cpu_seconds(self) -> float:
+        """CPU time the engine thread(s) have used: graph building, sampling bookkeeping,
+        detokenizing, hand-off (the host work of serving; device time is not in it)."""
+        with self._wake:
+            total = self._cpu_seconds_of_ended_threads
+            thread = self._thread
+            running = thread is not None and thread is not self._cpu_counted and thread.is_alive()
+        if running and thread is not None and thread.ident is not None:
+            with contextlib.suppress(OSError, AttributeError):  # ended meanwhile; not on Unix
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        return total
+
     def health(self) -> dict[str, Any]:
         return {
             "healthy": self.fatal_error is None and self.consecutive_failures == 0,
@@ -135,6 +151,9 @@ class EngineLoop:
                 reason, message = "error", f"engine thread died: {self.fatal_error}"
             finally:
                 self._shutdown(reason, message)
+                with self._wake:
+                    self._cpu_seconds_of_ended_threads += time.thread_time()
+                    self._cpu_counted = threading.current_thread()
 
     def _serve(self) -> None:
         idle_cleared = True
