@@ -19,30 +19,40 @@ from protocol.constants import DEFAULT_LOG_TTL_SECONDS, LOG_EVENT_FIELD, LOG_SEQ
 from protocol.keys import Keys
 from protocol.messages import Event
 
-# KEYS[1] channel, KEYS[2] log, KEYS[3] attempt key; ARGV[1] encoded event, ARGV[2] seq,
-# ARGV[3] log TTL seconds, ARGV[4] the event's attempt, ARGV[5] 1 for a terminal event. The
-# channel is passed as a key only so Redis Cluster routes the call by its hash tag, which all
-# three share. `seq` is stored as a field of its own so XREVRANGE COUNT 1 finds the last one
+# Events in order; for event i (from 1): KEYS[3i-2] its channel, KEYS[3i-1] its log, KEYS[3i]
+# its attempt key; ARGV[2i] the encoded event, ARGV[2i+1] "seq attempt terminal" (terminal is
+# 1 for done/error, else 0); ARGV[1] the log TTL in seconds. Returns one 1 (written) or 0
+# (fenced) per event. Channels are passed as keys only so Redis Cluster routes the call by
+# their hash tag. `seq` is stored as a field of its own so XREVRANGE COUNT 1 finds the last one
 # without decoding; a terminal event's entry also gets an `end` field, for BEGIN_ATTEMPT. The
 # fence: once a newer attempt has begun (BEGIN_ATTEMPT), a stale worker's events are refused
-# (the script returns 0) instead of interleaving two attempts. Append before publish: whoever
-# hears the event can find it logged.
-PUBLISH_EVENT: Final = """
-if tonumber(redis.call('GET', KEYS[3]) or '0') > tonumber(ARGV[4]) then
-  return 0
+# instead of interleaving two attempts. Append before publish: whoever hears an event can find
+# it logged. A worker sends all events of an engine step in one call: one command to encode,
+# send and parse per step instead of one per event.
+PUBLISH_EVENTS: Final = """
+local ttl = ARGV[1]
+local written = {}
+for i = 1, #KEYS / 3 do
+  local channel, log, attempt_key = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local event = ARGV[2 * i]
+  local seq, attempt, terminal = string.match(ARGV[2 * i + 1], '^(%d+) (%d+) ([01])$')
+  if tonumber(redis.call('GET', attempt_key) or '0') > tonumber(attempt) then
+    written[i] = 0
+  else
+    if terminal == '1' then
+      redis.call('XADD', log, '*', 'seq', seq, 'e', event, 'end', '1')
+    else
+      redis.call('XADD', log, '*', 'seq', seq, 'e', event)
+    end
+    redis.call('PUBLISH', channel, event)
+    redis.call('EXPIRE', log, ttl)
+    if redis.call('EXISTS', attempt_key) == 1 then
+      redis.call('EXPIRE', attempt_key, ttl)
+    end
+    written[i] = 1
+  end
 end
-local id
-if ARGV[5] == '1' then
-  id = redis.call('XADD', KEYS[2], '*', 'seq', ARGV[2], 'e', ARGV[1], 'end', '1')
-else
-  id = redis.call('XADD', KEYS[2], '*', 'seq', ARGV[2], 'e', ARGV[1])
-end
-redis.call('PUBLISH', KEYS[1], ARGV[1])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('EXPIRE', KEYS[3], ARGV[3])
-end
-return id
+return written
 """
 
 # KEYS[1] log, KEYS[2] attempt key; ARGV[1] attempt, ARGV[2] TTL seconds. A worker calls it
@@ -91,50 +101,38 @@ async def publish_events(
     events: Iterable[Event],
     *,
     ttl_seconds: int = DEFAULT_LOG_TTL_SECONDS,
-) -> None:
-    """Publish and log each event, atomically per event, in order.
+) -> list[bool]:
+    """Publish and log the events, in order, in one script call; return per event whether it
+    was written (False: a newer attempt fenced it off).
 
-    Given a pipeline, the calls are only queued: the caller executes it, together with
-    whatever else it batches into that round trip (redis-py then checks with SCRIPT EXISTS
-    and loads the script if the server lacks it). Given a client, they run now: one event as
-    a single EVALSHA, several in one pipeline.
+    Given a pipeline, the call is only queued and nothing is returned here: the caller executes
+    the pipeline, together with whatever else it batches into that round trip, and finds the
+    script's reply among the pipeline's results.
     """
     if ttl_seconds < 1:
         raise ValueError(f"ttl_seconds must be >= 1, got {ttl_seconds}")
     events = list(events)
+    if not events:
+        return []
+    script_keys, script_args = publish_call(keys, events, ttl_seconds)
     if isinstance(redis, Pipeline):
-        await _queue(redis, keys, events, ttl_seconds)
-        return
-    if len(events) == 1:
-        # EVALSHA at once (loading the script only if the server lacks it): one round trip,
-        # where a pipeline would send a SCRIPT EXISTS first.
-        event = events[0]
-        script = redis.register_script(PUBLISH_EVENT)
-        await script(keys=_script_keys(keys, event), args=_script_args(event, ttl_seconds))
-        return
-    async with redis.pipeline(transaction=False) as pipeline:
-        await _queue(pipeline, keys, events, ttl_seconds)
-        await pipeline.execute()
+        redis.eval(PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args)
+        return []
+    written = await redis.eval(PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args)
+    return [bool(flag) for flag in written]
 
 
-async def _queue(pipeline: Pipeline, keys: Keys, events: list[Event], ttl: int) -> None:
-    script = pipeline.register_script(PUBLISH_EVENT)
+def publish_call(
+    keys: Keys, events: Iterable[Event], ttl: int
+) -> tuple[list[str], list[bytes | int | str]]:
+    """KEYS and ARGV of one PUBLISH_EVENTS call, for callers that EVAL it themselves."""
+    script_keys: list[str] = []
+    script_args: list[bytes | int | str] = [ttl]
     for event in events:
-        await script(keys=_script_keys(keys, event), args=_script_args(event, ttl), client=pipeline)
-
-
-def publish_call(keys: Keys, event: Event, ttl: int) -> tuple[list[str], list[bytes | int]]:
-    """KEYS and ARGV of one PUBLISH_EVENT call, for callers that EVAL it themselves."""
-    return _script_keys(keys, event), _script_args(event, ttl)
-
-
-def _script_keys(keys: Keys, event: Event) -> list[str]:
-    rid = event.request_id
-    return [keys.out(rid), keys.log(rid), keys.attempt(rid)]
-
-
-def _script_args(event: Event, ttl: int) -> list[bytes | int]:
-    return [encode_event(event), event.seq, ttl, event.attempt, int(event.terminal)]
+        rid = event.request_id
+        script_keys += (keys.out(rid), keys.log(rid), keys.attempt(rid))
+        script_args += (encode_event(event), f"{event.seq} {event.attempt} {int(event.terminal)}")
+    return script_keys, script_args
 
 
 async def begin_attempt(

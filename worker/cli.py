@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("name", choices=["smollm2", "tiny"])
     prepare.add_argument("--dtype", choices=["float32", "bfloat16", "q4"], default="float32")
     prepare.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
-    prepare.add_argument("--size", choices=["small", "medium"], default="small")
+    prepare.add_argument("--size", choices=["micro", "small", "medium"], default="small")
     prepare.add_argument(
         "--cache-dir", default=None, help="default: ~/.cache/mlx-redis-worker/models"
     )

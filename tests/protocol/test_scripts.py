@@ -133,3 +133,30 @@ def test_a_finished_log_refuses_a_new_attempt(redis_url: str, keys: Keys) -> Non
     assert again == FINISHED
     assert entries == 2 and attempt_key == b"1"
     assert continued == 1
+
+
+def test_one_call_writes_many_requests_and_fences_each_on_its_own(
+    redis_url: str, keys: Keys
+) -> None:
+    """One PUBLISH_EVENTS call carries a step's events of several requests; a fenced request's
+    event is refused (False) while the others in the same call are written."""
+
+    async def scenario() -> tuple[list[bool], list[int], list[int]]:
+        redis = Redis.from_url(redis_url)
+        try:
+            await begin_attempt(redis, keys, "fenced", 2, 120)  # attempt 1 has been taken over
+            written = await publish_events(
+                redis,
+                keys,
+                [delta("ok-a", 1, "x"), delta("fenced", 1, "y", attempt=1), done("ok-b", 1, "z")],
+            )
+            logs = [len(await read_log(redis, keys, rid)) for rid in ("ok-a", "fenced", "ok-b")]
+            ends = [await begin_attempt(redis, keys, rid, 2, 120) for rid in ("ok-a", "ok-b")]
+            return written, logs, ends
+        finally:
+            await redis.aclose()
+
+    written, logs, ends = run(scenario())
+    assert written == [True, False, True]
+    assert logs == [1, 0, 1]
+    assert ends == [1, FINISHED]  # only ok-b's entry carries the terminal mark

@@ -1,8 +1,9 @@
-"""Engine outputs → protocol events → Redis, one pipelined round trip per engine step.
+"""Engine outputs → protocol events → Redis, one script call (one round trip) per engine step.
 
 The engine calls ``on_step`` once per step with every streamed output; the events it makes are
-drafts until a flush gives them their ``seq`` and sends them all in one pipeline, each one
-appended to its request's log and published on its channel by one Lua script. When Redis is
+drafts until a flush gives them their ``seq`` and sends them all in one call of the
+PUBLISH_EVENTS script, which appends each to its request's log and publishes it on its channel
+(one command per step: redis-py's packing and parsing cost per command, not per byte). When Redis is
 down the flush keeps what it could not send and retries with backoff; meanwhile new deltas of a
 request merge into its unsent delta, so the buffer stays one delta plus one terminal event per
 request and no token and no terminal event is lost. A slow subscriber costs nothing here: Redis
@@ -32,7 +33,7 @@ from protocol.messages import (
     TokenLogprob,
     Usage,
 )
-from protocol.scripts import PUBLISH_EVENT, publish_call
+from protocol.scripts import PUBLISH_EVENTS, publish_call
 from worker.daemon.backoff import REDIS_DOWN, Backoff
 from worker.engine import RequestOutput
 
@@ -231,11 +232,10 @@ class EventPublisher:
     async def _flush_once(self) -> None:
         batch = self._failed or self._number(self._take_drafts())
         self._failed = batch  # until Redis confirms it, it is the batch to resend
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for _, event in batch:
-                script_keys, script_args = publish_call(self.keys, event, self.log_ttl)
-                pipe.eval(PUBLISH_EVENT, len(script_keys), *script_keys, *script_args)
-            results = await pipe.execute()
+        script_keys, script_args = publish_call(self.keys, [e for _, e in batch], self.log_ttl)
+        results = await self.redis.eval(
+            PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args
+        )
         self._failed = []
         self.round_trips += 1
         self.events_published += len(batch)

@@ -1,9 +1,9 @@
 """Where offline model fixtures live, and how short fixture names map to folders.
 
 The cache root is ``$MLXW_MODEL_CACHE`` when set, else ``~/.cache/mlx-redis-worker/models``.
-Short names (``tiny``, ``tiny-qwen3``, ``tiny-medium``, ``smollm2``) resolve to prepared
-folders there, preparing them on first use; anything else (a local path, a hub id) passes
-through unchanged so ``mlx_lm.load`` keeps its usual meaning.
+Short names (``tiny``, ``tiny-qwen3``, ``tiny-medium``, ``tiny-micro``, ``smollm2``) resolve to
+prepared folders there, preparing them on first use; anything else (a local path, a hub id)
+passes through unchanged so ``mlx_lm.load`` keeps its usual meaning.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from worker.models.folder import is_prepared
 
 Dtype = Literal["float32", "bfloat16", "q4"]
 Arch = Literal["llama", "qwen3"]
-Size = Literal["small", "medium"]
+Size = Literal["micro", "small", "medium"]
 
 CACHE_ENV = "MLXW_MODEL_CACHE"
 DTYPES: tuple[Dtype, ...] = ("float32", "bfloat16", "q4")
 ARCHS: tuple[Arch, ...] = ("llama", "qwen3")
-SIZES: tuple[Size, ...] = ("small", "medium")
+SIZES: tuple[Size, ...] = ("micro", "small", "medium")
 
 
 def default_cache_dir() -> Path:
@@ -78,6 +78,9 @@ FIXTURES: dict[str, tuple[Callable[[], Path], Callable[[], Path]]] = {
     "tiny": (lambda: tiny_dir("llama", "small"), _prepare_tiny("llama", "small")),
     "tiny-qwen3": (lambda: tiny_dir("qwen3", "small"), _prepare_tiny("qwen3", "small")),
     "tiny-medium": (lambda: tiny_dir("llama", "medium"), _prepare_tiny("llama", "medium")),
+    # Compute so small that serving is host-bound, as on a fast GPU: benchmarks use it to show
+    # the engine's own per-token host work.
+    "tiny-micro": (lambda: tiny_dir("llama", "micro"), _prepare_tiny("llama", "micro")),
     "smollm2": (lambda: smollm2_dir("float32"), _prepare_smollm2("float32")),
 }
 

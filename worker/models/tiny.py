@@ -1,6 +1,7 @@
 """Random-weight llama / qwen3 models for fast, offline engine tests.
 
-Sizes: ``small`` ≈ 27M parameters (vocab 4096), ``medium`` ≈ 197M (vocab 8192); float32, tied
+Sizes: ``micro`` ≈ 0.6M parameters (host-bound serving, for benchmarks), ``small`` ≈ 27M
+(vocab 4096), ``medium`` ≈ 197M (vocab 8192); float32, tied
 embeddings. Weights are drawn from N(0, 0.02) (norms are ones) with one PRNG key per parameter
 split from a fixed seed, so two builds are bit-identical. The tokenizer is trained locally
 (:mod:`worker.models.tiny_tokenizer`) and carries a ChatML chat template.
@@ -39,6 +40,7 @@ class Shape:
 
 
 SHAPES: dict[str, Shape] = {
+    "micro": Shape(hidden=64, layers=1, intermediate=128, heads=2, kv_heads=1, vocab=4096),
     "small": Shape(hidden=512, layers=8, intermediate=1536, heads=8, kv_heads=4, vocab=4096),
     "medium": Shape(hidden=1024, layers=16, intermediate=2816, heads=16, kv_heads=8, vocab=8192),
 }
