@@ -82,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--max-tokens", type=int, default=8)
     prefix.add_argument("--restored-from", default=None, help=argparse.SUPPRESS)
 
+    publish = bench_commands.add_parser(
+        "publish", help="worker CPU per published delta: one script call per step vs per event"
+    )
+    publish.add_argument("--batch", default="1,8,32,128", help="streams, comma-separated")
+    publish.add_argument("--events", type=int, default=4096, help="events per measurement")
+    publish.add_argument("--repeat", type=int, default=5, help="rotations of both paths")
+    publish.add_argument("--redis-url", default=None, help="default: a private redis-server")
+
     demo = commands.add_parser("demo", help="stream a few concurrent generations")
     demo.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
     demo.add_argument("--max-tokens", type=int, default=48)
@@ -149,6 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from worker.bench.e2e_bench import run_e2e_bench
 
         return run_e2e_bench(args)
+    if args.command == "bench" and args.bench_command == "publish":
+        from worker.bench.publish_bench import run_publish_bench
+
+        return run_publish_bench(args)
     if args.command == "bench" and args.bench_command == "prefix":
         from worker.bench.prefix_bench import run_prefix_bench
 

@@ -232,10 +232,7 @@ class EventPublisher:
     async def _flush_once(self) -> None:
         batch = self._failed or self._number(self._take_drafts())
         self._failed = batch  # until Redis confirms it, it is the batch to resend
-        script_keys, script_args = publish_call(self.keys, [e for _, e in batch], self.log_ttl)
-        results = await self.redis.eval(
-            PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args
-        )
+        results = await self._send([event for _, event in batch])
         self._failed = []
         self.round_trips += 1
         self.events_published += len(batch)
@@ -251,6 +248,14 @@ class EventPublisher:
             self.abandon(request_id)
             if self.on_fenced is not None:
                 self.on_fenced(request_id)
+
+    async def _send(self, events: list[Event]) -> list[int]:
+        """One round trip: 1 (written) or 0 (fenced) per event."""
+        script_keys, script_args = publish_call(self.keys, events, self.log_ttl)
+        written: list[int] = await self.redis.eval(
+            PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args
+        )
+        return written
 
     def _take_drafts(self) -> list[_Draft]:
         drafts, self._drafts = self._drafts, []
