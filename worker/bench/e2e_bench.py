@@ -19,6 +19,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from protocol.client import Client
 from protocol.messages import DeltaEvent, DoneEvent
@@ -42,6 +43,8 @@ class Run:
     ttfts: list[float]
     latencies: list[float]
     round_trips_per_step: float | None = None
+    # CPU µs per delivered token of each process (user + system), where /proc tells.
+    cpu_per_token: dict[str, float] | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -89,13 +92,37 @@ async def _worker_counters(client: Client) -> tuple[int, int]:
     return int(publisher.get("steps", 0)), int(publisher.get("round_trips", 0))
 
 
-def run_e2e(url: str, prefix: str, prompts: list[list[int]], max_tokens: int) -> Run:
+def _process_cpu(pid: int) -> float | None:
+    """User + system CPU seconds of a process, from /proc (Linux); None where there is none."""
+    try:
+        after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_of(pids: dict[str, int]) -> dict[str, float | None]:
+    return {name: _process_cpu(pid) for name, pid in pids.items()}
+
+
+def run_e2e(
+    url: str, prefix: str, prompts: list[list[int]], max_tokens: int, worker_pid: int
+) -> Run:
     async def scenario() -> Run:
         async with Client(url, prefix=prefix) as client:
+            server = await client.redis.info("server")
+            pids = {"worker": worker_pid, "Redis": int(server["process_id"]), "client": os.getpid()}
             steps_before, trips_before = await _worker_counters(client)
+            cpu_before = _cpu_of(pids)
             tokens, ttfts, latencies, seconds = await _through_redis(client, prompts, max_tokens)
+            cpu_after = _cpu_of(pids)
             steps_after, trips_after = await _worker_counters(client)
         steps = steps_after - steps_before
+        cpu = {
+            name: (after - before) / tokens * 1e6
+            for name, before in cpu_before.items()
+            if before is not None and (after := cpu_after[name]) is not None and tokens
+        }
         return Run(
             "end to end (Redis + worker + client)",
             len(prompts),
@@ -104,6 +131,7 @@ def run_e2e(url: str, prefix: str, prompts: list[list[int]], max_tokens: int) ->
             ttfts,
             latencies,
             (trips_after - trips_before) / steps if steps else None,
+            cpu or None,
         )
 
     return asyncio.run(scenario())
@@ -166,13 +194,15 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
         try:
             asyncio.run(_wait_ready(url, prefix, process))
             warmup = make_prompts(tokenizer, 2, args.prompt_tokens, seed=999)
-            run_e2e(url, prefix, warmup, 8)
+            run_e2e(url, prefix, warmup, 8, process.pid)
             run_engine_async(engine, warmup, 8)
             for level in args.levels:
                 prompts = make_prompts(tokenizer, level, args.prompt_tokens, seed=level)
                 level_runs: list[list[Run]] = [[], [], []]
                 for _ in range(args.repeat):  # rotate: drift hits every path alike
-                    level_runs[0].append(run_e2e(url, prefix, prompts, args.max_tokens))
+                    level_runs[0].append(
+                        run_e2e(url, prefix, prompts, args.max_tokens, process.pid)
+                    )
                     level_runs[1].append(
                         _from_path(run_engine_async(engine, prompts, args.max_tokens))
                     )
@@ -232,4 +262,12 @@ def format_e2e(runs: list[list[Run]], args: argparse.Namespace) -> str:
             f"concurrency {e2e[0].concurrency}: end-to-end / engine alone tok/s = "
             f"{ratio(e2e, engine):.3f}; engine / raw BatchGenerator = {ratio(engine, raw):.3f}"
         )
+        shares = [r.cpu_per_token for r in e2e if r.cpu_per_token]
+        if shares:
+            lines.append(
+                "  end to end, CPU µs per delivered token: "
+                + ", ".join(
+                    f"{name} {statistics.median(s[name] for s in shares):.0f}" for name in shares[0]
+                )
+            )
     return "\n".join(lines)
