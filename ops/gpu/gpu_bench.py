@@ -2,7 +2,8 @@
 (MLX's CUDA backend), with random-weight models of real shapes built on the device.
 
 For each shape: bf16 weights; decode tokens/s at each batch size for raw ``BatchGenerator`` and
-for ``EngineCore.generate_batch_sync`` (which also detokenizes every token); and the batch-1
+for ``EngineCore.generate_batch_sync`` (which also detokenizes every token) and for the
+daemon's streamed path (``add_request`` + ``stream_outputs``, one output per token); and the batch-1
 step time against the memory-bandwidth floor (weight bytes / measured copy bandwidth).
 Run by ops/gpu/run.sh on the lent machine; prints a markdown table.
 """
@@ -10,6 +11,7 @@ Run by ops/gpu/run.sh on the lent machine; prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 from typing import Any
@@ -143,6 +145,31 @@ def engine_decode(engine: EngineCore, batch: list[list[int]], max_tokens: int) -
     return tokens / (end - start - first)
 
 
+def engine_stream_decode(engine: EngineCore, batch: list[list[int]], max_tokens: int) -> float:
+    """The daemon's path: add_request + stream_outputs, an output for every token."""
+
+    async def scenario() -> float:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        first: list[float] = []
+        tokens = 0
+
+        async def consume(request_id: str) -> None:
+            nonlocal tokens
+            async for output in engine.stream_outputs(request_id):
+                if output.new_token_ids:
+                    if not first:
+                        first.append(time.perf_counter())
+                    tokens += len(output.new_token_ids)
+
+        ids = [await engine.add_request(prompt, params) for prompt in batch]
+        await asyncio.gather(*(consume(request_id) for request_id in ids))
+        end = time.perf_counter()
+        await engine.stop()
+        return (tokens - len(batch)) / (end - first[0])
+
+    return asyncio.run(scenario())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="0.5B,1.5B,8B")
@@ -168,22 +195,25 @@ def main() -> None:
         warm = prompts(2, args.prompt_tokens, SHAPES[name]["vocab_size"], 0)
         raw_decode(model, warm, 8)
         engine_decode(engine, warm, 8)
+        engine_stream_decode(engine, warm, 8)
         for batch in batches:
             data = prompts(batch, args.prompt_tokens, SHAPES[name]["vocab_size"], batch)
-            raw, ours = [], []
-            for _ in range(args.repeat):  # alternate: drift hits both alike
+            raw, ours, streamed = [], [], []
+            for _ in range(args.repeat):  # alternate: drift hits every path alike
                 raw.append(raw_decode(model, data, args.max_tokens))
                 ours.append(engine_decode(engine, data, args.max_tokens))
-            raw_med, ours_med = sorted(raw)[len(raw) // 2], sorted(ours)[len(ours) // 2]
-            ratio = sorted(o / r for o, r in zip(ours, raw, strict=True))[len(raw) // 2]
+                streamed.append(engine_stream_decode(engine, data, args.max_tokens))
             row = {
                 "shape": name,
                 "params": weight_bytes / 2,
                 "batch": batch,
-                "raw_tok_s": raw_med,
-                "engine_tok_s": ours_med,
-                "ratio": ratio,
+                "raw_tok_s": _median(raw),
+                "engine_tok_s": _median(ours),
+                "ratio": _median([o / r for o, r in zip(ours, raw, strict=True)]),
+                "stream_tok_s": _median(streamed),
+                "stream_ratio": _median([s / r for s, r in zip(streamed, raw, strict=True)]),
             }
+            raw_med, ours_med = row["raw_tok_s"], row["engine_tok_s"]
             if batch == 1:
                 floor_ms = weight_bytes / bandwidth * 1e3
                 row["step_ms"] = 1e3 / raw_med
@@ -197,20 +227,26 @@ def main() -> None:
     print()
     print(
         "| shape | batch | raw BatchGenerator tok/s | engine tok/s | engine / raw |"
+        " streamed tok/s | streamed / raw |"
         " batch-1 step ms (raw / engine) | floor ms | floor / engine step |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         step = f"{r['step_ms']:.2f} / {r['engine_step_ms']:.2f}" if "step_ms" in r else ""
         floor = f"{r['floor_ms']:.2f}" if "floor_ms" in r else ""
         eff = f"{r['floor_ms'] / r['engine_step_ms']:.0%}" if "floor_ms" in r else ""
         print(
             f"| {r['shape']} | {r['batch']} | {r['raw_tok_s']:.0f} | {r['engine_tok_s']:.0f} "
-            f"| {r['ratio']:.3f} | {step} | {floor} | {eff} |"
+            f"| {r['ratio']:.3f} | {r['stream_tok_s']:.0f} | {r['stream_ratio']:.3f} "
+            f"| {step} | {floor} | {eff} |"
         )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"bandwidth": bandwidth, "rows": rows}, handle, indent=1)
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 if __name__ == "__main__":
