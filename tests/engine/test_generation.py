@@ -245,6 +245,11 @@ def test_stream_interval_coalesces_without_losing_tokens(tiny_model: Any) -> Non
     assert [t for o in outputs for t in o.new_token_ids] == final.output_token_ids
     assert "".join(o.new_text for o in outputs) == final.output_text
     assert [o.completion_tokens for o in outputs] == [3, 6, 9, 10]
+    # Each output's cumulative fields stay what they were when it was made (read after the
+    # request has finished): the deltas up to it, never the tokens that came later.
+    for i, output in enumerate(outputs):
+        assert output.output_token_ids == [t for o in outputs[: i + 1] for t in o.new_token_ids]
+        assert output.output_text == "".join(o.new_text for o in outputs[: i + 1])
 
 
 def test_sixty_four_concurrent_requests_all_finish(tiny_model: Any) -> None:
@@ -273,3 +278,5 @@ def test_sixty_four_concurrent_requests_all_finish(tiny_model: Any) -> None:
         assert final.completion_tokens == 4 + i % 9
     assert stats["active_requests"] == 0 and stats["num_running"] == 0
     assert stats["num_waiting"] == 0 and stats["requests"] == []
+    # The step time splits into the model's share and the engine's own host work.
+    assert 0 < stats["model_seconds"] < stats["step_seconds"]

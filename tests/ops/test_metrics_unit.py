@@ -23,6 +23,8 @@ class FakeEngine:
             "steps_executed": 42,
             "total_completion_tokens": 300,
             "engine_thread_cpu_seconds": 1.5,
+            "step_seconds": 2.0,
+            "model_seconds": 1.75,
         }
 
     def get_cache_stats(self) -> dict[str, Any] | None:
@@ -65,6 +67,8 @@ def test_refresh_copies_the_sources() -> None:
     assert found["mlxw_tokens_generated_total"] == 300
     assert found["mlxw_engine_steps_total"] == 42
     assert found["mlxw_engine_thread_cpu_seconds_total"] == 1.5
+    assert found["mlxw_engine_step_seconds_total"] == 2.0
+    assert found["mlxw_engine_model_seconds_total"] == 1.75
     assert found["mlxw_redis_round_trips_total"] == 17
     assert found["mlxw_group_lag"] == 3
     assert found["mlxw_group_pending"] == 2

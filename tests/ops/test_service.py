@@ -138,6 +138,8 @@ METRIC_SAMPLES = (
     "mlxw_group_pending",
     "mlxw_engine_steps_total",
     "mlxw_engine_thread_cpu_seconds_total",
+    "mlxw_engine_step_seconds_total",
+    "mlxw_engine_model_seconds_total",
     "mlxw_prefix_cache_hit_rate",
     "mlxw_redis_round_trips_total",
 )

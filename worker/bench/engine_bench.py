@@ -4,8 +4,10 @@ For each concurrency N, N requests arrive together (t0) and each path generates 
 tokens: sequential ``mlx_lm.stream_generate`` (one request after another), raw mlx-lm
 ``BatchGenerator``, our ``generate_batch_sync``, and our async path (``add_request`` one after
 another, then ``stream_outputs``). Reported: generated tokens per second of wall time, and the
-average / p95 time to first token measured from t0. The prefix cache is off so no path reuses
-another's prompts.
+average / p95 time to first token measured from t0, and for our paths the engine's own host
+time per token (engine-thread step time outside ``BatchGenerator.next``: scheduling,
+detokenizing, outputs), the part of a step raw mlx-lm does not pay. The prefix cache is off so no
+path reuses another's prompts.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class PathResult:
     tokens: int
     seconds: float
     ttfts: list[float]
+    engine_host_us: float | None = None  # engine's own host µs per token (our paths only)
 
     @property
     def tokens_per_second(self) -> float:
@@ -115,7 +118,16 @@ def run_batch_generator(
     )
 
 
+def engine_host_us(before: dict[str, Any], after: dict[str, Any]) -> float:
+    """The engine's own host µs per generated token between two ``get_stats()`` snapshots."""
+    tokens = after["total_completion_tokens"] - before["total_completion_tokens"]
+    model = after["model_seconds"] - before["model_seconds"]
+    steps = after["step_seconds"] - before["step_seconds"]
+    return float(steps - model) / max(int(tokens), 1) * 1e6
+
+
 def run_engine_sync(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> PathResult:
+    before = engine.get_stats()
     start = time.perf_counter()
     outputs = engine.generate_batch_sync(
         list(prompts), SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -123,12 +135,20 @@ def run_engine_sync(engine: EngineCore, prompts: list[list[int]], max_tokens: in
     seconds = time.perf_counter() - start
     tokens = sum(o.completion_tokens for o in outputs)
     ttfts = [o.ttft for o in outputs if o.ttft is not None]
-    return PathResult("engine generate_batch_sync", len(prompts), tokens, seconds, ttfts)
+    return PathResult(
+        "engine generate_batch_sync",
+        len(prompts),
+        tokens,
+        seconds,
+        ttfts,
+        engine_host_us(before, engine.get_stats()),
+    )
 
 
 def run_engine_async(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> PathResult:
     async def scenario() -> PathResult:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        before = engine.get_stats()
         start = time.perf_counter()
         first_token: list[float] = []
         tokens = 0
@@ -147,7 +167,12 @@ def run_engine_async(engine: EngineCore, prompts: list[list[int]], max_tokens: i
         seconds = time.perf_counter() - start
         await engine.stop()
         return PathResult(
-            "engine add_request + stream_outputs", len(prompts), tokens, seconds, first_token
+            "engine add_request + stream_outputs",
+            len(prompts),
+            tokens,
+            seconds,
+            first_token,
+            engine_host_us(before, engine.get_stats()),
         )
 
     return asyncio.run(scenario())
@@ -201,19 +226,21 @@ def _median(values: list[float]) -> float:
 def format_table(runs: list[list[PathResult]]) -> str:
     lines = [
         "| concurrency | path | tokens | tok/s (min–max) | decode tok/s | TTFT avg (ms) "
-        "| TTFT p95 (ms) |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| TTFT p95 (ms) | engine own host µs/token |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for repeats in runs:
         first = repeats[0]
         speeds = [r.tokens_per_second for r in repeats]
+        host = [r.engine_host_us for r in repeats if r.engine_host_us is not None]
         spread = f" ({min(speeds):.0f}–{max(speeds):.0f})" if len(repeats) > 1 else ""
         lines.append(
             f"| {first.concurrency} | {first.path} | {first.tokens} | "
             f"{_median(speeds):.1f}{spread} | "
             f"{_median([r.decode_tokens_per_second for r in repeats]):.1f} | "
             f"{_median([r.ttft_avg for r in repeats]) * 1e3:.0f} | "
-            f"{_median([r.ttft_p95 for r in repeats]) * 1e3:.0f} |"
+            f"{_median([r.ttft_p95 for r in repeats]) * 1e3:.0f} | "
+            f"{f'{_median(host):.1f}' if host else '-'} |"
         )
     return "\n".join(lines)
 

@@ -54,6 +54,8 @@ class Snapshot:
     tokens_generated: int = 0
     engine_steps: int = 0
     engine_thread_cpu_seconds: float = 0.0
+    engine_step_seconds: float = 0.0
+    engine_model_seconds: float = 0.0
     redis_round_trips: int = 0
     # None when Redis could not be asked (down) or did not know (``lag`` can be NULL).
     group_lag: int | None = None
@@ -134,6 +136,8 @@ class Metrics:
             tokens_generated=int(engine.get("total_completion_tokens", 0)),
             engine_steps=int(engine.get("steps_executed", 0)),
             engine_thread_cpu_seconds=float(engine.get("engine_thread_cpu_seconds", 0.0)),
+            engine_step_seconds=float(engine.get("step_seconds", 0.0)),
+            engine_model_seconds=float(engine.get("model_seconds", 0.0)),
             redis_round_trips=self.publisher.round_trips,
             group_lag=lag,
             group_pending=pending,
@@ -178,6 +182,17 @@ def _families(snapshot: Snapshot) -> Iterator[Metric]:
         "mlxw_engine_thread_cpu_seconds",
         "CPU time of the engine thread; near 1 s per second means serving is host-bound.",
         value=snapshot.engine_thread_cpu_seconds,
+    )
+    yield CounterMetricFamily(
+        "mlxw_engine_step_seconds",
+        "Wall time of engine steps.",
+        value=snapshot.engine_step_seconds,
+    )
+    yield CounterMetricFamily(
+        "mlxw_engine_model_seconds",
+        "Of the engine step time, the part inside mlx-lm's BatchGenerator (model, sampling,"
+        " device wait); the rest is the engine's own host work.",
+        value=snapshot.engine_model_seconds,
     )
     yield CounterMetricFamily(
         "mlxw_redis_round_trips",

@@ -284,6 +284,9 @@ class EngineCore:
             "uptime_seconds": uptime,
             "steps_executed": self._engine_loop.steps_executed,
             "engine_thread_cpu_seconds": self._engine_loop.cpu_seconds(),
+            # Of step_seconds, model_seconds (below) went to mlx-lm's BatchGenerator; the rest
+            # is the engine's own per-step and per-token host work.
+            "step_seconds": self._engine_loop.step_seconds,
             "active_requests": len(self._request_loops) + len(self._sync_batches),
             "stream_interval": self.config.stream_interval,
             "requests": self.scheduler.get_running_requests_info(),

@@ -51,6 +51,7 @@ class EngineLoop:
         self._stop_reason: tuple[str, str | None] | None = None
         self._memory_threshold = _memory_threshold(config.gpu_memory_utilization)
         self.steps_executed = 0
+        self.step_seconds = 0.0
         self.consecutive_failures = 0
         self.last_error: str | None = None
         self.fatal_error: str | None = None
@@ -181,6 +182,7 @@ class EngineLoop:
             return commands
 
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             output = self._scheduler.step()
             self.consecutive_failures = 0
@@ -198,6 +200,7 @@ class EngineLoop:
             mx.clear_cache()
         if output.outputs:
             self._deliver(output)
+        self.step_seconds += time.perf_counter() - started
 
     def _shutdown(self, reason: str, message: str | None) -> None:
         try:

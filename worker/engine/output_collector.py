@@ -50,13 +50,16 @@ class RequestOutputCollector:
 
 @dataclass(slots=True)
 class RequestStreamState:
-    """Emit every ``stream_interval`` tokens, and always the final output."""
+    """Emit every ``stream_interval`` tokens, and always the final output; remembers how much of
+    the request's transcript (tokens, text pieces) the outputs so far have carried."""
 
     stream_interval: int = 1
     sent_tokens: int = 0
+    sent_text_parts: int = 0
 
     def should_send(self, completion_tokens: int, finished: bool) -> bool:
         return finished or completion_tokens - self.sent_tokens >= self.stream_interval
 
-    def mark_sent(self, completion_tokens: int) -> None:
+    def mark_sent(self, completion_tokens: int, text_parts: int = 0) -> None:
         self.sent_tokens = completion_tokens
+        self.sent_text_parts = text_parts

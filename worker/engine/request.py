@@ -124,20 +124,32 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class Transcript:
+    """A request's generated tokens and text pieces, append-only.
+
+    Every output of the request shares it and reads the prefix that existed when it was made,
+    so making an output costs the same at token 4,000 as at token 4 (no cumulative copies).
+    Appended to by the engine thread only; a prefix never changes once written.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """One streamed update for a request.
 
     ``new_text``/``new_token_ids``/``logprobs`` are the delta since the previous output;
-    ``output_text``/``output_token_ids`` are cumulative (fresh copies, safe to keep).
-    ``ttft`` is seconds from arrival to the first token; ``tokens_per_second`` is the decode
-    rate so far. ``error`` carries the message when ``finish_reason == "error"``.
+    ``output_text``/``output_token_ids`` are cumulative, built on access from the request's
+    transcript (fresh copies, safe to keep). ``ttft`` is seconds from arrival to the first
+    token; ``tokens_per_second`` is the decode rate so far. ``error`` carries the message when
+    ``finish_reason == "error"``.
     """
 
     request_id: str
     new_text: str = ""
-    output_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
     prompt_tokens: int = 0
@@ -147,6 +159,20 @@ class RequestOutput:
     tokens_per_second: float = 0.0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    transcript: Transcript | None = field(default=None, repr=False, compare=False)
+    text_parts: int = field(default=0, repr=False, compare=False)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        if self.transcript is None:
+            return []
+        return self.transcript.token_ids[: self.completion_tokens]
+
+    @property
+    def output_text(self) -> str:
+        if self.transcript is None:
+            return ""
+        return "".join(self.transcript.text_parts[: self.text_parts])
 
     @property
     def text(self) -> str:
@@ -176,8 +202,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     first_token_time: float | None = None
-    output_token_ids: list[int] = field(default_factory=list)
-    output_text: str = ""
+    transcript: Transcript = field(default_factory=Transcript)
     cached_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -187,5 +212,13 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def output_token_ids(self) -> list[int]:
+        return self.transcript.token_ids
+
+    @property
+    def output_text(self) -> str:
+        return "".join(self.transcript.text_parts)
+
+    @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.transcript.token_ids)

@@ -58,8 +58,6 @@ class _Sequence:
     text: TextStream
     stream_state: RequestStreamState
     uid: int | None = None
-    pending_text: str = ""
-    pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     failure: BaseException | None = None
 
@@ -90,6 +88,9 @@ class Scheduler:
         self.total_prompt_tokens = 0
         self.total_completion_tokens = 0
         self.batch_failures = 0
+        # Wall time inside BatchGenerator.next (model, sampling, waiting on the device): the
+        # rest of a step's time is the engine's own host work.
+        self.model_seconds = 0.0
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -161,11 +162,14 @@ class Scheduler:
         self._admit()
         generator = self._generator
         if generator is not None and self.running:
+            started = time.perf_counter()
             try:
                 _, responses = generator.next()
             except Exception as exc:
                 self._fail_batch(exc)
                 return self._take_finished()
+            finally:
+                self.model_seconds += time.perf_counter() - started
             for response in responses:
                 sequence = self.running.get(response.uid)
                 if sequence is not None:
@@ -207,36 +211,39 @@ class Scheduler:
         self.running[uid] = sequence
 
     def _on_token(self, sequence: _Sequence, response: Any) -> None:
+        # Runs for every token of every sequence: kept to the few operations each token needs.
         request = sequence.request
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
-        released = response.finish_reason is not None  # the generator has let it go
+        reason = response.finish_reason  # not None: the generator has let the sequence go
         try:
             stopped_by_text = False
             # A "stop" from the generator is a stop token (EOS or stop_token_ids): not output.
-            if response.finish_reason != "stop":
+            if reason != "stop":
                 token = int(response.token)
-                request.output_token_ids.append(token)
-                sequence.pending_ids.append(token)
+                transcript = request.transcript
+                transcript.token_ids.append(token)
                 if request.sampling_params.logprobs is not None:
                     sequence.pending_logprobs.append(
                         _token_logprob(response.logprobs, token, request.sampling_params.logprobs)
                     )
-                self._add_text(sequence, sequence.text.add_token(token))
+                text = sequence.text.add_token(token)
+                if text:
+                    transcript.text_parts.append(text)
                 stopped_by_text = sequence.text.stopped
-            if released and response.prompt_cache:
+            if reason is not None and response.prompt_cache:
                 self._remember(request, list(response.all_tokens), response.prompt_cache)
         except Exception as exc:
             sequence.fail(exc)
         if sequence.failure is not None:
             self._finish(
-                sequence, "error", error=_describe(sequence.failure), in_generator=not released
+                sequence, "error", error=_describe(sequence.failure), in_generator=reason is None
             )
-        elif released:
-            self._finish(sequence, response.finish_reason, in_generator=False)
+        elif reason is not None:
+            self._finish(sequence, reason, in_generator=False)
         elif stopped_by_text:
             self._finish(sequence, "stop")
-        elif sequence.stream_state.should_send(request.num_output_tokens, False):
+        elif sequence.stream_state.should_send(len(request.transcript.token_ids), False):
             self._emit(sequence)
 
     # -- finishing ---------------------------------------------------------------------------
@@ -260,7 +267,9 @@ class Scheduler:
             self.waiting.remove(sequence)
         self._requests.pop(request.request_id, None)
         if reason != "error":
-            self._add_text(sequence, sequence.text.finish())
+            text = sequence.text.finish()
+            if text:
+                request.transcript.text_parts.append(text)
         request.status = RequestStatus.for_finish_reason(reason)
         request.finish_reason = reason
         request.error = error
@@ -303,24 +312,22 @@ class Scheduler:
         if generator is not None:
             generator.close()
 
-    def _add_text(self, sequence: _Sequence, text: str) -> None:
-        if text:
-            sequence.request.output_text += text
-            sequence.pending_text += text
-
     def _emit(self, sequence: _Sequence, finished: bool = False) -> None:
         request = sequence.request
-        now = time.monotonic()
+        transcript = request.transcript
+        state = sequence.stream_state
+        completion = len(transcript.token_ids)
+        parts = len(transcript.text_parts)
         first = request.first_token_time
-        decode_seconds = now - first if first is not None else 0.0
-        completion = request.num_output_tokens
+        decode_seconds = time.monotonic() - first if first is not None else 0.0
+        logprobs = None
+        if request.sampling_params.logprobs is not None:
+            logprobs, sequence.pending_logprobs = sequence.pending_logprobs, []
         self._finished.outputs.append(
             RequestOutput(
                 request_id=request.request_id,
-                new_text=sequence.pending_text,
-                output_text=request.output_text,
-                new_token_ids=sequence.pending_ids,
-                output_token_ids=list(request.output_token_ids),
+                new_text="".join(transcript.text_parts[state.sent_text_parts : parts]),
+                new_token_ids=transcript.token_ids[state.sent_tokens : completion],
                 finished=finished,
                 finish_reason=request.finish_reason if finished else None,
                 prompt_tokens=request.num_prompt_tokens,
@@ -330,16 +337,13 @@ class Scheduler:
                 tokens_per_second=(
                     max(completion - 1, 0) / decode_seconds if decode_seconds > 0 else 0.0
                 ),
-                logprobs=sequence.pending_logprobs
-                if request.sampling_params.logprobs is not None
-                else None,
+                logprobs=logprobs,
                 error=request.error if finished else None,
+                transcript=transcript,
+                text_parts=parts,
             )
         )
-        sequence.pending_text = ""
-        sequence.pending_ids = []
-        sequence.pending_logprobs = []
-        sequence.stream_state.mark_sent(completion)
+        state.mark_sent(completion, parts)
 
     def _take_finished(self) -> SchedulerOutput:
         finished, self._finished = self._finished, SchedulerOutput()
@@ -374,6 +378,7 @@ class Scheduler:
             "total_prompt_tokens": self.total_prompt_tokens,
             "total_completion_tokens": self.total_completion_tokens,
             "batch_failures": self.batch_failures,
+            "model_seconds": self.model_seconds,
         }
 
     def get_running_requests_info(self) -> list[dict[str, Any]]:

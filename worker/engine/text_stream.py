@@ -29,8 +29,12 @@ class TextStream:
 
         Sets ``stopped`` when a stop string completed; the returned text then ends before it.
         """
-        self._detokenizer.add_token(token)
-        return self._filter(self._detokenizer.last_segment)
+        detokenizer = self._detokenizer
+        detokenizer.add_token(token)
+        segment: str = detokenizer.last_segment
+        if self._machine is None or not segment:
+            return segment
+        return self._filter(segment)
 
     def finish(self) -> str:
         """Flush held-back text at the end of generation (EOS, length, abort)."""
