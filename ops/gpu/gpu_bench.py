@@ -1,10 +1,12 @@
 """Decode throughput of our engine against raw mlx-lm BatchGenerator on an NVIDIA GPU
 (MLX's CUDA backend), with random-weight models of real shapes built on the device.
 
-For each shape: bf16 weights; decode tokens/s at each batch size for raw ``BatchGenerator`` and
-for ``EngineCore.generate_batch_sync`` (which also detokenizes every token) and for the
-daemon's streamed path (``add_request`` + ``stream_outputs``, one output per token); and the batch-1
-step time against the memory-bandwidth floor (weight bytes / measured copy bandwidth).
+For each shape: bf16 weights; decode tokens/s at each batch size for raw ``BatchGenerator``, for
+``EngineCore.generate_batch_sync`` (which also detokenizes every token) and for the daemon's
+streamed path (``add_request`` + ``stream_outputs``, one output per token); the engine's own host
+time per token (its step time outside ``BatchGenerator.next``, from ``get_stats``), which is
+what separates it from raw when a step is host-bound; and the batch-1 step time against the
+memory-bandwidth floor (weight bytes / measured copy bandwidth).
 Run by ops/gpu/run.sh on the lent machine; prints a markdown table.
 """
 
@@ -134,6 +136,20 @@ def raw_decode(model: Any, batch: list[list[int]], max_tokens: int) -> float:
     return tokens / (time.perf_counter() - first)
 
 
+def own_host_time(
+    path: Any, engine: EngineCore, batch: list[list[int]], max_tokens: int
+) -> tuple[float, float]:
+    """``path``'s tokens/s and the engine's own host µs per generated token meanwhile."""
+    before = engine.get_stats()
+    rate: float = path(engine, batch, max_tokens)
+    after = engine.get_stats()
+    tokens = after["total_completion_tokens"] - before["total_completion_tokens"]
+    own = (after["step_seconds"] - before["step_seconds"]) - (
+        after["model_seconds"] - before["model_seconds"]
+    )
+    return rate, own / max(tokens, 1) * 1e6
+
+
 def engine_decode(engine: EngineCore, batch: list[list[int]], max_tokens: int) -> float:
     start = time.perf_counter()
     outputs = engine.generate_batch_sync(
@@ -176,7 +192,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", default=None)
     parser.add_argument("--copy-gib", type=float, default=4.0)
     args = parser.parse_args()
@@ -198,11 +214,15 @@ def main() -> None:
         engine_stream_decode(engine, warm, 8)
         for batch in batches:
             data = prompts(batch, args.prompt_tokens, SHAPES[name]["vocab_size"], batch)
-            raw, ours, streamed = [], [], []
+            raw, ours, streamed, ours_own, streamed_own = [], [], [], [], []
             for _ in range(args.repeat):  # alternate: drift hits every path alike
                 raw.append(raw_decode(model, data, args.max_tokens))
-                ours.append(engine_decode(engine, data, args.max_tokens))
-                streamed.append(engine_stream_decode(engine, data, args.max_tokens))
+                rate, own = own_host_time(engine_decode, engine, data, args.max_tokens)
+                ours.append(rate)
+                ours_own.append(own)
+                rate, own = own_host_time(engine_stream_decode, engine, data, args.max_tokens)
+                streamed.append(rate)
+                streamed_own.append(own)
             row = {
                 "shape": name,
                 "params": weight_bytes / 2,
@@ -212,6 +232,13 @@ def main() -> None:
                 "ratio": _median([o / r for o, r in zip(ours, raw, strict=True)]),
                 "stream_tok_s": _median(streamed),
                 "stream_ratio": _median([s / r for s, r in zip(streamed, raw, strict=True)]),
+                "raw_us_per_token": 1e6 / _median(raw),
+                "engine_own_us_per_token": _median(ours_own),
+                "stream_own_us_per_token": _median(streamed_own),
+                # Every rotation, to show the spread the medians hide.
+                "raw_all": raw,
+                "engine_all": ours,
+                "stream_all": streamed,
             }
             raw_med, ours_med = row["raw_tok_s"], row["engine_tok_s"]
             if batch == 1:
@@ -227,10 +254,11 @@ def main() -> None:
     print()
     print(
         "| shape | batch | raw BatchGenerator tok/s | engine tok/s | engine / raw |"
-        " streamed tok/s | streamed / raw |"
+        " streamed tok/s | streamed / raw | raw µs/token |"
+        " engine own µs/token (sync / streamed) |"
         " batch-1 step ms (raw / engine) | floor ms | floor / engine step |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         step = f"{r['step_ms']:.2f} / {r['engine_step_ms']:.2f}" if "step_ms" in r else ""
         floor = f"{r['floor_ms']:.2f}" if "floor_ms" in r else ""
@@ -238,6 +266,8 @@ def main() -> None:
         print(
             f"| {r['shape']} | {r['batch']} | {r['raw_tok_s']:.0f} | {r['engine_tok_s']:.0f} "
             f"| {r['ratio']:.3f} | {r['stream_tok_s']:.0f} | {r['stream_ratio']:.3f} "
+            f"| {r['raw_us_per_token']:.1f} "
+            f"| {r['engine_own_us_per_token']:.1f} / {r['stream_own_us_per_token']:.1f} "
             f"| {step} | {floor} | {eff} |"
         )
     if args.json:

@@ -48,8 +48,11 @@ class PerEventPublisher(EventPublisher):
         return [reply[0] for reply in replies]
 
 
-def publishing(publisher: EventPublisher, batch: int, name: str) -> Step:
-    """The worker's path: the step listener, then the publisher's flush task sends it."""
+def publishing(
+    publisher: EventPublisher, batch: int, name: str, flushers: list[asyncio.Task[None]]
+) -> Step:
+    """The worker's path: the step listener, then the publisher's flush task (kept in
+    ``flushers``, for the caller to cancel) sends it."""
     outputs = [
         RequestOutput(request_id=f"{name}-{i}", new_text=" word", new_token_ids=[1234])
         for i in range(batch)
@@ -59,6 +62,7 @@ def publishing(publisher: EventPublisher, batch: int, name: str) -> Step:
     async def step() -> None:
         if not flusher:
             flusher.append(asyncio.create_task(publisher.run()))
+            flushers.append(flusher[0])
             for output in outputs:
                 publisher.open(output.request_id, attempt=1, first_seq=1, metadata=None)
         publisher.on_step(outputs)
@@ -85,14 +89,15 @@ async def bench(url: str, batches: list[int], steps: int, repeat: int) -> list[s
         "|---:|---|---:|---:|",
     ]
     ratios = []
+    flushers: list[asyncio.Task[None]] = []
     try:
         for batch in batches:
             paths = {
                 "shipped (one script call per step)": publishing(
-                    EventPublisher(redis, keys, LOG_TTL), batch, f"shipped{batch}"
+                    EventPublisher(redis, keys, LOG_TTL), batch, f"shipped{batch}", flushers
                 ),
                 "baseline (one script call per event)": publishing(
-                    PerEventPublisher(redis, keys, LOG_TTL), batch, f"baseline{batch}"
+                    PerEventPublisher(redis, keys, LOG_TTL), batch, f"baseline{batch}", flushers
                 ),
             }
             for step in paths.values():  # warm up: connections, script cache
@@ -112,9 +117,9 @@ async def bench(url: str, batches: list[int], steps: int, repeat: int) -> list[s
                 f"{statistics.median(b[0] / o[0] for o, b in zip(ours, base, strict=True)):.2f}x"
             )
     finally:
-        for task in asyncio.all_tasks():
-            if task is not asyncio.current_task():
-                task.cancel()
+        for task in flushers:
+            task.cancel()
+        await asyncio.gather(*flushers, return_exceptions=True)
         await redis.aclose()
     return [*rows, "", "Same run, paired rotations (median of per-rotation ratios):", *ratios]
 
