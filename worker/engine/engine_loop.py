@@ -198,9 +198,12 @@ class EngineLoop:
             mx.get_active_memory() + mx.get_cache_memory() > self._memory_threshold
         ):
             mx.clear_cache()
+        # Counted before the hand-off too, so a caller holding a step's outputs sees its time.
+        handed_off = time.perf_counter()
+        self.step_seconds += handed_off - started
         if output.outputs:
             self._deliver(output)
-        self.step_seconds += time.perf_counter() - started
+            self.step_seconds += time.perf_counter() - handed_off
 
     def _shutdown(self, reason: str, message: str | None) -> None:
         try:
