@@ -90,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--repeat", type=int, default=5, help="rotations of both paths")
     publish.add_argument("--redis-url", default=None, help="default: a private redis-server")
 
+    scheduler = bench_commands.add_parser(
+        "scheduler", help="the engine's own host work per token, model replayed"
+    )
+    scheduler.add_argument("--model", default="tiny", help="whose tokenizer: tiny | smollm2 | …")
+    scheduler.add_argument("--sequences", type=int, default=128)
+    scheduler.add_argument("--tokens", type=int, default=256)
+    scheduler.add_argument("--repeat", type=int, default=7, help="rotations of all paths")
+
     demo = commands.add_parser("demo", help="stream a few concurrent generations")
     demo.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
     demo.add_argument("--max-tokens", type=int, default=48)
@@ -161,6 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from worker.bench.publish_bench import run_publish_bench
 
         return run_publish_bench(args)
+    if args.command == "bench" and args.bench_command == "scheduler":
+        from worker.bench.scheduler_bench import run_scheduler_bench
+
+        return run_scheduler_bench(args)
     if args.command == "bench" and args.bench_command == "prefix":
         from worker.bench.prefix_bench import run_prefix_bench
 
