@@ -25,6 +25,7 @@ from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
 import worker  # noqa: F401  (OpenBLAS on CPU; harmless on GPU)
+from worker.bench.engine_bench import engine_host_us
 from worker.engine import EngineConfig, EngineCore, SamplingParams, SchedulerConfig
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -142,12 +143,7 @@ def own_host_time(
     """``path``'s tokens/s and the engine's own host µs per generated token meanwhile."""
     before = engine.get_stats()
     rate: float = path(engine, batch, max_tokens)
-    after = engine.get_stats()
-    tokens = after["total_completion_tokens"] - before["total_completion_tokens"]
-    own = (after["step_seconds"] - before["step_seconds"]) - (
-        after["model_seconds"] - before["model_seconds"]
-    )
-    return rate, own / max(tokens, 1) * 1e6
+    return rate, engine_host_us(before, engine.get_stats())
 
 
 def engine_decode(engine: EngineCore, batch: list[list[int]], max_tokens: int) -> float:

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import random
 import subprocess
 import sys
 from typing import Any
 
+from worker.bench.engine_bench import make_prompts
 from worker.bench.scheduler_bench import run_scheduler
-
-
-def _tokens(tokenizer: Any, sequences: int, length: int) -> list[list[int]]:
-    rng = random.Random(3)
-    eos = set(tokenizer.eos_token_ids)
-    vocab = [t for t in range(len(tokenizer.get_vocab())) if t not in eos]
-    return [[rng.choice(vocab) for _ in range(length)] for _ in range(sequences)]
 
 
 def test_replay_yields_one_output_per_token_or_per_request(tiny_model: Any) -> None:
     _, tokenizer = tiny_model
-    tokens = _tokens(tokenizer, 3, 16)
+    tokens = make_prompts(tokenizer, 3, 16, seed=3)
     # run_scheduler raises when the scheduler's outputs do not match the replayed tokens.
     assert run_scheduler(tokenizer, tokens, stream_interval=1) > 0
     assert run_scheduler(tokenizer, tokens, stream_interval=17) > 0

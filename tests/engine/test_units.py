@@ -57,7 +57,7 @@ def test_stream_state_sends_every_interval_and_always_the_end() -> None:
     sent = []
     for n in range(1, 9):
         if state.should_send(n, finished=n == 8):
-            state.mark_sent(n)
+            state.mark_sent(n, 0)
             sent.append(n)
     assert sent == [3, 6, 8]
 

@@ -57,12 +57,13 @@ def publishing(
         RequestOutput(request_id=f"{name}-{i}", new_text=" word", new_token_ids=[1234])
         for i in range(batch)
     ]
-    flusher: list[asyncio.Task[None]] = []
+    flusher: asyncio.Task[None] | None = None
 
     async def step() -> None:
-        if not flusher:
-            flusher.append(asyncio.create_task(publisher.run()))
-            flushers.append(flusher[0])
+        nonlocal flusher
+        if flusher is None:
+            flusher = asyncio.create_task(publisher.run())
+            flushers.append(flusher)
             for output in outputs:
                 publisher.open(output.request_id, attempt=1, first_seq=1, metadata=None)
         publisher.on_step(outputs)

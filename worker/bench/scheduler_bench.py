@@ -11,7 +11,6 @@ streaming detokenizer alone on the same tokens (work any server that returns tex
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import Any
 
 from mlx_lm.generate import GenerationBatch
 
+from worker.bench.engine_bench import make_prompts
 from worker.engine import Request, SamplingParams, Scheduler, SchedulerConfig
 from worker.models import load_model
 
@@ -84,10 +84,8 @@ def run_detokenizer(tokenizer: Any, tokens: list[list[int]]) -> float:
 
 def run_scheduler_bench(args: argparse.Namespace) -> int:
     _, tokenizer = load_model(args.model)
-    rng = random.Random(0)
-    special = set(getattr(tokenizer, "all_special_ids", ()) or ()) | set(tokenizer.eos_token_ids)
-    vocab = [t for t in range(len(tokenizer.get_vocab())) if t not in special]
-    tokens = [[rng.choice(vocab) for _ in range(args.tokens)] for _ in range(args.sequences)]
+    # Ordinary tokens, drawn like the engine bench's prompts: none of them ends a sequence.
+    tokens = make_prompts(tokenizer, args.sequences, args.tokens)
     paths: dict[str, Callable[[], float]] = {
         "mlx-lm streaming detokenizer alone (baseline)": lambda: run_detokenizer(tokenizer, tokens),
         "scheduler, one output per token": lambda: run_scheduler(tokenizer, tokens, 1),

@@ -60,6 +60,6 @@ class RequestStreamState:
     def should_send(self, completion_tokens: int, finished: bool) -> bool:
         return finished or completion_tokens - self.sent_tokens >= self.stream_interval
 
-    def mark_sent(self, completion_tokens: int, text_parts: int = 0) -> None:
+    def mark_sent(self, completion_tokens: int, text_parts: int) -> None:
         self.sent_tokens = completion_tokens
         self.sent_text_parts = text_parts
