@@ -13,13 +13,19 @@ import sys
 from collections.abc import Sequence
 from contextlib import aclosing
 from typing import Any, Final, TextIO
-from urllib.parse import urlsplit, urlunsplit
 
 import redis.exceptions
 
 from protocol.client import Client
+from protocol.connection import TOPOLOGIES, redact
 from protocol.constants import DEFAULT_CONTROL_TIMEOUT_SECONDS, DEFAULT_PREFIX, DEFAULT_REDIS_URL
-from protocol.errors import ControlTimeout, ProtocolError, RequestNotFound, StreamTimeout
+from protocol.errors import (
+    ControlTimeout,
+    ProtocolError,
+    RedisUnavailable,
+    RequestNotFound,
+    StreamTimeout,
+)
 from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, ResetEvent
 from protocol.rendering import (
     EXIT_CODES_HELP,
@@ -107,14 +113,16 @@ def run(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
         return _fail(ExitCode.NOT_FOUND, str(exc))
     except (StreamTimeout, ControlTimeout) as exc:
         return _fail(ExitCode.TIMEOUT, str(exc))
+    except RedisUnavailable as exc:
+        return _fail(ExitCode.USAGE, str(exc))
     except redis.exceptions.AuthenticationError:
         return _fail(
-            ExitCode.USAGE, f"cannot connect to Redis at {_redacted(url)}: authentication failed"
+            ExitCode.USAGE, f"cannot connect to Redis at {redact(url)}: authentication failed"
         )
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-        return _fail(ExitCode.USAGE, f"cannot connect to Redis at {_redacted(url)}: {exc}")
+        return _fail(ExitCode.USAGE, f"cannot connect to Redis at {redact(url)}: {exc}")
     except redis.exceptions.ResponseError as exc:
-        return _fail(ExitCode.USAGE, f"Redis at {_redacted(url)} refused a command: {exc}")
+        return _fail(ExitCode.USAGE, f"Redis at {redact(url)} refused a command: {exc}")
     except ProtocolError as exc:
         return _fail(ExitCode.USAGE, f"invalid message: {exc}")
     except ValueError as exc:
@@ -141,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _run(args: argparse.Namespace, out: TextIO) -> int:
-    async with Client(args.redis_url, prefix=args.prefix) as client:
+    async with Client(args.redis_url, prefix=args.prefix, topology=args.redis_topology) as client:
         if args.command == "submit":
             return await _submit(client, args, out)
         if args.command == "stream":
@@ -227,7 +235,17 @@ def _connection_options() -> argparse.ArgumentParser:
         "--redis-url",
         default=os.environ.get("MLXW_REDIS_URL", DEFAULT_REDIS_URL),
         # The default is not shown: it may come from the environment and hold a password.
-        help=f"rediss:// for TLS (default: $MLXW_REDIS_URL or {DEFAULT_REDIS_URL})",
+        help=(
+            "redis:// (a server or any Cluster node), rediss:// for TLS, or "
+            "redis+sentinel://host:port[,host:port…]/service_name[/db] "
+            f"(default: $MLXW_REDIS_URL or {DEFAULT_REDIS_URL})"
+        ),
+    )
+    options.add_argument(
+        "--redis-topology",
+        choices=TOPOLOGIES,
+        default=os.environ.get("MLXW_REDIS_TOPOLOGY", "auto"),
+        help="what a redis:// URL names; auto asks the server (env MLXW_REDIS_TOPOLOGY)",
     )
     options.add_argument(
         "--prefix",
@@ -259,20 +277,6 @@ def _note(text: str) -> None:
 def _fail(code: ExitCode, message: str) -> int:
     print(f"mlx-worker: {message}", file=sys.stderr, flush=True)
     return code
-
-
-def _redacted(url: str) -> str:
-    """The URL without its password, fit for an error message."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    except ValueError:
-        return "<the given URL>"
 
 
 if __name__ == "__main__":

@@ -1,20 +1,22 @@
 """The async client: submit jobs, follow their events, send control commands.
 
-One Client holds one connection pool; every method borrows from it. ``stream`` never loses,
-repeats or reorders an event (see `protocol.subscription`).
+One Client holds one connection pool (per node, on a Redis Cluster) and one pub/sub
+connection shared by all its streams, so it follows thousands of requests at once; at most
+``max_in_flight`` of its commands are on the wire at a time, the others wait their turn.
+``stream`` never loses, repeats or reorders an event (see `protocol.subscription`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Mapping, Sequence
-from contextlib import aclosing
+import asyncio
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
+from contextlib import aclosing, contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import redis.asyncio as redis_asyncio
-from redis.asyncio import Redis
-
+from protocol.channels import ChannelHub
 from protocol.codec import decode_job, encode_job
+from protocol.connection import RedisClient, connect, is_unavailable, redact
 from protocol.constants import (
     DEFAULT_ABORT_TTL_SECONDS,
     DEFAULT_CONTROL_TIMEOUT_SECONDS,
@@ -24,7 +26,7 @@ from protocol.constants import (
     JOB_FIELD,
 )
 from protocol.control import send_command
-from protocol.errors import ClientError
+from protocol.errors import ClientError, RedisUnavailable
 from protocol.identifiers import new_request_id
 from protocol.keys import Keys
 from protocol.limits import DEFAULT_LIMITS, Limits
@@ -43,9 +45,15 @@ ChatInput = Sequence[Mapping[str, str] | ChatMessage]
 class Client:
     """An async client of the protocol. Use as ``async with Client(url) as client:``.
 
-    ``redis``: an existing ``decode_responses=False`` client to use instead of opening a pool
-    from ``redis_url`` (it is then not closed by this client). ``redis_options`` go to
-    ``redis.asyncio.from_url`` (TLS settings, retries, ...).
+    ``redis_url``: ``redis://`` / ``rediss://`` (a single server or any node of a Redis
+    Cluster, told apart on connect; ``topology`` can say which) or
+    ``redis+sentinel://host:port[,host:port…]/service_name[/db]``. ``redis``: an existing
+    ``decode_responses=False`` client to use instead (it is then not closed by this client).
+    ``redis_options`` go to redis-py (TLS settings, timeouts, ...).
+
+    Redis errors reach the caller as ``RedisUnavailable`` (unreachable, or no reply in time)
+    or as redis-py's own ``ResponseError`` family (a refusal: authentication, ACL, ...).
+    ``stream`` rides out outages shorter than its timeout and ``unavailable_timeout``.
     """
 
     def __init__(
@@ -58,27 +66,59 @@ class Client:
         limits: Limits = DEFAULT_LIMITS,
         recheck_interval: float = 2.0,
         connect_timeout: float = 5.0,
-        redis: Redis | None = None,
+        topology: str = "auto",
+        max_in_flight: int = 64,
+        unavailable_timeout: float = 60.0,
+        redis: RedisClient | None = None,
         **redis_options: Any,
     ) -> None:
         if log_ttl < 1 or abort_ttl < 1:
             raise ValueError("log_ttl and abort_ttl must be at least 1 second")
-        if recheck_interval <= 0:
-            raise ValueError("recheck_interval must be > 0")
+        if recheck_interval <= 0 or unavailable_timeout <= 0:
+            raise ValueError("recheck_interval and unavailable_timeout must be > 0")
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
         self.keys = Keys(prefix)
         self.log_ttl = log_ttl
         self.abort_ttl = abort_ttl
         self.limits = limits
         self.recheck_interval = recheck_interval
-        self._owns_redis = redis is None
-        self.redis: Redis = redis or redis_asyncio.from_url(
-            redis_url,
-            decode_responses=False,
-            socket_connect_timeout=connect_timeout,
+        self.unavailable_timeout = unavailable_timeout
+        self._url = redis_url
+        self._topology = topology
+        # Room for every command in flight plus the pub/sub connection.
+        self._redis_options = {
+            "socket_connect_timeout": connect_timeout,
+            "max_connections": max_in_flight + 2,
             **redis_options,
-        )
+        }
+        self._owns_redis = redis is None
+        self._redis = redis
+        self._hub = ChannelHub(redis) if redis is not None else None
+        self._commands = asyncio.Semaphore(max_in_flight)
+        self._connecting = asyncio.Lock()
+
+    @property
+    def redis(self) -> RedisClient:
+        """The redis-py client (after ``connect``, which every method does first)."""
+        if self._redis is None:
+            raise ClientError("not connected: use `async with Client(...)` or `await connect()`")
+        return self._redis
+
+    async def connect(self) -> RedisClient:
+        """Open the connection (once): asks the server what it is (single, Cluster node)."""
+        if self._redis is None:
+            async with self._connecting:
+                if self._redis is None:
+                    with _unavailable_as(f"cannot connect to Redis at {redact(self._url)}"):
+                        self._redis = await connect(
+                            self._url, topology=self._topology, **self._redis_options
+                        )
+                    self._hub = ChannelHub(self._redis)
+        return self._redis
 
     async def __aenter__(self) -> Client:
+        await self.connect()
         return self
 
     async def __aexit__(
@@ -90,9 +130,13 @@ class Client:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the connection pool (unless it was handed in)."""
-        if self._owns_redis:
-            await self.redis.aclose()
+        """Close the pub/sub connection and the pool (unless the client was handed in)."""
+        if self._hub is not None:
+            await self._hub.aclose()
+            self._hub = None
+        if self._owns_redis and self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None
 
     async def submit(
         self,
@@ -118,14 +162,23 @@ class Client:
         return await self.submit_job(job)
 
     async def submit_job(self, job: Job) -> str:
-        """Queue an already built Job; returns its request id."""
+        """Queue an already built Job; returns its request id.
+
+        Not retried: if Redis fails to answer the XADD, it may or may not have queued the job
+        (RedisUnavailable says so); README "Submitting across a Redis restart" shows how to
+        retry without queueing it twice.
+        """
         data = encode_job(job)
         decode_job(data, self.limits)  # the decoder is the one definition of "valid"
+        redis = await self.connect()
         # The queued marker goes first, so a subscriber arriving any time after this call
         # finds the log. Two commands, not MULTI: in a Cluster they live on different slots.
         queued = QueuedEvent(request_id=job.request_id, seq=0, attempt=0)
-        await publish_events(self.redis, self.keys, [queued], ttl_seconds=self.log_ttl)
-        await self.redis.xadd(self.keys.jobs, {JOB_FIELD: data})
+        async with self._commands:
+            with _unavailable_as(f"job {job.request_id!r} was not queued"):
+                await publish_events(redis, self.keys, [queued], ttl_seconds=self.log_ttl)
+            with _unavailable_as(f"job {job.request_id!r} may or may not have been queued"):
+                await redis.xadd(self.keys.jobs, {JOB_FIELD: data})
         return job.request_id
 
     def stream(
@@ -138,14 +191,25 @@ class Client:
         event (StreamTimeout). Close it when leaving early: ``async with aclosing(...)``.
         """
         self.keys.out(request_id)  # an invalid id fails here, not inside the generator
-        return follow_events(
-            self.redis,
+        return self._events(request_id, timeout)
+
+    async def _events(self, request_id: str, timeout: float | None) -> AsyncGenerator[Event, None]:
+        redis = await self.connect()
+        assert self._hub is not None
+        events = follow_events(
+            redis,
+            self._hub,
             self.keys,
             request_id,
             limits=self.limits,
             timeout=timeout,
             recheck_interval=self.recheck_interval,
+            unavailable_timeout=self.unavailable_timeout,
+            commands=self._commands,
         )
+        async with aclosing(events):
+            async for event in events:
+                yield event
 
     async def generate(
         self,
@@ -183,7 +247,10 @@ class Client:
         The marker stops a job still in the queue from ever starting; the broadcast stops it
         on the worker running it. Its stream ends with ``done`` / ``finish_reason="abort"``.
         """
-        await self.redis.set(self.keys.abort(request_id), b"1", ex=self.abort_ttl)
+        redis = await self.connect()
+        async with self._commands:
+            with _unavailable_as(f"abort of {request_id!r} not recorded"):
+                await redis.set(self.keys.abort(request_id), b"1", ex=self.abort_ttl)
         return await self._command("abort", None, timeout, request_id=request_id, required=False)
 
     async def stats(
@@ -229,17 +296,33 @@ class Client:
         name: str | None = None,
         required: bool = True,
     ) -> list[ControlReply]:
-        return await send_command(
-            self.redis,
-            self.keys,
-            kind,
-            timeout=timeout,
-            limits=self.limits,
-            worker_id=worker_id,
-            request_id=request_id,
-            name=name,
-            require_reply=required,
-        )
+        redis = await self.connect()
+        async with self._commands:
+            with _unavailable_as(f"control command {kind!r}"):
+                return await send_command(
+                    redis,
+                    self.keys,
+                    kind,
+                    timeout=timeout,
+                    limits=self.limits,
+                    worker_id=worker_id,
+                    request_id=request_id,
+                    name=name,
+                    require_reply=required,
+                )
+
+
+@contextmanager
+def _unavailable_as(what: str) -> Iterator[None]:
+    """Redis being unreachable reaches callers as RedisUnavailable, saying what it cost."""
+    try:
+        yield
+    except Exception as exc:
+        if is_unavailable(exc):
+            raise RedisUnavailable(
+                f"{what}: Redis unreachable ({type(exc).__name__}: {exc})"
+            ) from exc
+        raise
 
 
 def build_job(

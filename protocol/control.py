@@ -11,10 +11,9 @@ import time
 import uuid
 from typing import Final
 
-from redis.asyncio import Redis
-
 from protocol.cancellation import raise_if_cancelled
 from protocol.codec import decode_reply, encode_command
+from protocol.connection import RedisClient, publish
 from protocol.errors import ControlTimeout
 from protocol.keys import Keys
 from protocol.limits import Limits
@@ -28,7 +27,7 @@ _REDIS_PY_SOCKET_TIMEOUT: Final = 5.0
 
 
 async def send_command(
-    redis: Redis,
+    redis: RedisClient,
     keys: Keys,
     kind: str,
     *,
@@ -50,7 +49,7 @@ async def send_command(
         kind=kind, id=token, reply_to=keys.reply(token), request_id=request_id, name=name
     )
     channel = keys.control if worker_id is None else keys.control_for(worker_id)
-    receivers = int(await redis.publish(channel, encode_command(command)))
+    receivers = await publish(redis, channel, encode_command(command))
     if worker_id is None:
         heartbeats = await count_live_workers(redis, keys)
     else:
@@ -70,7 +69,7 @@ async def send_command(
     return replies
 
 
-async def count_live_workers(redis: Redis, keys: Keys) -> int:
+async def count_live_workers(redis: RedisClient, keys: Keys) -> int:
     """How many workers have an unexpired heartbeat."""
     count = 0
     async for _key in redis.scan_iter(match=keys.worker_pattern, count=1000):
@@ -78,11 +77,11 @@ async def count_live_workers(redis: Redis, keys: Keys) -> int:
     return count
 
 
-def longest_block(redis: Redis) -> float:
+def longest_block(redis: RedisClient) -> float:
     """How long one BLPOP may block: well inside the client's socket timeout (redis-py's
     default is 5 s), which would otherwise fail the read of a longer BLPOP. The margin covers
     the server's timeout granularity (100 ms at the default hz 10)."""
-    configured = redis.connection_pool.connection_kwargs
+    configured = redis.get_connection_kwargs()
     socket_timeout = configured.get("socket_timeout", _REDIS_PY_SOCKET_TIMEOUT)
     if not socket_timeout:
         return float("inf")
@@ -91,9 +90,9 @@ def longest_block(redis: Redis) -> float:
 
 
 async def _collect(
-    redis: Redis, command: ControlCommand, expected: int, timeout: float, limits: Limits
+    redis: RedisClient, command: ControlCommand, expected: int, timeout: float, limits: Limits
 ) -> list[ControlReply]:
-    replies: list[ControlReply] = []
+    replies: dict[str, ControlReply] = {}
     deadline = time.monotonic() + timeout
     block_limit = longest_block(redis)
     while len(replies) < expected and (remaining := deadline - time.monotonic()) > 0:
@@ -104,7 +103,8 @@ async def _collect(
             continue
         reply = decode_reply(popped[1], limits)
         # The list name is unique to this command, but a confused worker could still answer
-        # another id; such a reply is not an answer to this command.
+        # another id; such a reply is not an answer to this command. One reply per worker: a
+        # second one (a reply pushed twice) must not stand in for a worker still to answer.
         if reply.id == command.id:
-            replies.append(reply)
-    return replies
+            replies.setdefault(reply.worker_id, reply)
+    return list(replies.values())

@@ -46,6 +46,11 @@ class ClientError(Exception):
     """Base of the client library's own failures (not Redis connection errors)."""
 
 
+class RedisUnavailable(ClientError, ConnectionError):
+    """Redis could not be reached, or did not answer in time (a connection refused or lost, a
+    reply past the socket timeout). A command that timed out may still have run."""
+
+
 class RequestNotFound(ClientError):
     """The request has no replay log: it was never submitted, or its log expired."""
 
@@ -55,7 +60,8 @@ class RequestNotFound(ClientError):
 
 
 class StreamTimeout(ClientError, TimeoutError):
-    """No event arrived for a request within the stream's timeout."""
+    """No event arrived for a request within the stream's timeout (whatever the reason: a job
+    still queued, a slow worker, or Redis unreachable for that long)."""
 
 
 class ControlTimeout(ClientError, TimeoutError):

@@ -1,8 +1,11 @@
 """Every Redis key and channel name of the protocol. Nothing else builds key strings.
 
-Per-request names put the request id in a literal hash tag (``mlxw:log:{abc}``) so that, in a
-Redis Cluster, one request's channel, log and abort marker share a slot and one Lua script may
-touch them together.
+Redis Cluster runs a script only if all its keys hash to one slot; a hash tag (the part in
+braces) is what gets hashed. So per-request names put the request id in a tag
+(``mlxw:log:{abc}``): one request's channel, log, attempt key and abort marker share a slot and
+one script writes them together, while different requests spread over the cluster. The
+dead-letter stream's tag is the job stream's whole name (``mlxw:dead:{mlxw:jobs}``), which puts
+it in the job stream's slot, so one script moves an entry from one to the other.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ class Keys:
 
     @property
     def dead(self) -> str:
-        """The dead-letter stream for jobs that can never run."""
-        return f"{self.prefix}:dead"
+        """The dead-letter stream for jobs that can never run (in the job stream's slot)."""
+        return f"{self.prefix}:dead:{{{self.jobs}}}"
 
     def out(self, request_id: str) -> str:
         """The request's live pub/sub channel."""

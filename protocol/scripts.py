@@ -9,50 +9,84 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Final
 
-from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
 from protocol.codec import encode_event
+from protocol.connection import RedisClient
 from protocol.constants import DEFAULT_LOG_TTL_SECONDS, LOG_EVENT_FIELD, LOG_SEQ_FIELD
 from protocol.keys import Keys
 from protocol.messages import Event
 
-# Events in order; for event i (from 1): KEYS[3i-2] its channel, KEYS[3i-1] its log, KEYS[3i]
-# its attempt key; ARGV[2i] the encoded event, ARGV[2i+1] "seq attempt terminal" (terminal is
-# 1 for done/error, else 0); ARGV[1] the log TTL in seconds. Returns one 1 (written) or 0
-# (fenced) per event. Channels are passed as keys only so Redis Cluster routes the call by
-# their hash tag. `seq` is stored as a field of its own so XREVRANGE COUNT 1 finds the last one
-# without decoding; a terminal event's entry also gets an `end` field, for BEGIN_ATTEMPT. The
-# fence: once a newer attempt has begun (BEGIN_ATTEMPT), a stale worker's events are refused
-# instead of interleaving two attempts. Append before publish: whoever hears an event can find
-# it logged. A worker sends all events of an engine step in one call: one command to encode,
-# send and parse per step instead of one per event.
+# ARGV[1] the log TTL in seconds; ARGV[2] PUBLISH, or SPUBLISH on a Redis Cluster (sharded
+# pub/sub: a message goes to the shard of its channel, not to every node). Then per event i
+# (from 1): KEYS[3i-2] its channel, KEYS[3i-1] its log, KEYS[3i] its attempt key; ARGV[2i+1]
+# the encoded event, ARGV[2i+2] "seq attempt terminal" (terminal is 1 for done/error, else 0).
+# Returns per event: 1 it is in the log, 0 refused (fenced: a newer attempt owns the request),
+# 2 refused (the log lacks events this attempt wrote before: it lost them).
+#
+# Channels are passed as keys only so Redis Cluster routes the call by their hash tag; on a
+# Cluster one call carries only keys of one slot. `seq` is a field of its own so XREVRANGE
+# COUNT 1 finds the newest without decoding; a terminal entry also gets `end`, for
+# BEGIN_ATTEMPT. Append before publish: whoever hears an event can find it logged.
+#
+# Idempotent by seq: an event whose seq the log already holds is not written or published
+# again, so a call whose reply was lost (a timeout, a failover) can simply be sent again.
+# The fence: once a newer attempt has begun (BEGIN_ATTEMPT), a stale worker's events are
+# refused instead of interleaving two attempts. The gap check: events after a hole would
+# leave subscribers waiting forever for the missing seq (a failover to a replica that had not
+# received the newest entries); the worker restarts the attempt instead. A log that is gone
+# altogether (expired) is written afresh.
 PUBLISH_EVENTS: Final = """
-local ttl = ARGV[1]
-local written = {}
+local ttl, publish = ARGV[1], ARGV[2]
+if publish ~= 'PUBLISH' and publish ~= 'SPUBLISH' then
+  return redis.error_reply('ERR ARGV[2] must be PUBLISH or SPUBLISH')
+end
+local newest = {}
+local results = {}
 for i = 1, #KEYS / 3 do
   local channel, log, attempt_key = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
-  local event = ARGV[2 * i]
-  local seq, attempt, terminal = string.match(ARGV[2 * i + 1], '^(%d+) (%d+) ([01])$')
+  local event = ARGV[2 * i + 1]
+  local seq, attempt, terminal = string.match(ARGV[2 * i + 2], '^(%d+) (%d+) ([01])$')
+  seq = tonumber(seq)
   if tonumber(redis.call('GET', attempt_key) or '0') > tonumber(attempt) then
-    written[i] = 0
+    results[i] = 0
   else
-    if terminal == '1' then
-      redis.call('XADD', log, '*', 'seq', seq, 'e', event, 'end', '1')
+    local last = newest[log]
+    if last == nil then
+      last = -1
+      local entry = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)[1]
+      if entry then
+        for f = 1, #entry[2], 2 do
+          if entry[2][f] == 'seq' then last = tonumber(entry[2][f + 1]) or -1 end
+        end
+      end
+    end
+    if seq <= last then
+      results[i] = 1
+    elseif last >= 0 and seq > last + 1 then
+      results[i] = 2
     else
-      redis.call('XADD', log, '*', 'seq', seq, 'e', event)
+      if terminal == '1' then
+        redis.call('XADD', log, '*', 'seq', seq, 'e', event, 'end', '1')
+      else
+        redis.call('XADD', log, '*', 'seq', seq, 'e', event)
+      end
+      redis.call(publish, channel, event)
+      redis.call('EXPIRE', log, ttl)
+      if redis.call('EXISTS', attempt_key) == 1 then
+        redis.call('EXPIRE', attempt_key, ttl)
+      end
+      last = seq
+      results[i] = 1
     end
-    redis.call('PUBLISH', channel, event)
-    redis.call('EXPIRE', log, ttl)
-    if redis.call('EXISTS', attempt_key) == 1 then
-      redis.call('EXPIRE', attempt_key, ttl)
-    end
-    written[i] = 1
+    newest[log] = last
   end
 end
-return written
+return results
 """
 
 # KEYS[1] log, KEYS[2] attempt key; ARGV[1] attempt, ARGV[2] TTL seconds. A worker calls it
@@ -61,7 +95,9 @@ return written
 # Returns -1 when a newer attempt has already begun (this delivery is stale), and -2 when the
 # log already ends with a terminal event (the job is finished: nothing may follow it). Both
 # checks and the fence are one atomic step, so an older attempt's last event cannot land
-# between "not finished yet" and "fenced".
+# between "not finished yet" and "fenced". Safe to repeat: a second call for the same attempt
+# finds the fence already set and returns the same seq. It renews the log's TTL, so a log that
+# waited almost its TTL in the queue does not expire between here and the first event.
 BEGIN_ATTEMPT: Final = """
 if tonumber(redis.call('GET', KEYS[2]) or '0') > tonumber(ARGV[1]) then
   return -1
@@ -79,6 +115,9 @@ if newest then
   end
 end
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+if newest then
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+end
 return seq
 """
 
@@ -95,39 +134,59 @@ class LogEntry:
     data: bytes
 
 
+class Outcome(IntEnum):
+    """What PUBLISH_EVENTS did with one event."""
+
+    FENCED = 0  # refused: a newer attempt owns the request
+    LOGGED = 1  # in the log (appended by this call, or by an earlier one: nothing twice)
+    LOG_GAP = 2  # refused: the log lost events this attempt wrote before
+
+
 async def publish_events(
-    redis: Redis,
+    redis: RedisClient,
     keys: Keys,
     events: Iterable[Event],
     *,
     ttl_seconds: int = DEFAULT_LOG_TTL_SECONDS,
-) -> list[bool]:
-    """Publish and log the events, in order, in one script call; return per event whether it
-    was written (False: a newer attempt fenced it off).
+) -> list[Outcome]:
+    """Log and publish the events, in order; returns what happened to each.
 
-    Given a pipeline, the call is only queued and nothing is returned here: the caller executes
-    the pipeline, together with whatever else it batches into that round trip, and finds the
-    script's reply among the pipeline's results.
+    One script call on a single server. On a Redis Cluster, one call per hash slot (a
+    request's keys share its slot), all sent together: one round trip in parallel to the
+    nodes involved. Safe to call again with the same events after an error (see the script).
     """
     if ttl_seconds < 1:
         raise ValueError(f"ttl_seconds must be >= 1, got {ttl_seconds}")
     events = list(events)
     if not events:
         return []
-    script_keys, script_args = publish_call(keys, events, ttl_seconds)
-    if isinstance(redis, Pipeline):
-        redis.eval(PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args)
-        return []
-    written = await redis.eval(PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args)
-    return [bool(flag) for flag in written]
+    if not isinstance(redis, RedisCluster):
+        script_keys, script_args = publish_call(keys, events, ttl_seconds, sharded=False)
+        replies = await redis.eval(PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args)
+        return [Outcome(reply) for reply in replies]
+    by_slot: dict[int, list[int]] = {}
+    for index, event in enumerate(events):
+        by_slot.setdefault(key_slot(keys.log(event.request_id).encode()), []).append(index)
+    async with redis.pipeline(transaction=False) as pipe:
+        for indexes in by_slot.values():
+            script_keys, script_args = publish_call(
+                keys, [events[i] for i in indexes], ttl_seconds, sharded=True
+            )
+            pipe.eval(PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args)
+        per_slot = await pipe.execute()
+    outcomes: list[Outcome] = [Outcome.FENCED] * len(events)
+    for indexes, replies in zip(by_slot.values(), per_slot, strict=True):
+        for index, reply in zip(indexes, replies, strict=True):
+            outcomes[index] = Outcome(reply)
+    return outcomes
 
 
 def publish_call(
-    keys: Keys, events: Iterable[Event], ttl: int
+    keys: Keys, events: Iterable[Event], ttl: int, *, sharded: bool
 ) -> tuple[list[str], list[bytes | int | str]]:
-    """KEYS and ARGV of one PUBLISH_EVENTS call, for callers that EVAL it themselves."""
+    """KEYS and ARGV of one PUBLISH_EVENTS call (on a Cluster: events of one slot only)."""
     script_keys: list[str] = []
-    script_args: list[bytes | int | str] = [ttl]
+    script_args: list[bytes | int | str] = [ttl, "SPUBLISH" if sharded else "PUBLISH"]
     for event in events:
         rid = event.request_id
         script_keys += (keys.out(rid), keys.log(rid), keys.attempt(rid))
@@ -136,7 +195,7 @@ def publish_call(
 
 
 async def begin_attempt(
-    redis: Redis, keys: Keys, request_id: str, attempt: int, ttl_seconds: int
+    redis: RedisClient, keys: Keys, request_id: str, attempt: int, ttl_seconds: int
 ) -> int:
     """Fence off older attempts of the request and return the log's last seq to continue
     from; or ``STALE_ATTEMPT`` when a newer attempt has already begun, or ``FINISHED`` when
@@ -147,7 +206,7 @@ async def begin_attempt(
     return last
 
 
-async def last_seq(redis: Redis, keys: Keys, request_id: str) -> int:
+async def last_seq(redis: RedisClient, keys: Keys, request_id: str) -> int:
     """The highest seq in the request's log: 0 when only queued, or when there is no log.
 
     A worker that picks up a redelivered job continues numbering from here.
@@ -159,7 +218,7 @@ async def last_seq(redis: Redis, keys: Keys, request_id: str) -> int:
 
 
 async def read_log(
-    redis: Redis, keys: Keys, request_id: str, after: bytes | None = None
+    redis: RedisClient, keys: Keys, request_id: str, after: bytes | None = None
 ) -> list[LogEntry]:
     """The log's entries in append order, all of them or only those after stream id ``after``."""
     start: bytes | str = b"(" + after if after is not None else "-"

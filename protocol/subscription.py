@@ -5,87 +5,133 @@ subscription is in the log, anything after arrives live (and is in the log too, 
 event is appended and published atomically). Live events that skip a seq mean something was
 missed, so the log is read again from where it was last read. While idle, the log is
 re-read every ``recheck_interval`` seconds in case a publish was lost (e.g. across a
-reconnect); that wait blocks on the socket, it never spins.
+reconnect); that wait blocks on the inbox, it never spins.
+
+Redis being unreachable does not end a stream: the follower subscribes again and re-reads the
+log from where it was (the ordering state survives, so nothing is released twice), backing off
+between tries. It gives up when the stream's own timeout passes without an event
+(StreamTimeout) or Redis stays unreachable for ``unavailable_timeout`` (RedisUnavailable).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator
-
-from redis.asyncio import Redis
-from redis.asyncio.client import PubSub
+from typing import Final
 
 from protocol.cancellation import raise_if_cancelled
+from protocol.channels import MISSED, ChannelHub, Inbox
 from protocol.codec import decode_event
-from protocol.errors import ClientError, ProtocolError, RequestNotFound, StreamTimeout
+from protocol.connection import RedisClient, is_unavailable
+from protocol.errors import (
+    ProtocolError,
+    RedisUnavailable,
+    RequestNotFound,
+    StreamTimeout,
+)
 from protocol.keys import Keys
 from protocol.limits import Limits
 from protocol.messages import Event
 from protocol.ordering import EventOrdering
 from protocol.scripts import read_log
 
-SUBSCRIBE_CONFIRM_TIMEOUT = 10.0
+_RETRY_DELAYS: Final = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
 async def follow_events(
-    redis: Redis,
+    redis: RedisClient,
+    hub: ChannelHub,
     keys: Keys,
     request_id: str,
     *,
     limits: Limits,
     timeout: float | None,
     recheck_interval: float,
+    unavailable_timeout: float,
+    commands: asyncio.Semaphore | None = None,
 ) -> AsyncGenerator[Event, None]:
     """Yield the request's events in seq order until the terminal one (done or error).
 
     ``timeout``: most seconds to wait for the next event (None: no limit) before raising
     StreamTimeout. Raises RequestNotFound when there is no log, or it expires while waiting.
+    ``commands`` bounds how many Redis commands the caller's followers send at once.
     """
-    follower = _Follower(redis, keys, request_id, limits)
-    pubsub = redis.pubsub()
-    try:
-        await _subscribe(pubsub, keys.out(request_id))
-        released = await follower.read_log()
-        if follower.log_cursor is None:
-            raise RequestNotFound(request_id)
-        last_event_at = time.monotonic()
-        while True:
-            raise_if_cancelled()
-            for event in released:
-                yield event
-            if follower.ordering.finished:
-                return
-            if released:
-                last_event_at = time.monotonic()
+    follower = _Follower(redis, keys, request_id, limits, commands)
+    last_event_at = time.monotonic()
+    failures = 0
+    unavailable_since: float | None = None
+    while True:
+        try:
+            async with hub.listen(keys.out(request_id)) as inbox:
+                released = await follower.read_log()
+                if follower.log_cursor is None:
+                    raise RequestNotFound(request_id)
+                failures, unavailable_since = 0, None
+                while True:
+                    raise_if_cancelled()
+                    for event in released:
+                        yield event
+                    if follower.ordering.finished:
+                        return
+                    now = time.monotonic()
+                    if released:
+                        last_event_at = now
+                    if timeout is not None and now - last_event_at >= timeout:
+                        raise StreamTimeout(f"request {request_id!r}: no event for {timeout:g} s")
+                    wait = recheck_interval - (now - follower.log_read_at)
+                    if timeout is not None:
+                        wait = min(wait, timeout - (now - last_event_at))
+                    released = await follower.next_live(inbox, max(wait, 0.0))
+                    if not released and time.monotonic() - follower.log_read_at >= recheck_interval:
+                        released = await follower.recheck_log()
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
             now = time.monotonic()
+            unavailable_since = unavailable_since or now
             if timeout is not None and now - last_event_at >= timeout:
-                raise StreamTimeout(f"request {request_id!r}: no event for {timeout:g} s")
-            wait = recheck_interval - (now - follower.log_read_at)
+                raise StreamTimeout(
+                    f"request {request_id!r}: no event for {timeout:g} s "
+                    f"(Redis unreachable: {type(exc).__name__})"
+                ) from exc
+            if now - unavailable_since >= unavailable_timeout:
+                raise RedisUnavailable(
+                    f"Redis unreachable for {unavailable_timeout:g} s while following "
+                    f"{request_id!r}: {exc}"
+                ) from exc
+            delay = _RETRY_DELAYS[min(failures, len(_RETRY_DELAYS) - 1)]
+            failures += 1
             if timeout is not None:
-                wait = min(wait, timeout - (now - last_event_at))
-            released = await follower.next_live(pubsub, max(wait, 0.0))
-            if not released and time.monotonic() - follower.log_read_at >= recheck_interval:
-                released = await follower.recheck_log()
-    finally:
-        await _close(pubsub)
+                delay = min(delay, max(timeout - (now - last_event_at), 0.0))
+            await asyncio.sleep(delay)
 
 
 class _Follower:
     """The merge state of one subscription: where the log was read to, and the ordering."""
 
-    def __init__(self, redis: Redis, keys: Keys, request_id: str, limits: Limits) -> None:
+    def __init__(
+        self,
+        redis: RedisClient,
+        keys: Keys,
+        request_id: str,
+        limits: Limits,
+        commands: asyncio.Semaphore | None,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.request_id = request_id
         self.limits = limits
+        self.commands = commands
         self.ordering = EventOrdering()
         self.log_cursor: bytes | None = None
         self.log_read_at = time.monotonic()
 
     async def read_log(self) -> list[Event]:
         """Offer every log entry after the cursor; returns what that released."""
-        entries = await read_log(self.redis, self.keys, self.request_id, after=self.log_cursor)
+        async with self._command():
+            entries = await read_log(self.redis, self.keys, self.request_id, after=self.log_cursor)
         self.log_read_at = time.monotonic()
         released: list[Event] = []
         for entry in entries:
@@ -97,20 +143,38 @@ class _Follower:
     async def recheck_log(self) -> list[Event]:
         """An idle re-read; a log that has vanished meanwhile has expired."""
         released = await self.read_log()
-        if not released and not await self.redis.exists(self.keys.log(self.request_id)):
-            raise RequestNotFound(self.request_id, "its log expired while waiting for events")
+        if not released:
+            async with self._command():
+                exists = await self.redis.exists(self.keys.log(self.request_id))
+            if not exists:
+                raise RequestNotFound(self.request_id, "its log expired while waiting for events")
         return released
 
-    async def next_live(self, pubsub: PubSub, wait: float) -> list[Event]:
-        """Wait up to ``wait`` seconds for a live event; returns what it released."""
-        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
-        if message is None or message.get("type") != "message":
-            return []
-        released = self.ordering.offer(self._decode(message["data"]))
+    async def next_live(self, inbox: Inbox, wait: float) -> list[Event]:
+        """Wait up to ``wait`` seconds for live events; returns what they released."""
+        if inbox.empty():
+            try:
+                first = await asyncio.wait_for(inbox.get(), wait)
+            except TimeoutError:
+                return []
+        else:
+            first = inbox.get_nowait()
+        messages = [first]
+        while not inbox.empty():
+            messages.append(inbox.get_nowait())
+        if MISSED in messages:  # the connection was down: the log has what went by
+            return await self.read_log()
+        released: list[Event] = []
+        for data in messages:
+            assert data is not None
+            released += self.ordering.offer(self._decode(data))
         if self.ordering.waiting_for_gap:
             # The log holds everything up to the event just heard: fill the gap from there.
             released += await self.read_log()
         return released
+
+    def _command(self) -> contextlib.AbstractAsyncContextManager[object]:
+        return self.commands if self.commands is not None else contextlib.nullcontext()
 
     def _decode(self, data: object) -> Event:
         event = decode_event(data, self.limits)
@@ -120,20 +184,3 @@ class _Follower:
                 f"event for request {event.request_id!r} in the stream of {self.request_id!r}",
             )
         return event
-
-
-async def _subscribe(pubsub: PubSub, channel: str) -> None:
-    """Subscribe and wait for the server's confirmation, so no later publish can be missed."""
-    await pubsub.subscribe(channel)
-    deadline = time.monotonic() + SUBSCRIBE_CONFIRM_TIMEOUT
-    while (remaining := deadline - time.monotonic()) > 0:
-        message = await pubsub.get_message(timeout=remaining)
-        if message is not None and message.get("type") == "subscribe":
-            return
-    raise ClientError(f"Redis did not confirm the subscription to {channel}")
-
-
-async def _close(pubsub: PubSub) -> None:
-    # Closing drops the connection, and the server drops its subscription with it; an
-    # UNSUBSCRIBE first could fail on a broken connection and hide the original error.
-    await pubsub.aclose()  # type: ignore[no-untyped-call]

@@ -59,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run the worker daemon")
     _add_worker_flags(run)
     health = commands.add_parser("health", help="exit 0 when the worker's heartbeat is alive")
-    _add_worker_flags(health, only=("redis_url", "redis_url_file", "prefix", "worker_id", "config"))
+    _add_worker_flags(
+        health,
+        only=("redis_url", "redis_url_file", "redis_topology", "prefix", "worker_id", "config"),
+    )
 
     add_client_commands(commands)  # submit, stream, ctl: the protocol's own client CLI
 
@@ -112,7 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "model": (str, "model folder, hub id, or fixture name (tiny, smollm2)"),
-    "redis_url": (str, "redis://[user:password@]host:port/db or rediss:// for TLS"),
+    "redis_url": (
+        str,
+        "redis://[user:password@]host:port/db (a server or any Cluster node), rediss:// for "
+        "TLS, or redis+sentinel://host:port[,host:port…]/service_name[/db]",
+    ),
+    "redis_topology": (str, "auto | standalone | cluster: what a redis:// URL names"),
+    "allow_eviction": (bool, "run although Redis may evict keys (maxmemory-policy)"),
     "redis_url_file": (
         str,
         "a file (mode 0600) holding the Redis URL, to keep secrets out of argv",
@@ -133,13 +142,13 @@ def _add_worker_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | N
     for name, (kind, help_text) in WORKER_FLAGS.items():
         if only is None or name in only:
             flag = "--" + name.replace("_", "-")
-            parser.add_argument(
-                flag,
-                dest=name,
-                type=kind,
-                default=None,
-                help=f"{help_text} (env MLXW_{name.upper()})",
-            )
+            help_text = f"{help_text} (env MLXW_{name.upper()})"
+            if kind is bool:
+                parser.add_argument(
+                    flag, dest=name, action="store_true", default=None, help=help_text
+                )
+            else:
+                parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
     parser.add_argument(
         "--config",
         default=os.environ.get("MLXW_CONFIG"),

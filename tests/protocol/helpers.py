@@ -11,7 +11,15 @@ from redis.asyncio import Redis
 from protocol.codec import encode_event
 from protocol.constants import JOB_FIELD, LOG_EVENT_FIELD, LOG_SEQ_FIELD
 from protocol.keys import Keys
-from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, Event, ResetEvent, Usage
+from protocol.messages import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    QueuedEvent,
+    ResetEvent,
+    Usage,
+)
 from protocol.scripts import publish_events
 
 T = TypeVar("T")
@@ -46,6 +54,10 @@ def error(request_id: str, seq: int, code: str = "engine_error", attempt: int = 
 
 def reset(request_id: str, seq: int, attempt: int) -> ResetEvent:
     return ResetEvent(request_id=request_id, seq=seq, attempt=attempt)
+
+
+def queued(request_id: str) -> QueuedEvent:
+    return QueuedEvent(request_id=request_id, seq=0, attempt=0)
 
 
 def text_events(request_id: str, pieces: Iterable[str], reason: Any = "stop") -> list[Event]:

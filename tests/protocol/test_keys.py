@@ -11,7 +11,7 @@ from protocol.keys import Keys
 
 def test_layout_under_the_default_prefix() -> None:
     keys = Keys()
-    assert (keys.jobs, keys.group, keys.dead) == ("mlxw:jobs", "mlxw", "mlxw:dead")
+    assert (keys.jobs, keys.group, keys.dead) == ("mlxw:jobs", "mlxw", "mlxw:dead:{mlxw:jobs}")
     assert keys.out("abc") == "mlxw:out:{abc}"
     assert keys.log("abc") == "mlxw:log:{abc}"
     assert keys.abort("abc") == "mlxw:abort:{abc}"
@@ -28,7 +28,15 @@ def test_one_request_lands_on_one_cluster_slot() -> None:
     for request_id in ("abc", "a-very:long.request_id-123", "0"):
         slots = {key_slot(name.encode()) for name in (keys.out(request_id), keys.log(request_id))}
         slots.add(key_slot(keys.abort(request_id).encode()))
+        slots.add(key_slot(keys.attempt(request_id).encode()))
         assert slots == {key_slot(request_id.encode())}
+
+
+@pytest.mark.parametrize("prefix", ["mlxw", "app.v2", "tenant-7"])
+def test_the_dead_letter_stream_shares_the_job_streams_slot(prefix: str) -> None:
+    """One script moves an entry from the job stream to the dead-letter stream."""
+    keys = Keys(prefix)
+    assert key_slot(keys.dead.encode()) == key_slot(keys.jobs.encode())
 
 
 @pytest.mark.parametrize("bad", ["", "a{b", "a}b", "a b", "x*", "é", "a" * 129, "a/b"])

@@ -1,38 +1,39 @@
-"""The publish+append script: through a caller's pipeline, a plain client, after SCRIPT FLUSH."""
+"""The publish+append script and BEGIN_ATTEMPT: order, idempotency by seq, holes, the fence."""
 
 from __future__ import annotations
+
+import textwrap
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
 
+from protocol import scripts
 from protocol.codec import decode_event
 from protocol.keys import Keys
 from protocol.scripts import (
     FINISHED,
+    PUBLISH_EVENTS,
     STALE_ATTEMPT,
+    Outcome,
     begin_attempt,
     last_seq,
     publish_events,
     read_log,
 )
-from tests.protocol.helpers import delta, done, run, text_events
+from tests.protocol.helpers import delta, done, queued, run, text_events
 
 
-@pytest.mark.parametrize("transaction", [False, True])
-def test_events_queued_on_a_callers_pipeline(redis_url: str, keys: Keys, transaction: bool) -> None:
+def test_events_are_logged_and_published_in_order(redis_url: str, keys: Keys) -> None:
     events = text_events("r1", ["a", "b", "c"])
 
-    async def scenario() -> tuple[list[int], int, int, list[bytes]]:
+    async def scenario() -> tuple[list[Outcome], list[int], int, int, list[bytes]]:
         redis = Redis.from_url(redis_url)
         pubsub = redis.pubsub()
         try:
             await pubsub.subscribe(keys.out("r1"))
             await pubsub.get_message(timeout=2)  # the subscribe confirmation
-            await redis.script_flush()  # the pipeline must load the script itself
-            async with redis.pipeline(transaction=transaction) as pipeline:
-                await publish_events(pipeline, keys, events, ttl_seconds=120)
-                pipeline.set(f"{keys.prefix}:other", b"batched in the same round trip")
-                await pipeline.execute()
+            outcomes = await publish_events(redis, keys, events, ttl_seconds=120)
             entries = await read_log(redis, keys, "r1")
             published = []
             while len(published) < len(events):
@@ -41,6 +42,7 @@ def test_events_queued_on_a_callers_pipeline(redis_url: str, keys: Keys, transac
                 published.append(message["data"])
             assert published == [entry.data for entry in entries]
             return (
+                outcomes,
                 [entry.seq for entry in entries],
                 await redis.ttl(keys.log("r1")),
                 await last_seq(redis, keys, "r1"),
@@ -50,11 +52,68 @@ def test_events_queued_on_a_callers_pipeline(redis_url: str, keys: Keys, transac
             await pubsub.aclose()  # type: ignore[no-untyped-call]
             await redis.aclose()
 
-    seqs, ttl, last, published = run(scenario())
+    outcomes, seqs, ttl, last, published = run(scenario())
+    assert outcomes == [Outcome.LOGGED] * 4
     assert seqs == [1, 2, 3, 4]
     assert 110 <= ttl <= 120
     assert last == 4
     assert [decode_event(data) for data in published] == events
+
+
+def test_a_repeated_call_writes_and_publishes_nothing_twice(redis_url: str, keys: Keys) -> None:
+    """A call whose reply was lost (a timeout after it ran) is simply sent again: events whose
+    seq the log holds are reported as logged, but neither appended nor published again; the
+    rest of the call still goes through. Same for the producer's queued marker."""
+    first_call = [queued("r4"), delta("r4", 1, "a"), done("r4", 2, "a")]
+
+    async def scenario() -> tuple[list[Outcome], list[Outcome], list[int], list[int]]:
+        redis = Redis.from_url(redis_url)
+        pubsub = redis.pubsub()
+        try:
+            await pubsub.subscribe(keys.out("r4"))
+            await pubsub.get_message(timeout=2)
+            await publish_events(redis, keys, first_call[:2])
+            repeated = await publish_events(redis, keys, first_call[:2])
+            resent = await publish_events(redis, keys, first_call)
+            heard = []
+            while (message := await pubsub.get_message(True, timeout=0.5)) is not None:
+                heard.append(decode_event(message["data"]).seq)
+            seqs = [entry.seq for entry in await read_log(redis, keys, "r4")]
+            return repeated, resent, seqs, heard
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await redis.aclose()
+
+    repeated, resent, seqs, heard = run(scenario())
+    assert repeated == [Outcome.LOGGED, Outcome.LOGGED]
+    assert resent == [Outcome.LOGGED] * 3
+    assert seqs == [0, 1, 2]
+    assert heard == [0, 1, 2]
+
+
+def test_events_after_a_hole_in_the_log_are_refused(redis_url: str, keys: Keys) -> None:
+    """A log that lost its newest entries (a failover to a replica that had not received
+    them) must not get events after the hole: subscribers would wait forever for the missing
+    seq. The attempt is refused with LOG_GAP; a log that is gone altogether starts afresh."""
+
+    async def scenario() -> tuple[list[Outcome], list[int], list[Outcome]]:
+        redis = Redis.from_url(redis_url)
+        try:
+            await publish_events(redis, keys, [delta("r5", 1, "a"), delta("r5", 2, "b")])
+            newest = (await redis.xrevrange(keys.log("r5"), count=1))[0][0]
+            await redis.xdel(keys.log("r5"), newest)  # seq 2 is lost
+            after_hole = await publish_events(redis, keys, [delta("r5", 3, "c"), done("r5", 4, "")])
+            seqs = [entry.seq for entry in await read_log(redis, keys, "r5")]
+            await redis.delete(keys.log("r5"))
+            afresh = await publish_events(redis, keys, [delta("r5", 5, "d")])
+            return after_hole, seqs, afresh
+        finally:
+            await redis.aclose()
+
+    after_hole, seqs, afresh = run(scenario())
+    assert after_hole == [Outcome.LOG_GAP, Outcome.LOG_GAP]
+    assert seqs == [1]
+    assert afresh == [Outcome.LOGGED]
 
 
 def test_single_event_on_a_client_after_script_flush(redis_url: str, keys: Keys) -> None:
@@ -139,9 +198,9 @@ def test_one_call_writes_many_requests_and_fences_each_on_its_own(
     redis_url: str, keys: Keys
 ) -> None:
     """One PUBLISH_EVENTS call carries a step's events of several requests; a fenced request's
-    event is refused (False) while the others in the same call are written."""
+    event is refused while the others in the same call are written."""
 
-    async def scenario() -> tuple[list[bool], list[int], list[int]]:
+    async def scenario() -> tuple[list[Outcome], list[int], list[int]]:
         redis = Redis.from_url(redis_url)
         try:
             await begin_attempt(redis, keys, "fenced", 2, 120)  # attempt 1 has been taken over
@@ -157,6 +216,14 @@ def test_one_call_writes_many_requests_and_fences_each_on_its_own(
             await redis.aclose()
 
     written, logs, ends = run(scenario())
-    assert written == [True, False, True]
+    assert written == [Outcome.LOGGED, Outcome.FENCED, Outcome.LOGGED]
     assert logs == [1, 0, 1]
     assert ends == [1, FINISHED]  # only ok-b's entry carries the terminal mark
+
+
+def test_the_spec_lists_the_script_the_code_runs() -> None:
+    """protocol/README.md shows PUBLISH_EVENTS for implementers in other languages: it must
+    be the script itself, not a paraphrase that drifted."""
+    readme = (Path(scripts.__file__).parent / "README.md").read_text()
+    listing = readme.split("```lua\n", 1)[1].split("```", 1)[0]
+    assert textwrap.dedent(listing) == PUBLISH_EVENTS.lstrip("\n")

@@ -42,7 +42,9 @@ class PerEventPublisher(EventPublisher):
     async def _send(self, events: list[Event]) -> list[int]:
         async with self.redis.pipeline(transaction=False) as pipe:
             for event in events:
-                script_keys, script_args = publish_call(self.keys, [event], self.log_ttl)
+                script_keys, script_args = publish_call(
+                    self.keys, [event], self.log_ttl, sharded=False
+                )
                 pipe.eval(PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args)
             replies: list[list[int]] = await pipe.execute()
         return [reply[0] for reply in replies]

@@ -16,18 +16,18 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
+from protocol.channels import MISSED, ChannelHub
 from protocol.codec import decode_command, encode_reply
 from protocol.codec_control import MAX_KIND_LEN, MAX_REPLY_TO_LEN
+from protocol.connection import RedisClient
 from protocol.errors import ProtocolError
 from protocol.identifiers import CACHE_NAME_RULE, is_valid_cache_name, is_valid_id
 from protocol.keys import Keys
 from protocol.limits import Limits
 from protocol.messages import ControlCommand, ControlReply, ErrorInfo
 from protocol.wire import unpack
-from worker.daemon.backoff import REDIS_DOWN, Backoff
+from worker.daemon.backoff import REDIS_FAILURES, Retrier, describe
 from worker.engine import EngineCore
 
 log = structlog.get_logger(__name__)
@@ -57,7 +57,8 @@ def cache_path(cache_dir: Path, name: str | None) -> Path:
 class ControlListener:
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
+        hub: ChannelHub,
         keys: Keys,
         worker_id: str,
         engine: EngineCore,
@@ -68,6 +69,7 @@ class ControlListener:
         extra_stats: Callable[[], Awaitable[dict[str, Any]]],
     ) -> None:
         self.redis = redis
+        self.hub = hub
         self.keys = keys
         self.worker_id = worker_id
         self.engine = engine
@@ -80,26 +82,23 @@ class ControlListener:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def listen(self) -> None:
-        """Subscribe and serve until cancelled; re-subscribes after Redis comes back."""
-        backoff = Backoff()
+        """Serve until cancelled. The hub re-subscribes after Redis comes back; commands sent
+        while the connection was down are lost (their senders time out), so MISSED is
+        ignored."""
+        retrier = Retrier("control channel")
         channels = (self.keys.control, self.keys.control_for(self.worker_id))
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(*channels)
-                backoff.reset()
-                while True:
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is not None and message.get("type") == "message":
-                        task = asyncio.create_task(self.handle(message["data"]))
-                        self._tasks.add(task)
-                        task.add_done_callback(self._tasks.discard)
-            except (RedisError, *REDIS_DOWN) as exc:
-                delay = backoff.next_delay()
-                log.warning("control_reconnect", error=str(exc), retry_in=round(delay, 2))
-                await asyncio.sleep(delay)
-            finally:
-                await _close_quietly(pubsub)
+                async with self.hub.listen(*channels) as inbox:
+                    retrier.succeeded()
+                    while True:
+                        data = await inbox.get()
+                        if data is not MISSED:
+                            task = asyncio.create_task(self.handle(data))
+                            self._tasks.add(task)
+                            task.add_done_callback(self._tasks.discard)
+            except REDIS_FAILURES as exc:
+                await retrier.failed(exc)
 
     async def handle(self, data: object) -> None:
         try:
@@ -146,8 +145,8 @@ class ControlListener:
                 pipe.rpush(command.reply_to, encode_reply(reply))
                 pipe.expire(command.reply_to, self.reply_ttl)
                 await pipe.execute()
-        except (RedisError, *REDIS_DOWN) as exc:
-            log.warning("control_reply_failed", kind=command.kind, error=str(exc))
+        except REDIS_FAILURES as exc:
+            log.warning("control_reply_failed", kind=command.kind, error=describe(exc))
 
     async def dispatch(self, command: ControlCommand) -> dict[str, Any]:
         kind = command.kind
@@ -202,10 +201,3 @@ def _answerable(data: object, limits: Limits) -> ControlCommand | None:
         return None
     kind = kind[:MAX_KIND_LEN] if isinstance(kind, str) else "?"
     return ControlCommand(kind=kind, id=command_id, reply_to=reply_to)
-
-
-async def _close_quietly(pubsub: Any) -> None:
-    try:
-        await pubsub.aclose()
-    except Exception:  # closing a broken connection; nothing to do about it
-        log.debug("pubsub_close_failed")

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from protocol.connection import RedisClient
 from protocol.constants import JOB_FIELD
 from protocol.keys import Keys
 
@@ -33,6 +33,24 @@ end
 return lost
 """
 
+# KEYS[1] job stream, KEYS[2] dead-letter stream (one slot: see protocol/keys.py); ARGV[1]
+# group, ARGV[2] consumer, ARGV[3] entry id, ARGV[4..] the dead letter's fields and values.
+# One step, so no entry is ever in neither stream: the append comes first, and when Redis
+# refuses it (out of memory) the script stops there with the entry still pending. It moves
+# the entry only while it is pending for this consumer, so a repeated call (its reply lost)
+# writes nothing twice, and an entry another worker took over stays theirs. 1: moved, 0: not
+# ours (any more).
+DEAD_LETTER = """
+local mine = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
+if #mine == 0 then
+  return 0
+end
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+return 1
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
@@ -44,7 +62,7 @@ class Delivery:
 
 
 class JobQueue:
-    def __init__(self, redis: Redis, keys: Keys, consumer: str, lease_ms: int) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys, consumer: str, lease_ms: int) -> None:
         self.redis = redis
         self.keys = keys
         self.consumer = consumer
@@ -99,9 +117,10 @@ class JobQueue:
 
     async def dead_letter(
         self, delivery: Delivery, code: str, message: str, request_id: str | None
-    ) -> None:
-        """Move an entry to the dead-letter stream (fields as in protocol/README.md)."""
-        fields: dict[Any, Any] = {
+    ) -> bool:
+        """Move an entry to the dead-letter stream (fields as in protocol/README.md), in one
+        atomic step that is safe to repeat; False when the entry is not pending for us."""
+        fields: dict[str, Any] = {
             JOB_FIELD: delivery.job_bytes if delivery.job_bytes is not None else b"",
             "code": code,
             "message": message,
@@ -111,11 +130,18 @@ class JobQueue:
         }
         if request_id is not None:
             fields["request_id"] = request_id
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(self.keys.dead, fields)
-            pipe.xack(self.keys.jobs, self.keys.group, delivery.entry_id)
-            pipe.xdel(self.keys.jobs, delivery.entry_id)
-            await pipe.execute()
+        pairs = [item for field in fields.items() for item in field]
+        moved = await self.redis.eval(
+            DEAD_LETTER,
+            2,
+            self.keys.jobs,
+            self.keys.dead,
+            self.keys.group,
+            self.consumer,
+            delivery.entry_id,
+            *pairs,
+        )
+        return bool(moved)
 
     async def group_info(self) -> dict[str, Any]:
         """Lag and pending count of our group (for stats)."""

@@ -13,15 +13,15 @@ from itertools import takewhile
 from typing import Any
 
 import structlog
-from redis.asyncio import Redis
 from structlog.contextvars import bound_contextvars
 
 from protocol.codec import decode_job
+from protocol.connection import RedisClient
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.limits import Limits
 from protocol.messages import SYSTEM_PREFIX, Job
-from protocol.scripts import FINISHED, STALE_ATTEMPT, begin_attempt
+from protocol.scripts import FINISHED, STALE_ATTEMPT, Outcome, begin_attempt
 from worker.daemon.backoff import retry_until_done
 from worker.daemon.job_queue import Delivery, JobQueue
 from worker.daemon.publisher import EventPublisher
@@ -35,7 +35,7 @@ class JobRunner:
     def __init__(
         self,
         engine: EngineCore,
-        redis: Redis,
+        redis: RedisClient,
         keys: Keys,
         queue: JobQueue,
         publisher: EventPublisher,
@@ -54,7 +54,8 @@ class JobRunner:
         self.in_flight: dict[str, str] = {}  # request_id -> entry id
         self.outcomes: dict[str, int] = {}
         self.draining = False
-        self._lost: set[str] = set()
+        # request id -> outcome counted when its task sees the loss (see ``lose``)
+        self._lost: dict[str, str] = {}
         self._background: set[asyncio.Task[bool]] = set()
 
     async def run(self, delivery: Delivery) -> None:
@@ -131,10 +132,10 @@ class JobRunner:
             await written
         except asyncio.CancelledError:
             self.in_flight.pop(rid, None)
-            if rid in self._lost:  # another worker took it over: theirs to finish and ack
-                self._lost.discard(rid)
-                self._count("lost_lease")
-                log.warning("job_lost_to_another_worker")
+            lost = self._lost.pop(rid, None)
+            if lost is not None:  # not ours to finish: another worker runs (or will run) it
+                self._count(lost)
+                log.warning("job_attempt_lost", outcome=lost)
                 return
             if self.draining:  # abandoned at shutdown: not acknowledged, another worker re-runs it
                 self._count("abandoned")
@@ -152,12 +153,14 @@ class JobRunner:
             return False
         return await self.engine.abort_request(request_id)
 
-    def lose(self, request_id: str) -> None:
-        """Another worker now owns this job (we stalled past the lease): stop it here, publish
-        nothing more, do not acknowledge."""
+    def lose(self, request_id: str, why: Outcome = Outcome.FENCED) -> None:
+        """This attempt is over: another worker now owns the job (we stalled past the lease:
+        FENCED), or Redis lost events it wrote (a failover: LOG_GAP). Stop it here, publish
+        nothing more, do not acknowledge: once its lease runs out the job is reclaimed and
+        runs again as a new attempt, which starts with a reset."""
         if request_id not in self.in_flight:
             return
-        self._lost.add(request_id)
+        self._lost[request_id] = "log_gap" if why is Outcome.LOG_GAP else "lost_lease"
         self.publisher.abandon(request_id)
         task = asyncio.get_running_loop().create_task(self.engine.abort_request(request_id))
         self._background.add(task)
@@ -229,9 +232,11 @@ class JobRunner:
             await written
         if dead is not None:
             code, message = dead
-            await retry_until_done(
+            moved = await retry_until_done(
                 lambda: self.queue.dead_letter(delivery, code, message, rid), "dead-letter"
             )
+            if not moved:  # another worker took the entry over meanwhile: theirs now
+                log.warning("dead_letter_not_ours", code=code)
         else:
             await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
         self._count(outcome)

@@ -25,10 +25,9 @@ import structlog
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from redis.exceptions import RedisError
 
 from protocol.messages import Usage
-from worker.daemon.backoff import REDIS_DOWN
+from worker.daemon.backoff import REDIS_FAILURES, describe
 from worker.daemon.job_queue import JobQueue
 from worker.daemon.jobs import JobRunner
 from worker.daemon.publisher import EventPublisher
@@ -125,9 +124,9 @@ class Metrics:
         try:
             group = await self.queue.group_info()
             lag, pending = _int_or_none(group.get("lag")), _int_or_none(group.get("pending"))
-        except (RedisError, *REDIS_DOWN) as exc:
+        except REDIS_FAILURES as exc:
             # The other counters matter most exactly when Redis is down: publish them anyway.
-            log.debug("metrics_group_info_failed", error=str(exc))
+            log.debug("metrics_group_info_failed", error=describe(exc))
         engine = self.engine.get_stats()
         cache = self.engine.get_cache_stats()
         self.collector.snapshot = Snapshot(

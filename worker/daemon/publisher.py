@@ -1,13 +1,15 @@
-"""Engine outputs → protocol events → Redis, one script call (one round trip) per engine step.
+"""Engine outputs → protocol events → Redis, one round trip per engine step.
 
 The engine calls ``on_step`` once per step with every streamed output; the events it makes are
-drafts until a flush gives them their ``seq`` and sends them all in one call of the
-PUBLISH_EVENTS script, which appends each to its request's log and publishes it on its channel
-(one command per step: redis-py's packing and parsing cost per command, not per byte). When Redis is
-down the flush keeps what it could not send and retries with backoff; meanwhile new deltas of a
-request merge into its unsent delta, so the buffer stays one delta plus one terminal event per
-request and no token and no terminal event is lost. A slow subscriber costs nothing here: Redis
-buffers pub/sub output per client.
+drafts until a flush gives them their ``seq`` and sends them all through the PUBLISH_EVENTS
+script, which appends each to its request's log and publishes it on its channel: one call per
+step on a single server (redis-py's packing and parsing cost per command, not per byte), one
+per hash slot on a Redis Cluster, pipelined. When Redis fails the flush keeps the numbered
+batch and sends it again with backoff; the script writes nothing twice, so a batch that ran
+before its reply was lost is harmless. Meanwhile new deltas of a request merge into its unsent
+delta, so the buffer stays one delta plus one terminal event per request and no token and no
+terminal event is lost. A slow subscriber costs nothing here: Redis buffers pub/sub output
+per client.
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
+from protocol.connection import RedisClient
 from protocol.keys import Keys
 from protocol.messages import (
     DeltaEvent,
@@ -33,8 +34,8 @@ from protocol.messages import (
     TokenLogprob,
     Usage,
 )
-from protocol.scripts import PUBLISH_EVENTS, publish_call
-from worker.daemon.backoff import REDIS_DOWN, Backoff
+from protocol.scripts import Outcome, publish_events
+from worker.daemon.backoff import REDIS_FAILURES, Retrier
 from worker.engine import RequestOutput
 
 log = structlog.get_logger(__name__)
@@ -88,7 +89,7 @@ class _Draft:
 
 
 class EventPublisher:
-    def __init__(self, redis: Redis, keys: Keys, log_ttl: int) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys, log_ttl: int) -> None:
         self.redis = redis
         self.keys = keys
         self.log_ttl = log_ttl
@@ -106,9 +107,11 @@ class EventPublisher:
         # Observer of each done event's usage (metrics); kept a plain hook so the publisher
         # knows nothing of who listens.
         self.on_done: Callable[[str, Usage], None] | None = None
-        # Told when a request's events were refused because a newer attempt took it over.
-        self.on_fenced: Callable[[str], None] | None = None
+        # Told when a request's events were refused: a newer attempt took it over (FENCED) or
+        # its log lost events this attempt wrote (LOG_GAP); either way this attempt is over.
+        self.on_lost: Callable[[str, Outcome], None] | None = None
         self.fenced = 0
+        self.log_gaps = 0
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -192,24 +195,18 @@ class EventPublisher:
 
     async def run(self) -> None:
         """Flush forever; cancel to stop (``drain`` first to send what is pending)."""
-        backoff = Backoff()
+        retrier = Retrier("publish")
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._failed or self._drafts:
                 try:
                     await self._flush_once()
-                    backoff.reset()
-                except (RedisError, *REDIS_DOWN) as exc:
+                except REDIS_FAILURES as exc:
                     self.redis_failures += 1
-                    delay = backoff.next_delay()
-                    log.warning(
-                        "publish_failed",
-                        error=str(exc),
-                        retry_in=round(delay, 2),
-                        pending=len(self._failed) + len(self._drafts),
-                    )
-                    await asyncio.sleep(delay)
+                    await retrier.failed(exc, pending=len(self._failed) + len(self._drafts))
+                else:
+                    retrier.succeeded()
             self._idle.set()
 
     async def drain(self, timeout: float) -> bool:
@@ -225,6 +222,7 @@ class EventPublisher:
             "events_published": self.events_published,
             "redis_failures": self.redis_failures,
             "fenced": self.fenced,
+            "log_gaps": self.log_gaps,
             "pending_events": len(self._drafts) + len(self._failed),
             "open_streams": len(self._streams),
         }
@@ -232,30 +230,28 @@ class EventPublisher:
     async def _flush_once(self) -> None:
         batch = self._failed or self._number(self._take_drafts())
         self._failed = batch  # until Redis confirms it, it is the batch to resend
-        results = await self._send([event for _, event in batch])
+        outcomes = await publish_events(
+            self.redis, self.keys, [event for _, event in batch], ttl_seconds=self.log_ttl
+        )
         self._failed = []
         self.round_trips += 1
         self.events_published += len(batch)
-        fenced: set[str] = set()
-        for (draft, event), result in zip(batch, results, strict=True):
-            if result == 0:  # a newer attempt owns the log: this one lost the job
-                fenced.add(event.request_id)
+        lost: dict[str, Outcome] = {}
+        for (draft, event), outcome in zip(batch, outcomes, strict=True):
+            if outcome is not Outcome.LOGGED:
+                lost.setdefault(event.request_id, outcome)
             elif draft.terminal:
                 self._finish(draft.stream)
-        for request_id in fenced:
-            self.fenced += 1
-            log.warning("events_fenced", request_id=request_id)
+        for request_id, outcome in lost.items():
+            if outcome is Outcome.FENCED:  # a newer attempt owns the log: this one lost the job
+                self.fenced += 1
+                log.warning("events_fenced", request_id=request_id)
+            else:  # Redis lost events of this attempt (a failover): it must start over
+                self.log_gaps += 1
+                log.warning("log_lost_events", request_id=request_id)
             self.abandon(request_id)
-            if self.on_fenced is not None:
-                self.on_fenced(request_id)
-
-    async def _send(self, events: list[Event]) -> list[int]:
-        """One round trip: 1 (written) or 0 (fenced) per event."""
-        script_keys, script_args = publish_call(self.keys, events, self.log_ttl)
-        written: list[int] = await self.redis.eval(
-            PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args
-        )
-        return written
+            if self.on_lost is not None:
+                self.on_lost(request_id, outcome)
 
     def _take_drafts(self) -> list[_Draft]:
         drafts, self._drafts = self._drafts, []

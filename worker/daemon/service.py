@@ -8,11 +8,11 @@ import signal
 import sys
 
 import structlog
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
+from protocol.connection import UnsupportedRedis, connect, redact
 from protocol.keys import Keys
-from worker.daemon.backoff import REDIS_DOWN, REDIS_REFUSED
+from worker.daemon.backoff import REDIS_FAILURES, REDIS_REFUSED, describe
+from worker.daemon.eviction import EvictingRedis
 from worker.daemon.settings import WorkerSettings
 from worker.daemon.worker import Worker
 
@@ -46,8 +46,11 @@ def serve(settings: WorkerSettings) -> int:
         return asyncio.run(main())
     except REDIS_REFUSED as exc:
         print(
-            f"mlx-worker: Redis refused us at {_safe(settings.redis_url)}: {exc}", file=sys.stderr
+            f"mlx-worker: Redis refused us at {redact(settings.redis_url)}: {exc}", file=sys.stderr
         )
+        return 2
+    except (EvictingRedis, UnsupportedRedis) as exc:
+        print(f"mlx-worker: {exc}", file=sys.stderr)
         return 2
 
 
@@ -55,11 +58,20 @@ def check_health(settings: WorkerSettings) -> int:
     """0 when the worker's heartbeat key is alive in Redis, 1 otherwise."""
 
     async def main() -> int:
-        redis = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        try:
+            redis = await connect(
+                settings.redis_url,
+                topology=settings.redis_topology,
+                socket_timeout=5,
+                socket_connect_timeout=5,
+            )
+        except (*REDIS_FAILURES, UnsupportedRedis) as exc:
+            print(f"mlx-worker health: cannot reach Redis: {describe(exc)}", file=sys.stderr)
+            return 1
         try:
             alive = await redis.exists(Keys(settings.prefix).worker(settings.worker_id))
-        except (RedisError, *REDIS_DOWN) as exc:
-            print(f"mlx-worker health: cannot reach Redis: {exc}", file=sys.stderr)
+        except REDIS_FAILURES as exc:
+            print(f"mlx-worker health: cannot reach Redis: {describe(exc)}", file=sys.stderr)
             return 1
         finally:
             await redis.aclose()
@@ -67,11 +79,3 @@ def check_health(settings: WorkerSettings) -> int:
         return 0 if alive else 1
 
     return asyncio.run(main())
-
-
-def _safe(url: str) -> str:
-    """The URL without its password."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from protocol.connection import TOPOLOGIES
 from protocol.constants import DEFAULT_PREFIX, DEFAULT_REDIS_URL
 from protocol.identifiers import ID_RULE, is_valid_id
 
@@ -31,7 +32,15 @@ def default_worker_id() -> str:
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
     model: str = "smollm2"
+    # redis:// or rediss:// (a single server, or any node of a Cluster), or
+    # redis+sentinel://host:port[,host:port…]/service_name[/db].
     redis_url: str = DEFAULT_REDIS_URL
+    # What a redis:// URL names: "auto" asks the server (HELLO); "standalone" or "cluster"
+    # say it outright.
+    redis_topology: str = "auto"
+    # Run even when Redis may evict keys under memory pressure (any maxmemory-policy but
+    # noeviction), which can drop the job stream, its group and replay logs.
+    allow_eviction: bool = False
     # A file holding the Redis URL, so a password stays out of flags, plists and unit files
     # (which other users can read); ``load_settings`` reads it into ``redis_url``.
     redis_url_file: str | None = None
@@ -79,6 +88,8 @@ class WorkerSettings:
             raise ValueError("read_block_ms must be shorter than socket_timeout")
         if self.heartbeat_ttl <= self.heartbeat_interval:
             raise ValueError("heartbeat_ttl must exceed heartbeat_interval")
+        if self.redis_topology not in TOPOLOGIES:
+            raise ValueError(f"redis_topology must be one of {', '.join(TOPOLOGIES)}")
         if self.log_format not in ("json", "console"):
             raise ValueError("log_format must be json or console")
         if not is_valid_id(self.worker_id):
@@ -148,7 +159,14 @@ def read_url_file(path: str) -> str:
     return text
 
 
+_TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
+
+
 def _parse(name: str, raw: str, annotation: str) -> Any:
+    if annotation == "bool":
+        if raw.lower() in _TRUE | _FALSE:
+            return raw.lower() in _TRUE
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a yes/no value")
     try:
         if "int" in annotation and "float" not in annotation:
             return int(raw)

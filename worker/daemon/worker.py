@@ -20,13 +20,22 @@ from typing import Any
 
 import mlx.core as mx
 import structlog
-from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
+from protocol.channels import ChannelHub
+from protocol.connection import RedisClient, connect, redact
 from protocol.keys import Keys
 from protocol.limits import DEFAULT_LIMITS
-from worker.daemon.backoff import REDIS_DOWN, REDIS_REFUSED, Backoff, retry_until_done
+from worker.daemon.backoff import (
+    REDIS_FAILURES,
+    REDIS_REFUSED,
+    Outage,
+    Retrier,
+    describe,
+    retry_until_done,
+)
 from worker.daemon.control import ControlListener
+from worker.daemon.eviction import check_eviction_policy
 from worker.daemon.job_queue import Delivery, JobQueue
 from worker.daemon.jobs import JobRunner
 from worker.daemon.metrics import Metrics
@@ -64,23 +73,35 @@ class Worker:
 
     async def run(self) -> int:
         settings = self.settings
-        self.redis = Redis.from_url(
-            settings.redis_url,
-            socket_timeout=settings.socket_timeout,
-            socket_connect_timeout=settings.socket_timeout,
-            health_check_interval=30,
-        )
+        # Redis first: a wrong password, a missing permission or an evicting Redis fails now,
+        # not after a model load that can take minutes (an unreachable Redis is waited for).
+        self.redis = await retry_until_done(self._connect, "connect")
+        self.hub = ChannelHub(self.redis)
         self.queue = JobQueue(
             self.redis, self.keys, settings.worker_id, int(settings.lease_seconds * 1000)
         )
         try:
-            # Redis first: a wrong password or a missing permission fails now, not after a
-            # model load that can take minutes (an unreachable Redis is waited for).
+            await check_eviction_policy(
+                self.redis, redact(settings.redis_url), allow=settings.allow_eviction
+            )
             await retry_until_done(self.queue.ensure_group, "create consumer group")
             model, tokenizer = self._model_and_tokenizer or load_model(settings.model)
             return await self._run_engine(model, tokenizer)
         finally:
+            await self.hub.aclose()
             await self.redis.aclose()
+
+    async def _connect(self) -> RedisClient:
+        settings = self.settings
+        return await connect(
+            settings.redis_url,
+            topology=settings.redis_topology,
+            socket_timeout=settings.socket_timeout,
+            socket_connect_timeout=settings.socket_timeout,
+            health_check_interval=30,
+            # Every running job may have a command on the wire, plus the background tasks.
+            max_connections=2 * settings.max_concurrency + 16,
+        )
 
     async def _run_engine(self, model: Any, tokenizer: Any) -> int:
         settings = self.settings
@@ -103,6 +124,7 @@ class Worker:
         )
         self.control = ControlListener(
             self.redis,
+            self.hub,
             self.keys,
             settings.worker_id,
             self.engine,
@@ -113,7 +135,7 @@ class Worker:
             self._stats,
         )
         self.engine.set_step_listener(self.publisher.on_step)
-        self.publisher.on_fenced = self.runner.lose
+        self.publisher.on_lost = self.runner.lose
         self.notifier = Notifier()
         self.metrics: Metrics | None = None
         if settings.metrics_port is not None:
@@ -176,7 +198,7 @@ class Worker:
         await _cancel(readers)
         await self._drain()
         await _cancel(background)
-        with contextlib.suppress(RedisError, *REDIS_DOWN):
+        with contextlib.suppress(*REDIS_FAILURES):
             await self.redis.delete(self.keys.worker(settings.worker_id))
         await self.engine.stop()
         log.info("worker_stopped")
@@ -196,7 +218,7 @@ class Worker:
     # -- reading jobs ------------------------------------------------------------------------
 
     async def _consume(self) -> None:
-        backoff = Backoff()
+        retrier = Retrier("read jobs")
         while True:
             free = self.settings.max_concurrency - len(self._jobs)
             if free <= 0:
@@ -209,15 +231,13 @@ class Worker:
                 continue
             try:
                 deliveries = await self.queue.read_new(free, self.settings.read_block_ms)
-                backoff.reset()
             except REDIS_REFUSED:
                 raise
-            except (RedisError, *REDIS_DOWN) as exc:
-                delay = backoff.next_delay()
-                log.warning("read_failed", error=str(exc), retry_in=round(delay, 2))
+            except REDIS_FAILURES as exc:
                 await self._recreate_group_if_lost(exc)
-                await asyncio.sleep(delay)
+                await retrier.failed(exc)
                 continue
+            retrier.succeeded()
             self._start(deliveries)
 
     async def _reclaim(self) -> None:
@@ -261,14 +281,17 @@ class Worker:
     # -- periodic ----------------------------------------------------------------------------
 
     async def _every(self, seconds: float, action: Callable[[], Awaitable[None]]) -> None:
+        outage = Outage(action.__name__.strip("_"))
         while True:
             try:
                 await action()
             except REDIS_REFUSED:
                 raise
-            except (RedisError, *REDIS_DOWN) as exc:
-                log.warning("periodic_task_failed", action=action.__name__, error=str(exc))
+            except REDIS_FAILURES as exc:
+                outage.failed(exc)
                 await self._recreate_group_if_lost(exc)
+            else:
+                outage.recovered()
             await asyncio.sleep(seconds)
 
     async def _recreate_group_if_lost(self, exc: BaseException) -> None:
@@ -276,7 +299,7 @@ class Worker:
         the group went with it. Re-create it so the worker serves again."""
         if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
             log.warning("consumer_group_missing_recreating")
-            with contextlib.suppress(RedisError, *REDIS_DOWN):
+            with contextlib.suppress(*REDIS_FAILURES):
                 await self.queue.ensure_group()
 
     async def _heartbeat(self) -> None:
@@ -296,8 +319,8 @@ class Worker:
     async def _stats(self) -> dict[str, Any]:
         try:
             group = await self.queue.group_info()
-        except (RedisError, *REDIS_DOWN) as exc:
-            group = {"error": str(exc)}
+        except REDIS_FAILURES as exc:
+            group = {"error": describe(exc)}
         return {
             "worker_id": self.settings.worker_id,
             "jobs": self.runner.stats(),

@@ -1,0 +1,198 @@
+"""One pub/sub connection for any number of channels (one per node on a Redis Cluster).
+
+A client that follows a thousand requests needs a thousand channels, not a thousand
+connections (each would hold a pool slot and a file descriptor). The hub subscribes a channel
+while someone listens to it, hands each message to that channel's inboxes, and unsubscribes
+when the last listener leaves. On a Cluster the channels are shard channels (``SSUBSCRIBE``):
+each lives on the node that owns its hash slot, and redis-py's ClusterPubSub keeps one
+connection per such node; the hub reads each of them.
+
+When a connection drops, messages may have been missed while it was down: every inbox then
+gets ``MISSED`` once the connection is back, so its listener re-reads what the channel stands
+for (a replay log, say). redis-py re-subscribes on reconnect by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any, Final
+
+from redis.asyncio.client import PubSub
+from redis.asyncio.cluster import ClusterPubSub, RedisCluster
+from redis.exceptions import RedisError
+
+from protocol.connection import RedisClient
+
+# Put in an inbox after its connection came back: messages may have been lost meanwhile.
+MISSED: Final = None
+Inbox = asyncio.Queue[bytes | None]
+
+SUBSCRIBE_CONFIRM_TIMEOUT: Final = 10.0
+# How long one read waits before the reader looks at its bookkeeping again.
+_READ_WAIT: Final = 1.0
+_RETRY_DELAYS: Final = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+_SUBSCRIBED: Final = frozenset({"subscribe", "ssubscribe"})
+_MESSAGES: Final = frozenset({"message", "smessage"})
+
+
+class ChannelHub:
+    """Channels on demand over one pub/sub connection (per Cluster node) of ``redis``."""
+
+    def __init__(self, redis: RedisClient) -> None:
+        self._redis = redis
+        self._pubsub: PubSub | ClusterPubSub | None = None
+        self._inboxes: dict[bytes, set[Inbox]] = {}
+        self._confirmed: dict[bytes, asyncio.Future[None]] = {}
+        self._readers: dict[str, asyncio.Task[None]] = {}
+        # SUBSCRIBE and UNSUBSCRIBE go out one at a time: redis-py's PubSub opens its
+        # connection on the first command, and two first commands at once would open two.
+        self._commands = asyncio.Lock()
+        self._closed = False
+
+    @contextlib.asynccontextmanager
+    async def listen(self, *channels: str) -> AsyncIterator[Inbox]:
+        """Subscribe (and wait for the server's confirmation, so nothing published from now
+        on is missed), yield one inbox for messages of all ``channels``, unsubscribe at exit."""
+        inbox: Inbox = asyncio.Queue()
+        names = [channel.encode() for channel in channels]
+        joined: list[bytes] = []
+        try:
+            for name in names:
+                joined.append(name)
+                await self._join(name, inbox)
+            yield inbox
+        finally:
+            for name in joined:
+                await self._leave(name, inbox)
+
+    @property
+    def channels(self) -> int:
+        """How many channels are subscribed now."""
+        return len(self._inboxes)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        readers = list(self._readers.values())
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        if self._pubsub is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def _join(self, name: bytes, inbox: Inbox) -> None:
+        listeners = self._inboxes.get(name)
+        if listeners is not None:
+            listeners.add(inbox)
+            await asyncio.wait_for(asyncio.shield(self._confirmed[name]), SUBSCRIBE_CONFIRM_TIMEOUT)
+            return
+        self._inboxes[name] = {inbox}
+        confirmed = self._confirmed[name] = asyncio.get_running_loop().create_future()
+        async with self._commands:
+            pubsub = self._connection()
+            if isinstance(pubsub, ClusterPubSub):
+                await pubsub.ssubscribe(name)
+            else:
+                await pubsub.subscribe(name)
+            self._start_readers()
+        await asyncio.wait_for(asyncio.shield(confirmed), SUBSCRIBE_CONFIRM_TIMEOUT)
+
+    async def _leave(self, name: bytes, inbox: Inbox) -> None:
+        listeners = self._inboxes.get(name)
+        if listeners is None:
+            return
+        listeners.discard(inbox)
+        if listeners:
+            return
+        del self._inboxes[name]
+        confirmed = self._confirmed.pop(name)
+        if not confirmed.done():
+            confirmed.cancel()
+        if self._pubsub is None or self._closed:
+            return
+        # A failed unsubscribe leaves a subscription nobody reads: its messages are dropped,
+        # and a reconnect forgets it. Not worth failing the listener's exit for.
+        async with self._commands:
+            with contextlib.suppress(RedisError, OSError):
+                if isinstance(self._pubsub, ClusterPubSub):
+                    await self._pubsub.sunsubscribe(name)
+                else:
+                    await self._pubsub.unsubscribe(name)
+
+    def _connection(self) -> PubSub | ClusterPubSub:
+        if self._closed:
+            raise RuntimeError("the channel hub is closed")
+        if self._pubsub is None:
+            self._pubsub = self._redis.pubsub()
+        return self._pubsub
+
+    def _start_readers(self) -> None:
+        """One reader per connection: the single one, or one per Cluster node in use."""
+        pubsub = self._pubsub
+        if pubsub is None or self._closed:
+            return
+        names = list(pubsub.node_pubsub_mapping) if isinstance(pubsub, ClusterPubSub) else [""]
+        for node_name in names:
+            reader = self._readers.get(node_name)
+            if reader is None or reader.done():
+                self._readers[node_name] = asyncio.create_task(
+                    self._read(node_name), name=f"channel-hub-reader{node_name and ':'}{node_name}"
+                )
+
+    async def _read(self, node_name: str) -> None:
+        failures = 0
+        while not self._closed:
+            try:
+                message = await self._next_message(node_name)
+            except _NodeGone:
+                return
+            except (RedisError, OSError):
+                delay = _RETRY_DELAYS[min(failures, len(_RETRY_DELAYS) - 1)]
+                failures += 1
+                await asyncio.sleep(delay)
+                continue
+            if failures:
+                failures = 0
+                self._notify_missed()
+            if message is not None:
+                self._dispatch(message)
+            self._start_readers()  # a Cluster may have moved channels to another node
+
+    async def _next_message(self, node_name: str) -> dict[str, Any] | None:
+        pubsub = self._pubsub
+        if isinstance(pubsub, ClusterPubSub):
+            assert isinstance(self._redis, RedisCluster)
+            node = self._redis.get_node(node_name=node_name)
+            if node is None or node_name not in pubsub.node_pubsub_mapping:
+                raise _NodeGone
+            message: dict[str, Any] | None = await pubsub.get_sharded_message(
+                target_node=node, timeout=_READ_WAIT
+            )
+            return message
+        assert pubsub is not None
+        message = await pubsub.get_message(timeout=_READ_WAIT)
+        return message
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        channel = message.get("channel")
+        if not isinstance(channel, bytes):
+            return
+        if kind in _MESSAGES:
+            for inbox in self._inboxes.get(channel, ()):
+                inbox.put_nowait(message["data"])
+        elif kind in _SUBSCRIBED:
+            confirmed = self._confirmed.get(channel)
+            if confirmed is not None and not confirmed.done():
+                confirmed.set_result(None)
+
+    def _notify_missed(self) -> None:
+        for listeners in self._inboxes.values():
+            for inbox in listeners:
+                inbox.put_nowait(MISSED)
+
+
+class _NodeGone(Exception):
+    """The Cluster node's connection was dropped (its channels moved, or none are left)."""
