@@ -52,16 +52,19 @@ class ChannelHub:
         self._closed = False
 
     @contextlib.asynccontextmanager
-    async def listen(self, *channels: str) -> AsyncIterator[Inbox]:
-        """Subscribe (and wait for the server's confirmation, so nothing published from now
-        on is missed), yield one inbox for messages of all ``channels``, unsubscribe at exit."""
+    async def listen(
+        self, *channels: str, confirm_timeout: float = SUBSCRIBE_CONFIRM_TIMEOUT
+    ) -> AsyncIterator[Inbox]:
+        """Subscribe (and wait up to ``confirm_timeout`` for the server's confirmation, so
+        nothing published from now on is missed), yield one inbox for messages of all
+        ``channels``, unsubscribe at exit. A lost connection fails the wait at once."""
         inbox: Inbox = asyncio.Queue()
         names = [channel.encode() for channel in channels]
         joined: list[bytes] = []
         try:
             for name in names:
                 joined.append(name)
-                await self._join(name, inbox)
+                await self._join(name, inbox, confirm_timeout)
             yield inbox
         finally:
             for name in joined:
@@ -82,11 +85,11 @@ class ChannelHub:
             with contextlib.suppress(RedisError, OSError):
                 await self._pubsub.aclose()  # type: ignore[no-untyped-call]
 
-    async def _join(self, name: bytes, inbox: Inbox) -> None:
+    async def _join(self, name: bytes, inbox: Inbox, confirm_timeout: float) -> None:
         listeners = self._inboxes.get(name)
         if listeners is not None:
             listeners.add(inbox)
-            await asyncio.wait_for(asyncio.shield(self._confirmed[name]), SUBSCRIBE_CONFIRM_TIMEOUT)
+            await asyncio.wait_for(asyncio.shield(self._confirmed[name]), confirm_timeout)
             return
         self._inboxes[name] = {inbox}
         confirmed = self._confirmed[name] = asyncio.get_running_loop().create_future()
@@ -97,7 +100,7 @@ class ChannelHub:
             else:
                 await pubsub.subscribe(name)
             self._start_readers()
-        await asyncio.wait_for(asyncio.shield(confirmed), SUBSCRIBE_CONFIRM_TIMEOUT)
+        await asyncio.wait_for(asyncio.shield(confirmed), confirm_timeout)
 
     async def _leave(self, name: bytes, inbox: Inbox) -> None:
         listeners = self._inboxes.get(name)
@@ -148,7 +151,10 @@ class ChannelHub:
                 message = await self._next_message(node_name)
             except _NodeGone:
                 return
-            except (RedisError, OSError):
+            except (RedisError, OSError) as exc:
+                # A subscription sent on this connection may never be confirmed now: tell
+                # whoever waits for one (they subscribe again), instead of letting them wait.
+                self._fail_pending(exc)
                 delay = _RETRY_DELAYS[min(failures, len(_RETRY_DELAYS) - 1)]
                 failures += 1
                 await asyncio.sleep(delay)
@@ -187,6 +193,12 @@ class ChannelHub:
             confirmed = self._confirmed.get(channel)
             if confirmed is not None and not confirmed.done():
                 confirmed.set_result(None)
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        for confirmed in self._confirmed.values():
+            if not confirmed.done():
+                confirmed.set_exception(exc)
+                confirmed.exception()  # retrieved here: a listener may have left already
 
     def _notify_missed(self) -> None:
         for listeners in self._inboxes.values():

@@ -109,6 +109,15 @@ async def connect(url: str, *, topology: str = "auto", **options: Any) -> RedisC
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
     options = {**options, "decode_responses": False, "retry": no_retries()}
+    try:
+        return await _open(url, topology, options)
+    except ResponseError as exc:
+        # Not an outage: the server refuses how we connect (SELECT of a database on a
+        # Cluster, an ACL without a command the set-up needs). Waiting would not help.
+        raise UnsupportedRedis(f"{redact(url)} refused the connection set-up: {exc}") from exc
+
+
+async def _open(url: str, topology: str, options: dict[str, Any]) -> RedisClient:
     if urlsplit(url).scheme == SENTINEL_SCHEME:
         if topology == "cluster":
             raise UnsupportedRedis("a redis+sentinel:// URL names a master, not a Cluster")
@@ -140,7 +149,9 @@ async def _hello(redis: Redis) -> tuple[str | None, tuple[int, ...] | None]:
     or an ACL without it) is taken as a single server."""
     try:
         reply = await redis.execute_command("HELLO")  # type: ignore[no-untyped-call]
-    except ResponseError:
+    except ResponseError as exc:
+        if "hello" not in str(exc).lower():  # the connection's own set-up failed
+            raise
         return None, None
     if isinstance(reply, list):  # RESP2 servers answer with a flat list of pairs
         reply = dict(zip(reply[0::2], reply[1::2], strict=False))

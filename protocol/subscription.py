@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator
 from typing import Final
 
 from protocol.cancellation import raise_if_cancelled
-from protocol.channels import MISSED, ChannelHub, Inbox
+from protocol.channels import MISSED, SUBSCRIBE_CONFIRM_TIMEOUT, ChannelHub, Inbox
 from protocol.codec import decode_event
 from protocol.connection import RedisClient, is_unavailable
 from protocol.errors import (
@@ -63,8 +63,11 @@ async def follow_events(
     failures = 0
     unavailable_since: float | None = None
     while True:
+        confirm_timeout = SUBSCRIBE_CONFIRM_TIMEOUT
+        if timeout is not None:  # the wait for the subscription counts against the stream's
+            confirm_timeout = min(confirm_timeout, timeout - (time.monotonic() - last_event_at))
         try:
-            async with hub.listen(keys.out(request_id)) as inbox:
+            async with hub.listen(keys.out(request_id), confirm_timeout=confirm_timeout) as inbox:
                 released = await follower.read_log()
                 if follower.log_cursor is None:
                     raise RequestNotFound(request_id)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.redis_server import RedisServer
+from worker.local_redis import LocalCluster, LocalSentinel, RedisServer
 from worker.models import load_model, prepare_smollm2, prepare_tiny
 
 
@@ -54,3 +54,25 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """One local 3-master Redis Cluster for the session; tests keep apart by key prefix."""
+    cluster = LocalCluster()
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def redis_sentinel() -> Iterator[LocalSentinel]:
+    """A fresh master + replica + Sentinel per test: a failover leaves the set changed."""
+    sentinel = LocalSentinel()
+    sentinel.start()
+    try:
+        yield sentinel
+    finally:
+        sentinel.close()

@@ -31,7 +31,7 @@ from tests.daemon.helpers import (
     until,
     wait_until,
 )
-from tests.redis_server import RedisServer
+from worker.local_redis import RedisServer
 
 T = TypeVar("T")
 
@@ -393,3 +393,39 @@ async def _retrying(call: Callable[[], Awaitable[T]]) -> T:
         except (RedisConnectionError, ConnectionError, OSError):
             await asyncio.sleep(0.1)
     return await call()
+
+
+@pytest.mark.timeout(150)
+def test_a_log_that_lost_its_newest_events_gets_a_new_attempt_not_a_hole(
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+) -> None:
+    """What a Sentinel failover to a lagging replica does to a running request: its log loses
+    the newest entries the worker already wrote. The worker must not append after the hole
+    (subscribers would wait forever for the missing seq): it gives the attempt up without an
+    ack, the job is reclaimed once its lease runs out, and the new attempt continues the log
+    from what is left, after a reset, to exactly one done with the greedy text."""
+    text = prompts(1, seed=23)[0]
+    expected = reference.texts([text], LONG)[0]
+    worker = workers.start("gap-1", lease_seconds=2)
+
+    async def main() -> tuple[list[Event], list[Event], int, dict[str, int]]:
+        async with Client(redis_url, prefix=prefix) as client:
+            rid = await client.submit(text, max_tokens=LONG, temperature=0.0)
+            await until(lambda: _deltas_at_least(client, [rid], 6), 60, "the first deltas")
+            newest = await client.redis.xrevrange(client.keys.log(rid), count=2)
+            await client.redis.xdel(client.keys.log(rid), *[entry_id for entry_id, _ in newest])
+            lost_at = min(int(fields[b"seq"]) for _, fields in newest)
+            await until(lambda: _log_terminal(client, rid), 90, "the job's end")
+            await until(lambda: settled(client), 30, "the ack")
+            replies = await client.stats(timeout=5)
+            outcomes = (replies[0].result or {}).get("jobs", {}).get("outcomes", {})
+            return await collect(client, rid), await _log_events(client, rid), lost_at, outcomes
+
+    streamed, logged, lost_at, outcomes = run(main())
+    summary = check_stream(logged, logged[0].request_id)
+    assert summary.terminal.output_text == expected
+    assert [reset.seq for reset in summary.resets] == [lost_at]  # the new attempt fills the hole
+    assert summary.attempts == [1, 2]
+    assert outcomes.get("log_gap") == 1
+    assert streamed == logged
+    assert worker.running()

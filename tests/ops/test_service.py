@@ -18,7 +18,7 @@ import pytest
 from protocol.client import Client
 from protocol.messages import DeltaEvent, DoneEvent, Event
 from tests.ops.helpers import NotifySocket, WorkerProcess, free_port, scrape, wait_until
-from tests.redis_server import RedisServer
+from worker.local_redis import RedisServer
 
 READY_TIMEOUT = 60.0
 

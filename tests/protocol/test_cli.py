@@ -22,7 +22,7 @@ from protocol.messages import Event, Job
 from tests.protocol.background import Background
 from tests.protocol.fake_responder import FakeResponder
 from tests.protocol.helpers import delta, done, emit, error, reset, text_events, wait_for_job
-from tests.redis_server import RedisServer, free_port
+from worker.local_redis import RedisServer, free_port
 
 Script = Callable[[Job], list[Event]]
 REPO_ROOT = Path(__file__).resolve().parents[2]

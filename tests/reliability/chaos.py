@@ -37,7 +37,6 @@ from protocol.codec import decode_job, encode_job
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.messages import DoneEvent, ErrorEvent, Job
-from tests.redis_server import RedisServer
 from tests.reliability.common import (
     WorkerProcess,
     exit_now,
@@ -52,6 +51,7 @@ from tests.reliability.streams import (
     percentile,
     read_log_entries,
 )
+from worker.local_redis import RedisServer
 
 AOF = ("--appendonly", "yes", "--appendfsync", "always")
 

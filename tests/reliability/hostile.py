@@ -37,7 +37,6 @@ from protocol.constants import JOB_FIELD
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.messages import DoneEvent, ErrorEvent, Job
-from tests.redis_server import RedisServer
 from tests.reliability.common import WorkerProcess, exit_now, make_prompts, reference_texts
 from tests.reliability.streams import (
     check_log,
@@ -46,6 +45,7 @@ from tests.reliability.streams import (
     percentile,
     read_log_entries,
 )
+from worker.local_redis import RedisServer
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -27,9 +27,9 @@ from typing import Any
 
 from protocol.client import Client
 from protocol.messages import DoneEvent
-from tests.redis_server import RedisServer
 from tests.reliability.common import WorkerProcess, exit_now, make_prompts
 from tests.reliability.streams import format_table, percentile
+from worker.local_redis import RedisServer
 
 MIB = 1024 * 1024
 

@@ -28,7 +28,6 @@ from typing import Any
 
 from protocol.client import Client
 from protocol.messages import DoneEvent
-from tests.redis_server import RedisServer
 from tests.reliability.common import WorkerProcess, exit_now, make_prompts, reference_texts
 from tests.reliability.streams import (
     Followed,
@@ -37,6 +36,7 @@ from tests.reliability.streams import (
     percentile,
     text_after_last_reset,
 )
+from worker.local_redis import RedisServer
 
 # Small pub/sub output-buffer limits so Redis drops the slow subscribers during the run.
 BUFFER_LIMIT = ("--client-output-buffer-limit", "pubsub 32kb 8kb 1")

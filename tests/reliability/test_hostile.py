@@ -10,9 +10,9 @@ import pytest
 
 from protocol.client import Client
 from protocol.messages import DoneEvent
-from tests.redis_server import RedisServer
 from tests.reliability.common import WorkerProcess, first_greedy_token
 from tests.reliability.hostile import HostileConfig, run_hostile
+from worker.local_redis import RedisServer
 
 MIB = 1024 * 1024
 

@@ -20,7 +20,6 @@ from protocol.codec import decode_event
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.messages import DoneEvent, ErrorEvent
-from tests.redis_server import RedisServer, free_port
 from tests.reliability.common import (
     WorkerProcess,
     clean_environment,
@@ -28,16 +27,17 @@ from tests.reliability.common import (
     reference_texts,
     worker_command,
 )
+from worker.local_redis import RedisServer, free_port
 
 PASSWORD = "s3cret-pw"
 ADMIN = ("--user", "admin", "on", ">admin-pw", "~*", "&*", "+@all")
 # The ACL lines the README documents: the simple one, and the minimal one (every command the
 # worker, the client and the CLI send, inside Lua scripts included, and nothing else).
-ACL_SIMPLE = ("~mlxw:*", "&mlxw:*", "+@all", "-@dangerous")
+ACL_SIMPLE = ("~mlxw:*", "&mlxw:*", "+@all", "-@dangerous", "+info")
 MINIMAL_COMMANDS = (
-    "hello ping xadd xrange xrevrange xreadgroup xgroup|create xautoclaim xclaim xpending xack "
-    "xdel xinfo|groups eval evalsha script|load script|exists publish subscribe get set del "
-    "exists expire rpush blpop scan"
+    "hello ping info xadd xrange xrevrange xreadgroup xgroup|create xautoclaim xclaim xpending "
+    "xack xdel xinfo|groups eval evalsha script|load script|exists publish subscribe "
+    "unsubscribe spublish ssubscribe sunsubscribe get set del exists expire rpush blpop scan"
 )
 ACL_MINIMAL = ("~mlxw:*", "&mlxw:*", "-@all", *(f"+{name}" for name in MINIMAL_COMMANDS.split()))
 

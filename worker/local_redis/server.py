@@ -1,6 +1,6 @@
-"""A private redis-server process for tests: free port, own directory, start/stop/restart.
+"""One private redis-server child process: free port, own directory, start/stop/restart/kill.
 
-Tests never touch a Redis they did not start. Restart keeps the port and the directory, so a
+Nothing here touches a Redis it did not start. Restart keeps the port and the directory, so a
 server started with ``--appendonly yes`` comes back with its data.
 """
 
@@ -14,9 +14,17 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+HOST = "127.0.0.1"
+MAX_PORT = 65535
+
 
 class RedisServer:
-    """One redis-server child process on 127.0.0.1."""
+    """One redis-server child process on 127.0.0.1.
+
+    ``config_file`` goes before every other argument, which is where redis-server wants it;
+    Sentinel needs one (it rewrites it, so it must be writable)."""
+
+    host = HOST
 
     def __init__(
         self,
@@ -24,25 +32,32 @@ class RedisServer:
         extra_args: Sequence[str] = (),
         directory: Path | None = None,
         binary: str = "redis-server",
+        config_file: Path | None = None,
     ) -> None:
         found = shutil.which(binary)
         if found is None:
             raise RuntimeError(
-                f"{binary!r} is not on PATH: these tests need a real Redis server binary "
+                f"{binary!r} is not on PATH: this needs a real Redis server binary "
                 "(install the redis-server package, e.g. `apt-get install redis-server`)"
             )
         self.binary = found
         self._picked_port = port is None
         self.port = port if port is not None else free_port()
         self.extra_args = list(extra_args)
+        self.config_file = config_file
         self._owns_directory = directory is None
-        self.directory = directory or Path(tempfile.mkdtemp(prefix="redis-test-"))
+        self.directory = directory or Path(tempfile.mkdtemp(prefix="local-redis-"))
         self.process: subprocess.Popen[bytes] | None = None
         self._log_start = 0
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        """The running process's id; None while stopped."""
+        return None if self.process is None else self.process.pid
 
     def start(self, timeout: float = 10.0) -> None:
         """Start the server and return once it answers PING."""
@@ -62,12 +77,14 @@ class RedisServer:
         if self.process is not None:
             raise RuntimeError("redis-server is already running")
         self.directory.mkdir(parents=True, exist_ok=True)
-        command = [
-            self.binary,
+        command = [self.binary]
+        if self.config_file is not None:
+            command.append(str(self.config_file))
+        command += [
             "--port",
             str(self.port),
             "--bind",
-            "127.0.0.1",
+            self.host,
             "--save",
             "",
             "--appendonly",
@@ -80,9 +97,8 @@ class RedisServer:
         ]
         log_path = self.directory / "redis.log"
         self._log_start = log_path.stat().st_size if log_path.exists() else 0
-        log = log_path.open("ab")
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        with log_path.open("ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -109,6 +125,14 @@ class RedisServer:
             process.kill()
             process.wait()
 
+    def kill(self) -> None:
+        """SIGKILL the server and reap it: a crash, with no shutdown save or goodbye to peers."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        process.kill()
+        process.wait()
+
     def restart(self) -> None:
         self.stop()
         self.start()
@@ -132,7 +156,7 @@ class RedisServer:
     def _answers_ping(self) -> bool:
         """True once the server answers a raw PING (a client library would retry for us)."""
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as connection:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as connection:
                 connection.sendall(b"PING\r\n")
                 reply = connection.recv(64)
         except OSError:
@@ -155,6 +179,31 @@ class PortTaken(RuntimeError):
 def free_port() -> int:
     """A TCP port nobody listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((HOST, 0))
         port: int = probe.getsockname()[1]
         return port
+
+
+def free_port_pair(offset: int = 10000, attempts: int = 100) -> int:
+    """A port ``p`` with ``p`` and ``p + offset`` both free and ``p + offset <= 65535``.
+
+    A Cluster node binds its bus port at ``port + 10000``; the kernel's ephemeral ports run up
+    to about 61000, so a plain free port often has no room above it."""
+    for _attempt in range(attempts):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((HOST, 0))
+            port: int = probe.getsockname()[1]
+            if port + offset > MAX_PORT:
+                continue
+            if _bindable(port + offset):
+                return port
+    raise RuntimeError(f"no free port pair {offset} apart in {attempts} attempts")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((HOST, port))
+        except OSError:
+            return False
+        return True

@@ -1,0 +1,185 @@
+"""One URL for every Redis deployment: parsing, detection, refusals, and what is transient."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+from fakeredis import TcpFakeServer
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import (
+    AuthenticationError,
+    ClusterDownError,
+    NoPermissionError,
+    OutOfMemoryError,
+    SlotNotCoveredError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from protocol.connection import (
+    SentinelAddress,
+    UnsupportedRedis,
+    connect,
+    is_unavailable,
+    parse_sentinel_url,
+    redact,
+)
+from protocol.errors import RedisUnavailable, RequestNotFound, StreamTimeout
+from tests.protocol.helpers import run
+from worker.local_redis import free_port
+
+
+def test_sentinel_urls_name_every_sentinel_the_service_and_the_database() -> None:
+    address = parse_sentinel_url(
+        "redis+sentinel://app:p%40ss@10.0.0.1:26380,10.0.0.2,[::1]:5000/cache/3"
+        "?sentinel_password=s3cret"
+    )
+    assert address == SentinelAddress(
+        sentinels=(("10.0.0.1", 26380), ("10.0.0.2", 26379), ("::1", 5000)),
+        service="cache",
+        db=3,
+        username="app",
+        password="p@ss",
+        sentinel_options={"password": "s3cret"},
+    )
+    assert parse_sentinel_url("redis+sentinel://h:1/svc").db == 0
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis+sentinel://h:1",  # no service
+        "redis+sentinel://h:1/svc/0/extra",
+        "redis+sentinel://h:1/svc/zero",
+        "redis+sentinel://h:port/svc",
+        "redis+sentinel:///svc",  # no sentinel
+        "redis+sentinel://h:1/svc?ssl=1",  # an option nobody reads would be silently ignored
+        "redis://h:1/0",
+    ],
+)
+def test_malformed_sentinel_urls_are_refused(url: str) -> None:
+    with pytest.raises(ValueError):
+        parse_sentinel_url(url)
+
+
+def test_passwords_never_reach_messages() -> None:
+    assert redact("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
+    assert redact("rediss://user:pw@h:6380/0?ssl_ca_certs=/ca") == (
+        "rediss://user:***@h:6380/0?ssl_ca_certs=/ca"
+    )
+    assert redact("redis+sentinel://u:pw@a:1,b:2/svc?sentinel_password=x") == (
+        "redis+sentinel://u:***@a:1,b:2/svc?sentinel_password=***"
+    )
+    assert redact("redis://h:6379/0") == "redis://h:6379/0"
+
+
+def test_only_redis_being_unreachable_is_worth_waiting_for() -> None:
+    for transient in (
+        RedisConnectionError("refused"),
+        RedisTimeoutError("slow"),
+        ConnectionResetError(),
+        ClusterDownError("CLUSTERDOWN"),
+        SlotNotCoveredError("moving"),
+        OSError("socket"),
+    ):
+        assert is_unavailable(transient), transient
+    for final in (
+        AuthenticationError("bad password"),  # a ConnectionError in redis-py
+        NoPermissionError("acl"),
+        OutOfMemoryError("oom"),
+        RedisUnavailable("already reported"),  # a ClientError: reported, not retried
+        StreamTimeout("nothing came"),  # a TimeoutError, hence an OSError
+        RequestNotFound("r1"),
+        ValueError("bug"),
+    ):
+        assert not is_unavailable(final), final
+
+
+def test_a_single_server_is_detected_and_its_client_sends_nothing_twice(redis_url: str) -> None:
+    async def scenario() -> tuple[type, int]:
+        redis = await connect(redis_url)
+        try:
+            return type(redis), redis.get_retry().get_retries()  # type: ignore[union-attr]
+        finally:
+            await redis.aclose()
+
+    kind, retries = run(scenario())
+    assert kind is Redis
+    assert retries == 0
+
+
+@pytest.fixture
+def fake_server() -> Iterator[str]:
+    port = free_port()
+    server = TcpFakeServer(("127.0.0.1", port), server_type="redis")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_server_answering_hello_in_resp2_form_is_a_single_server(fake_server: str) -> None:
+    """fakeredis (the demo's embedded Redis) answers HELLO as a flat list."""
+
+    async def scenario() -> bool:
+        redis = await connect(fake_server)
+        try:
+            await redis.set("k", "v")
+            return isinstance(redis, Redis)
+        finally:
+            await redis.aclose()
+
+    assert run(scenario())
+
+
+def test_a_cluster_node_url_gives_a_cluster_client(redis_cluster: object) -> None:
+    url = redis_cluster.url  # type: ignore[attr-defined]
+
+    async def scenario() -> tuple[bool, bool, int]:
+        detected = await connect(url)
+        told = await connect(url, topology="cluster")
+        try:
+            # Keys on every node: the client follows the slots.
+            for index in range(30):
+                await detected.set(f"spread:{{{index}}}", index)
+            nodes = {detected.get_node_from_key(f"spread:{{{i}}}").name for i in range(30)}  # type: ignore[union-attr]
+            return isinstance(detected, RedisCluster), isinstance(told, RedisCluster), len(nodes)
+        finally:
+            await detected.aclose()
+            await told.aclose()
+
+    detected, told, nodes = run(scenario())
+    assert detected and told
+    assert nodes == len(redis_cluster.nodes)  # type: ignore[attr-defined]
+
+
+def test_urls_naming_the_wrong_kind_of_server_are_one_clear_line(
+    redis_url: str, redis_cluster: object, redis_sentinel: object
+) -> None:
+    sentinel_port = redis_sentinel.sentinel.port  # type: ignore[attr-defined]
+    cluster_url = redis_cluster.url  # type: ignore[attr-defined]
+
+    async def refused(url: str, **options: str) -> str:
+        with pytest.raises(UnsupportedRedis) as caught:
+            await connect(url, **options)
+        return str(caught.value)
+
+    async def scenario() -> list[str]:
+        return [
+            await refused(f"redis://127.0.0.1:{sentinel_port}/0"),
+            await refused(redis_url, topology="cluster"),
+            await refused(cluster_url.replace("/0", "/3")),
+        ]
+
+    sentinel_as_server, server_as_cluster, database_on_cluster = run(scenario())
+    assert "is a Redis Sentinel: name it as redis+sentinel://" in sentinel_as_server
+    assert "is not a Redis Cluster node (its mode is standalone)" in server_as_cluster
+    assert "refused the connection set-up: SELECT is not allowed in cluster mode" in (
+        database_on_cluster
+    )

@@ -1,0 +1,90 @@
+"""The local Redis set-ups against real servers: a cluster, a Sentinel failover, one server."""
+
+from __future__ import annotations
+
+import socket
+
+import redis
+import redis.cluster
+import redis.sentinel
+
+from worker.local_redis import LocalCluster, LocalSentinel, RedisServer, free_port_pair
+from worker.local_redis.probe import connect
+
+
+def test_cluster_covers_every_slot_and_serves_keys_on_every_node(
+    redis_cluster: LocalCluster,
+) -> None:
+    assert len(redis_cluster.nodes) == 3
+    for node in redis_cluster.nodes:
+        with connect(node.port) as client:
+            info = client.cluster("INFO")
+        assert info["cluster_state"] == "ok"
+        assert info["cluster_slots_ok"] == "16384"
+    cluster_client = redis.cluster.RedisCluster.from_url(redis_cluster.url, decode_responses=True)
+    try:
+        keys = [f"test-local-redis:{index}" for index in range(30)]
+        owners = {key: cluster_client.get_node_from_key(key).port for key in keys}
+        assert set(owners.values()) == {node.port for node in redis_cluster.nodes}
+        for key in keys:
+            cluster_client.set(key, key.upper())
+        for key in keys:
+            assert cluster_client.get(key) == key.upper()
+    finally:
+        cluster_client.close()
+    # Each key really lives where the cluster client sent it.
+    for key, port in owners.items():
+        with connect(port) as direct:
+            assert direct.get(key) == key.upper()
+
+
+def test_sentinel_failover_keeps_replicated_writes(redis_sentinel: LocalSentinel) -> None:
+    first_master = redis_sentinel.master_port()
+    assert first_master == redis_sentinel.master.port
+    assert redis_sentinel.url == (
+        f"redis+sentinel://127.0.0.1:{redis_sentinel.sentinel.port}/mymaster/0"
+    )
+    sentinel = redis.sentinel.Sentinel([("127.0.0.1", redis_sentinel.sentinel.port)])
+    client = sentinel.master_for("mymaster", socket_timeout=2.0, decode_responses=True)
+    try:
+        client.set("before", "kept")
+        # The replica must hold the key before its master dies, or the failover may lose it.
+        assert client.execute_command("WAIT", 1, 1000) == 1
+        old_port = redis_sentinel.kill_master()
+        assert old_port == first_master
+        assert redis_sentinel.master.pid is None
+        new_port = redis_sentinel.wait_failover(old_port)
+        assert new_port == redis_sentinel.replica.port
+        assert redis_sentinel.master_port() == new_port
+        client.set("after", "written")
+        assert client.get("before") == "kept"
+        assert client.get("after") == "written"
+    finally:
+        client.close()
+        for connection in sentinel.sentinels:
+            connection.close()
+
+
+def test_server_restarts_on_its_port() -> None:
+    with RedisServer() as server:
+        assert server.host == "127.0.0.1"
+        port, pid = server.port, server.pid
+        assert pid is not None
+        server.restart()
+        assert server.port == port
+        assert server.pid not in (None, pid)
+        with connect(server.port) as client:
+            assert client.ping()
+        server.kill()
+        assert server.pid is None
+        server.start()
+        with connect(server.port) as client:
+            assert client.ping()
+
+
+def test_free_port_pair_is_bindable() -> None:
+    port = free_port_pair()
+    assert port + 10000 <= 65535
+    with socket.socket() as first, socket.socket() as second:
+        first.bind(("127.0.0.1", port))
+        second.bind(("127.0.0.1", port + 10000))
