@@ -153,6 +153,10 @@ async def _hello(redis: Redis) -> tuple[str | None, tuple[int, ...] | None]:
         if "hello" not in str(exc).lower():  # the connection's own set-up failed
             raise
         return None, None
+    finally:
+        # A bare HELLO should change nothing, but some servers (fakeredis, the demo's
+        # embedded Redis) reset the connection to RESP2 while redis-py still reads RESP3.
+        await redis.connection_pool.disconnect()
     if isinstance(reply, list):  # RESP2 servers answer with a flat list of pairs
         reply = dict(zip(reply[0::2], reply[1::2], strict=False))
     fields = {_text(name): value for name, value in dict(reply).items()}

@@ -21,6 +21,7 @@ from tests.daemon.helpers import (
     settled,
     until,
 )
+from worker.local_redis import local_redis
 
 MAX_TOKENS = 12
 
@@ -139,3 +140,30 @@ def test_abort_running_and_queued_jobs(workers: WorkerFactory, redis_url: str, p
 
 async def _has(client: Client, request_id: str, deltas: int) -> bool:
     return await log_length(client, request_id) > deltas
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_serves_through_the_embedded_redis(
+    workers: WorkerFactory, prefix: str, reference: Reference
+) -> None:
+    """The demo's last resort on a machine without Redis: fakeredis over TCP. A worker and a
+    client must work through it as through redis-server (it answers some commands its own
+    way, e.g. a bare HELLO resets the connection to RESP2)."""
+    texts = prompts(3, seed=31)
+    expected = reference.texts(texts, MAX_TOKENS)
+    with local_redis(None, embedded=True) as (url, what):
+        assert "fakeredis" in what
+        workers.start("embedded-1", redis_url=url)
+
+        async def main() -> list[list[Event]]:
+            async with Client(url, prefix=prefix) as client:
+                rids = [
+                    await client.submit(text, max_tokens=MAX_TOKENS, temperature=0.0)
+                    for text in texts
+                ]
+                return [await collect(client, rid) for rid in rids]
+
+        streams = run(main())
+    for text, events, greedy in zip(texts, streams, expected, strict=True):
+        summary = check_stream(events, events[0].request_id)
+        assert summary.final_text == greedy, text

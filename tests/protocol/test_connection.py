@@ -125,17 +125,25 @@ def fake_server() -> Iterator[str]:
 
 
 def test_a_server_answering_hello_in_resp2_form_is_a_single_server(fake_server: str) -> None:
-    """fakeredis (the demo's embedded Redis) answers HELLO as a flat list."""
+    """fakeredis (the demo's embedded Redis) answers HELLO as a flat list, and resets the
+    connection to RESP2 when asked a bare HELLO: replies read afterwards (stream replies
+    differ between the two) must still parse."""
 
-    async def scenario() -> bool:
+    async def scenario() -> tuple[bool, object]:
         redis = await connect(fake_server)
         try:
-            await redis.set("k", "v")
-            return isinstance(redis, Redis)
+            await redis.xgroup_create("jobs", "group", id="0", mkstream=True)
+            await redis.xadd("jobs", {"job": b"x"})
+            read = await redis.xreadgroup("group", "me", {"jobs": ">"}, count=1)
+            return isinstance(redis, Redis), read
         finally:
             await redis.aclose()
 
-    assert run(scenario())
+    single, read = run(scenario())
+    assert single
+    assert [[stream, [fields for _, fields in entries]] for stream, entries in read] == [
+        [b"jobs", [{b"job": b"x"}]]
+    ]
 
 
 def test_a_cluster_node_url_gives_a_cluster_client(redis_cluster: object) -> None:

@@ -42,7 +42,7 @@ async def memory_policies(redis: RedisClient) -> dict[str, str]:
         log.warning(
             "maxmemory_policy_unknown",
             reason=str(exc)[:200],
-            hint="grant +info to the worker's ACL user so it can check the eviction policy",
+            hint="Redis did not tell its maxmemory-policy (an ACL user needs +info for this check)",
         )
         return {}
     return {
