@@ -59,20 +59,12 @@ def redis_url(redis_server: RedisServer) -> str:
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[LocalCluster]:
     """One local 3-master Redis Cluster for the session; tests keep apart by key prefix."""
-    cluster = LocalCluster()
-    cluster.start()
-    try:
+    with LocalCluster() as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 @pytest.fixture
 def redis_sentinel() -> Iterator[LocalSentinel]:
     """A fresh master + replica + Sentinel per test: a failover leaves the set changed."""
-    sentinel = LocalSentinel()
-    sentinel.start()
-    try:
+    with LocalSentinel() as sentinel:
         yield sentinel
-    finally:
-        sentinel.close()
