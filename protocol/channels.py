@@ -46,6 +46,7 @@ class ChannelHub:
         self._inboxes: dict[bytes, set[Inbox]] = {}
         self._confirmed: dict[bytes, asyncio.Future[None]] = {}
         self._readers: dict[str, asyncio.Task[None]] = {}
+        self._cleanups: set[asyncio.Task[None]] = set()
         # SUBSCRIBE and UNSUBSCRIBE go out one at a time: redis-py's PubSub opens its
         # connection on the first command, and two first commands at once would open two.
         self._commands = asyncio.Lock()
@@ -113,11 +114,16 @@ class ChannelHub:
         confirmed = self._confirmed.pop(name)
         if not confirmed.done():
             confirmed.cancel()
+        await self._unsubscribe(name)
+
+    async def _unsubscribe(self, name: bytes) -> None:
         if self._pubsub is None or self._closed:
             return
-        # A failed unsubscribe leaves a subscription nobody reads: its messages are dropped,
-        # and a reconnect forgets it. Not worth failing the listener's exit for.
+        # Not worth failing a listener's exit for: a subscription left behind (the connection
+        # was down) is dropped when its next message or re-subscription arrives (_dispatch).
         async with self._commands:
+            if name in self._inboxes:  # someone subscribed again meanwhile
+                return
             with contextlib.suppress(RedisError, OSError):
                 if isinstance(self._pubsub, ClusterPubSub):
                     await self._pubsub.sunsubscribe(name)
@@ -186,8 +192,14 @@ class ChannelHub:
         channel = message.get("channel")
         if not isinstance(channel, bytes):
             return
-        if kind in _MESSAGES:
-            for inbox in self._inboxes.get(channel, ()):
+        if kind in _MESSAGES | _SUBSCRIBED and channel not in self._inboxes:
+            # Nobody listens: an unsubscribe that failed while the connection was down, and
+            # redis-py subscribed it again on reconnect.
+            task = asyncio.create_task(self._unsubscribe(channel))
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
+        elif kind in _MESSAGES:
+            for inbox in self._inboxes[channel]:
                 inbox.put_nowait(message["data"])
         elif kind in _SUBSCRIBED:
             confirmed = self._confirmed.get(channel)

@@ -1,0 +1,147 @@
+"""The channel hub: many channels over one connection, reconnects, nothing left subscribed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+from redis.asyncio import Redis
+
+from protocol.channels import MISSED, ChannelHub, Inbox
+from protocol.connection import RedisClient, connect, publish
+from tests.protocol.helpers import run
+from worker.local_redis import LocalCluster, RedisServer
+
+
+async def _eventually(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 5) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def _subscribers(admin: Redis, channel: str, sharded: bool = False) -> int:
+    command = ("PUBSUB", "SHARDNUMSUB") if sharded else ("PUBSUB", "NUMSUB")
+    reply = await admin.execute_command(*command, channel)  # type: ignore[no-untyped-call]
+    counts = reply if isinstance(reply, list) else [item for pair in reply.items() for item in pair]
+    return int(counts[1])
+
+
+async def _next(inbox: Inbox, timeout: float = 5) -> bytes | None:
+    return await asyncio.wait_for(inbox.get(), timeout)
+
+
+def test_listeners_share_subscriptions_and_the_last_one_out_unsubscribes(redis_url: str) -> None:
+    async def scenario() -> tuple[list[bytes | None], int, int, int]:
+        redis = await connect(redis_url)
+        admin = Redis.from_url(redis_url)
+        hub = ChannelHub(redis)
+        try:
+            async with hub.listen("hub:a", "hub:b") as both, hub.listen("hub:a") as only_a:
+                await publish(redis, "hub:a", b"1")
+                await publish(redis, "hub:b", b"2")
+                got = [await _next(both), await _next(both), await _next(only_a)]
+                subscribed = hub.channels
+                connections = [c for c in await admin.client_list() if int(c.get("sub", 0)) > 0]
+            await _eventually(
+                lambda: _no_subscribers(admin, "hub:a", "hub:b"), "both channels unsubscribed"
+            )
+            return got, subscribed, len(connections), hub.channels
+        finally:
+            await hub.aclose()
+            await redis.aclose()
+            await admin.aclose()
+
+    got, subscribed, connections, left = run(scenario())
+    assert sorted(got[:2]) == [b"1", b"2"] and got[2] == b"1"  # type: ignore[type-var]
+    assert subscribed == 2
+    assert connections == 1  # one pub/sub connection for every channel and listener
+    assert left == 0
+
+
+async def _no_subscribers(admin: Redis, *channels: str) -> bool:
+    counts = [await _subscribers(admin, channel) for channel in channels]
+    return not any(counts)
+
+
+def test_a_restarted_redis_gives_missed_then_live_messages_and_drops_orphans() -> None:
+    """Redis restarts under the hub: its listener gets MISSED once the connection is back
+    (so it re-reads what it may have missed) and live messages again. A listener that left
+    while Redis was down could not unsubscribe; redis-py subscribed its channel again on
+    reconnect, and the hub drops that orphan by itself."""
+    server = RedisServer()
+    server.start()
+
+    async def scenario() -> tuple[bytes | None, bytes | None, int]:
+        redis = await connect(server.url, socket_timeout=2)
+        hub = ChannelHub(redis)
+        try:
+            async with hub.listen("hub:stays") as stays:
+                async with hub.listen("hub:leaves"):
+                    server.stop()
+                    await asyncio.sleep(0.3)
+                # left while Redis was down; now it comes back on the same port
+                server.start()
+                missed = await _next(stays, timeout=10)
+                await _eventually(lambda: _delivered(redis, "hub:stays"), "re-subscription")
+                live = await _next(stays)
+                admin = Redis.from_url(server.url)
+                try:
+                    await _eventually(
+                        lambda: _no_subscribers(admin, "hub:leaves"), "the orphan dropped"
+                    )
+                    still = await _subscribers(admin, "hub:stays")
+                finally:
+                    await admin.aclose()
+                return missed, live, still
+        finally:
+            await hub.aclose()
+            await redis.aclose()
+
+    try:
+        missed, live, still = run(scenario())
+    finally:
+        server.close()
+    assert missed is MISSED
+    assert live == b"back"
+    assert still == 1
+
+
+async def _delivered(redis: RedisClient, channel: str) -> bool:
+    with contextlib.suppress(Exception):
+        return await publish(redis, channel, b"back") > 0
+    return False
+
+
+def test_shard_channels_on_every_cluster_node_through_one_hub(redis_cluster: LocalCluster) -> None:
+    """On a Cluster each channel lives on the node owning its slot: the hub subscribes with
+    SSUBSCRIBE there and reads every node it uses."""
+    channels = [f"hub:{{{index}}}" for index in range(12)]
+
+    async def scenario() -> tuple[set[bytes | None], int, int]:
+        redis = await connect(redis_cluster.url)
+        hub = ChannelHub(redis)
+        try:
+            nodes = {redis.get_node_from_key(c).name for c in channels}  # type: ignore[union-attr]
+            async with hub.listen(*channels) as inbox:
+                for channel in channels:
+                    assert await publish(redis, channel, channel.encode()) == 1
+                got = {await _next(inbox) for _ in channels}
+            remaining = 0
+            for channel in channels:
+                node = redis.get_node_from_key(channel)  # type: ignore[union-attr]
+                reply = await redis.execute_command(  # type: ignore[no-untyped-call]
+                    "PUBSUB", "SHARDNUMSUB", channel, target_nodes=node
+                )
+                remaining += int(reply[1] if isinstance(reply, list) else reply[channel.encode()])
+            return got, len(nodes), remaining
+        finally:
+            await hub.aclose()
+            await redis.aclose()
+
+    got, nodes, remaining = run(scenario())
+    assert got == {channel.encode() for channel in channels}
+    assert nodes == len(redis_cluster.nodes)
+    assert remaining == 0
