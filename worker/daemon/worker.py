@@ -275,8 +275,8 @@ class Worker:
     def _job_done(self, entry_id: str, task: asyncio.Task[None]) -> None:
         self._jobs.pop(entry_id, None)
         self._slot_freed.set()
-        if not task.cancelled() and task.exception() is not None:
-            log.error("job_task_failed", entry_id=entry_id, error=repr(task.exception()))
+        if not task.cancelled() and (failure := task.exception()) is not None:
+            log.error("job_task_failed", entry_id=entry_id, error=describe(failure))
 
     # -- periodic ----------------------------------------------------------------------------
 
@@ -375,5 +375,5 @@ async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
             task.cancel()
         _, pending = await asyncio.wait(pending, timeout=1.0)
     for task in tasks:
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("task_failed", task=task.get_name(), error=repr(task.exception()))
+        if not task.cancelled() and (failure := task.exception()) is not None:
+            log.warning("task_failed", task=task.get_name(), error=describe(failure))
