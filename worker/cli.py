@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--max-tokens", type=int, default=64)
     e2e.add_argument("--repeat", type=int, default=3, help="rotations of all paths per level")
     e2e.add_argument("--redis-url", default=None, help="default: MLXW_REDIS_URL or a private one")
+    e2e.add_argument(
+        "--cluster",
+        action="store_true",
+        help="also run end to end on a private 3-master Redis Cluster (a second worker)",
+    )
 
     prefix = bench_commands.add_parser(
         "prefix", help="TTFT with a shared system prompt: cold, warm, after a restart"

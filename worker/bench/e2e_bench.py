@@ -5,12 +5,16 @@ client library and reads every stream. Reported beside the same load run directl
 ``EngineCore`` (async path) and on raw mlx-lm ``BatchGenerator`` in this process: tokens per
 second delivered to subscribers, TTFT and job latency (average, p50, p99, from the moment the
 jobs are submitted), and the worker's Redis round trips per engine step.
+
+``--cluster`` adds a private 3-master Redis Cluster with a second worker process of its own:
+every rotation then runs end to end on both topologies, and the report compares them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
@@ -18,8 +22,10 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from redis.asyncio.cluster import RedisCluster
 
 from protocol.client import Client
 from protocol.messages import DeltaEvent, DoneEvent
@@ -30,8 +36,12 @@ from worker.bench.engine_bench import (
     run_engine_async,
 )
 from worker.engine import EngineConfig, EngineCore, SchedulerConfig
-from worker.local_redis import local_redis
+from worker.local_redis import LocalCluster, local_redis
 from worker.models import load_model
+
+SINGLE = "single Redis"
+CLUSTER = "Redis Cluster (3 masters)"
+CLUSTER_GOAL = 0.9  # cluster end to end / single-node end to end, both against the engine alone
 
 
 @dataclass(slots=True)
@@ -49,6 +59,28 @@ class Run:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds
+
+
+@dataclass(slots=True)
+class Topology:
+    """One Redis deployment and the worker process that serves the model from it."""
+
+    name: str  # SINGLE or CLUSTER
+    path: str  # the table's path name
+    url: str
+    prefix: str
+    process: subprocess.Popen[bytes]
+    redis_pids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Level:
+    """Every rotation's runs of one concurrency, by path."""
+
+    concurrency: int
+    e2e: dict[str, list[Run]]  # by topology name, in the order the topologies were started
+    engine: list[Run] = field(default_factory=list)
+    raw: list[Run] = field(default_factory=list)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -101,17 +133,33 @@ def _process_cpu(pid: int) -> float | None:
     return (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_of(pids: dict[str, int]) -> dict[str, float | None]:
-    return {name: _process_cpu(pid) for name, pid in pids.items()}
+def _cpu_of(pids: dict[str, list[int]]) -> dict[str, float | None]:
+    """CPU seconds of each named group of processes (summed); None where one is unreadable."""
+    cpu: dict[str, float | None] = {}
+    for name, group in pids.items():
+        known = [s for s in (_process_cpu(pid) for pid in group) if s is not None]
+        cpu[name] = sum(known) if group and len(known) == len(group) else None
+    return cpu
 
 
-def run_e2e(
-    url: str, prefix: str, prompts: list[list[int]], max_tokens: int, worker_pid: int
-) -> Run:
+async def _redis_pids(url: str, prefix: str) -> list[int]:
+    """The Redis server processes behind ``url`` (every node of a Cluster), from INFO."""
+    async with Client(url, prefix=prefix) as client:
+        redis = client.redis
+        if isinstance(redis, RedisCluster):
+            per_node = await redis.info("server", target_nodes=RedisCluster.ALL_NODES)
+            return [int(info["process_id"]) for info in per_node.values()]
+        return [int((await redis.info("server"))["process_id"])]
+
+
+def run_e2e(topology: Topology, prompts: list[list[int]], max_tokens: int) -> Run:
     async def scenario() -> Run:
-        async with Client(url, prefix=prefix) as client:
-            server = await client.redis.info("server")
-            pids = {"worker": worker_pid, "Redis": int(server["process_id"]), "client": os.getpid()}
+        pids = {
+            "worker": [topology.process.pid],
+            "Redis": topology.redis_pids,
+            "client": [os.getpid()],
+        }
+        async with Client(topology.url, prefix=topology.prefix) as client:
             steps_before, trips_before = await _worker_counters(client)
             cpu_before = _cpu_of(pids)
             tokens, ttfts, latencies, seconds = await _through_redis(client, prompts, max_tokens)
@@ -124,7 +172,7 @@ def run_e2e(
             if before is not None and (after := cpu_after[name]) is not None and tokens
         }
         return Run(
-            "end to end (Redis + worker + client)",
+            topology.path,
             len(prompts),
             tokens,
             seconds,
@@ -166,6 +214,11 @@ def _start_worker(
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
+def _stop_worker(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    process.wait(timeout=60)
+
+
 async def _wait_ready(url: str, prefix: str, process: subprocess.Popen[bytes]) -> None:
     async with Client(url, prefix=prefix) as client:
         deadline = time.monotonic() + 180
@@ -180,43 +233,61 @@ async def _wait_ready(url: str, prefix: str, process: subprocess.Popen[bytes]) -
         raise RuntimeError("the worker did not answer ping within 180 s")
 
 
+def _start_topologies(
+    args: argparse.Namespace, stack: contextlib.ExitStack[bool | None]
+) -> list[Topology]:
+    """The single-node Redis (and with ``--cluster`` a private Cluster), each with a worker
+    process of its own; ``stack`` stops the workers, then the servers."""
+    url, what = stack.enter_context(local_redis(args.redis_url or os.environ.get("MLXW_REDIS_URL")))
+    servers = [(SINGLE, url, what)]
+    if args.cluster:
+        cluster = stack.enter_context(LocalCluster(masters=3))
+        ports = ", ".join(str(node.port) for node in cluster.nodes)
+        servers.append((CLUSTER, cluster.url, f"a private 3-master Cluster on ports {ports}"))
+    topologies: list[Topology] = []
+    for name, url, what in servers:
+        prefix = f"bench{uuid.uuid4().hex[:8]}"
+        log_path = os.path.join(tempfile.gettempdir(), f"mlxw-{prefix}.log")
+        print(f"{'Redis' if name == SINGLE else name}: {what}; worker log: {log_path}")
+        process = _start_worker(url, prefix, args, log_path)
+        stack.callback(_stop_worker, process)
+        path = f"end to end, {name}" if args.cluster else "end to end (Redis + worker + client)"
+        topologies.append(Topology(name, path, url, prefix, process))
+    for topology in topologies:  # the workers load the model meanwhile
+        asyncio.run(_wait_ready(topology.url, topology.prefix, topology.process))
+        topology.redis_pids = asyncio.run(_redis_pids(topology.url, topology.prefix))
+    return topologies
+
+
 def run_e2e_bench(args: argparse.Namespace) -> int:
     args.levels = [int(c) for c in str(args.concurrency).split(",")]
     model, tokenizer = load_model(args.model)
     config = SchedulerConfig(max_num_seqs=max(args.levels), enable_prefix_cache=False)
     engine = EngineCore(model, tokenizer, EngineConfig(scheduler_config=config))
-    prefix = f"bench{uuid.uuid4().hex[:8]}"
-    log_path = os.path.join(tempfile.gettempdir(), f"mlxw-{prefix}.log")
-    runs: list[list[Run]] = []
-    with local_redis(args.redis_url or os.environ.get("MLXW_REDIS_URL")) as (url, what):
-        print(f"Redis: {what}; worker log: {log_path}")
-        process = _start_worker(url, prefix, args, log_path)
-        try:
-            asyncio.run(_wait_ready(url, prefix, process))
-            warmup = make_prompts(tokenizer, 2, args.prompt_tokens, seed=999)
-            run_e2e(url, prefix, warmup, 8, process.pid)
-            run_engine_async(engine, warmup, 8)
-            for level in args.levels:
-                prompts = make_prompts(tokenizer, level, args.prompt_tokens, seed=level)
-                level_runs: list[list[Run]] = [[], [], []]
-                for _ in range(args.repeat):  # rotate: drift hits every path alike
-                    level_runs[0].append(
-                        run_e2e(url, prefix, prompts, args.max_tokens, process.pid)
+    levels: list[Level] = []
+    with contextlib.ExitStack() as stack:
+        stack.callback(engine.close)
+        topologies = _start_topologies(args, stack)
+        warmup = make_prompts(tokenizer, 2, args.prompt_tokens, seed=999)
+        for topology in topologies:
+            run_e2e(topology, warmup, 8)
+        run_engine_async(engine, warmup, 8)
+        for concurrency in args.levels:
+            prompts = make_prompts(tokenizer, concurrency, args.prompt_tokens, seed=concurrency)
+            level = Level(concurrency, {t.name: [] for t in topologies})
+            for rotation in range(args.repeat):  # rotate: drift hits every path alike
+                # Alternate which topology goes first, so neither always follows the raw path.
+                shift = rotation % len(topologies)
+                for topology in topologies[shift:] + topologies[:shift]:
+                    level.e2e[topology.name].append(run_e2e(topology, prompts, args.max_tokens))
+                level.engine.append(_from_path(run_engine_async(engine, prompts, args.max_tokens)))
+                level.raw.append(
+                    _from_path(
+                        run_batch_generator(model, tokenizer, prompts, args.max_tokens, config)
                     )
-                    level_runs[1].append(
-                        _from_path(run_engine_async(engine, prompts, args.max_tokens))
-                    )
-                    level_runs[2].append(
-                        _from_path(
-                            run_batch_generator(model, tokenizer, prompts, args.max_tokens, config)
-                        )
-                    )
-                runs.extend(level_runs)
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
-            engine.close()
-    print(format_e2e(runs, args))
+                )
+            levels.append(level)
+    print(format_e2e(levels, args))
     return 0
 
 
@@ -229,7 +300,68 @@ def _median_triple(triples: list[tuple[float, float, float]]) -> str:
     return " / ".join(f"{statistics.median(t[i] for t in triples) * 1e3:.0f}" for i in range(3))
 
 
-def format_e2e(runs: list[list[Run]], args: argparse.Namespace) -> str:
+def _ratio(a: list[Run], b: list[Run]) -> float:
+    """Median over rotations of a's tok/s over b's in the same rotation."""
+    return statistics.median(
+        x.tokens_per_second / y.tokens_per_second for x, y in zip(a, b, strict=True)
+    )
+
+
+def _row(repeats: list[Run]) -> str:
+    first = repeats[0]
+    speed = statistics.median(r.tokens_per_second for r in repeats)
+    ttft = _median_triple([_triple(r.ttfts) for r in repeats])
+    latency = _median_triple([_triple(r.latencies) for r in repeats]) if first.latencies else "-"
+    return (
+        f"| {first.concurrency} | {first.path} | {speed:.1f} | {ttft} | {latency} "
+        f"| {_per_step(repeats)} |"
+    )
+
+
+def _per_step(repeats: list[Run]) -> str:
+    trips = [r.round_trips_per_step for r in repeats if r.round_trips_per_step is not None]
+    return f"{statistics.median(trips):.2f}" if trips else "-"
+
+
+def _cpu_line(repeats: list[Run]) -> str | None:
+    shares = [r.cpu_per_token for r in repeats if r.cpu_per_token]
+    if not shares:
+        return None
+    return "CPU µs per delivered token: " + ", ".join(
+        f"{name} {statistics.median(s[name] for s in shares):.0f}" for name in shares[0]
+    )
+
+
+def _summary(level: Level) -> list[str]:
+    """The ratios of one concurrency: one topology as the bench always printed them; two
+    side by side, and the Cluster against the single node."""
+    engine_vs_raw = f"engine / raw BatchGenerator = {_ratio(level.engine, level.raw):.3f}"
+    if len(level.e2e) == 1:
+        (e2e,) = level.e2e.values()
+        cpu = _cpu_line(e2e)
+        return [
+            f"concurrency {level.concurrency}: end-to-end / engine alone tok/s = "
+            f"{_ratio(e2e, level.engine):.3f}; {engine_vs_raw}",
+            *([f"  end to end, {cpu}"] if cpu else []),
+        ]
+    lines = [f"concurrency {level.concurrency}: {engine_vs_raw}"]
+    for name, e2e in level.e2e.items():
+        cpu = _cpu_line(e2e)
+        lines.append(
+            f"  {name}: end-to-end / engine alone tok/s = {_ratio(e2e, level.engine):.3f}, "
+            f"round trips / step {_per_step(e2e)}" + (f"; {cpu}" if cpu else "")
+        )
+    single, cluster = level.e2e[SINGLE], level.e2e[CLUSTER]
+    versus = _ratio(cluster, single)
+    lines.append(
+        f"  cluster / single = {versus:.2f} (goal ≥ {CLUSTER_GOAL:.2f}: "
+        f"{'met' if versus >= CLUSTER_GOAL else 'MISSED'}; end-to-end tok/s, median of "
+        "per-rotation ratios)"
+    )
+    return lines
+
+
+def format_e2e(levels: list[Level], args: argparse.Namespace) -> str:
     lines = [
         f"model {args.model}, prompt {args.prompt_tokens} tokens, max_tokens {args.max_tokens}, "
         f"{args.repeat} rotations (medians)",
@@ -237,37 +369,9 @@ def format_e2e(runs: list[list[Run]], args: argparse.Namespace) -> str:
         "| job latency avg / p50 / p99 (ms) | round trips / step |",
         "|---:|---|---:|---:|---:|---:|",
     ]
-    for repeats in runs:
-        first = repeats[0]
-        speed = statistics.median(r.tokens_per_second for r in repeats)
-        ttft = _median_triple([_triple(r.ttfts) for r in repeats])
-        latency = (
-            _median_triple([_triple(r.latencies) for r in repeats]) if first.latencies else "-"
-        )
-        trips = [r.round_trips_per_step for r in repeats if r.round_trips_per_step is not None]
-        per_step = f"{statistics.median(trips):.2f}" if trips else "-"
-        lines.append(
-            f"| {first.concurrency} | {first.path} | {speed:.1f} | {ttft} | {latency} "
-            f"| {per_step} |"
-        )
+    for level in levels:
+        lines.extend(_row(repeats) for repeats in [*level.e2e.values(), level.engine, level.raw])
     lines.append("")
-    for e2e, engine, raw in zip(runs[0::3], runs[1::3], runs[2::3], strict=True):
-
-        def ratio(a: list[Run], b: list[Run]) -> float:
-            return statistics.median(
-                x.tokens_per_second / y.tokens_per_second for x, y in zip(a, b, strict=True)
-            )
-
-        lines.append(
-            f"concurrency {e2e[0].concurrency}: end-to-end / engine alone tok/s = "
-            f"{ratio(e2e, engine):.3f}; engine / raw BatchGenerator = {ratio(engine, raw):.3f}"
-        )
-        shares = [r.cpu_per_token for r in e2e if r.cpu_per_token]
-        if shares:
-            lines.append(
-                "  end to end, CPU µs per delivered token: "
-                + ", ".join(
-                    f"{name} {statistics.median(s[name] for s in shares):.0f}" for name in shares[0]
-                )
-            )
+    for level in levels:
+        lines.extend(_summary(level))
     return "\n".join(lines)
