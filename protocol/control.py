@@ -11,6 +11,8 @@ import time
 import uuid
 from typing import Final
 
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from protocol.cancellation import raise_if_cancelled
 from protocol.codec import decode_reply, encode_command
 from protocol.connection import RedisClient, publish
@@ -98,7 +100,13 @@ async def _collect(
     while len(replies) < expected and (remaining := deadline - time.monotonic()) > 0:
         raise_if_cancelled()
         block = max(min(remaining, block_limit), _MIN_BLPOP_TIMEOUT)
-        popped = await redis.blpop([command.reply_to], timeout=block)
+        try:
+            popped = await redis.blpop([command.reply_to], timeout=block)
+        except RedisTimeoutError:
+            # The reply came later than the socket timeout allows (a loaded machine): wait on
+            # until the command's own deadline. Not sent again behind our back: a BLPOP whose
+            # reply was lost may have popped a reply, and that one only is gone.
+            continue
         if popped is None:
             continue
         reply = decode_reply(popped[1], limits)
