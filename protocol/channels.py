@@ -21,6 +21,7 @@ from typing import Any, Final
 
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterPubSub, RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from protocol.connection import RedisClient
@@ -96,10 +97,17 @@ class ChannelHub:
         confirmed = self._confirmed[name] = asyncio.get_running_loop().create_future()
         async with self._commands:
             pubsub = self._connection()
-            if isinstance(pubsub, ClusterPubSub):
-                await pubsub.ssubscribe(name)
-            else:
-                await pubsub.subscribe(name)
+            try:
+                if isinstance(pubsub, ClusterPubSub):
+                    await pubsub.ssubscribe(name)
+                else:
+                    await pubsub.subscribe(name)
+            except (RedisError, OSError):
+                raise
+            except Exception as exc:
+                # redis-py: the reader tore the lost connection down while this command was
+                # being written (its writer is gone). It is a lost connection like any other.
+                raise RedisConnectionError(f"pub/sub connection reset: {exc!r}") from exc
             self._start_readers()
         await asyncio.wait_for(asyncio.shield(confirmed), confirm_timeout)
 
@@ -124,7 +132,8 @@ class ChannelHub:
         async with self._commands:
             if name in self._inboxes:  # someone subscribed again meanwhile
                 return
-            with contextlib.suppress(RedisError, OSError):
+            # Anything at all: a lost connection, or redis-py tearing it down mid-write.
+            with contextlib.suppress(Exception):
                 if isinstance(self._pubsub, ClusterPubSub):
                     await self._pubsub.sunsubscribe(name)
                 else:

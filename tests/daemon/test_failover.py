@@ -429,3 +429,39 @@ def test_a_log_that_lost_its_newest_events_gets_a_new_attempt_not_a_hole(
     assert outcomes.get("log_gap") == 1
     assert streamed == logged
     assert worker.running()
+
+
+@pytest.mark.timeout(150)
+def test_an_orphaned_job_runs_before_the_queue_behind_it(
+    workers: WorkerFactory, redis_url: str, prefix: str
+) -> None:
+    """A job read by a worker that died must not wait until the stream runs dry: once its
+    lease is over it runs as soon as a slot frees, ahead of the newer jobs queued behind it,
+    although the one worker left is busy the whole time (its lease runs out only after the
+    worker has filled its slots)."""
+    behind, max_tokens = 40, 32
+
+    async def main() -> tuple[list[str], str]:
+        async with Client(redis_url, prefix=prefix) as client:
+            keys = client.keys
+            await client.redis.xgroup_create(keys.jobs, keys.group, id="0", mkstream=True)
+            orphan = await client.submit("orphan", max_tokens=max_tokens, temperature=0.0)
+            # A consumer that took the job and died: the entry stays pending under its name.
+            await client.redis.xreadgroup(keys.group, "ghost", {keys.jobs: ">"}, count=1)
+            rids = [
+                await client.submit(text, max_tokens=max_tokens, temperature=0.0)
+                for text in prompts(behind, seed=41)
+            ]
+            workers.start("busy-1", max_concurrency=2, lease_seconds=3)
+            finished: list[str] = []
+
+            async def follow(rid: str) -> None:
+                await collect(client, rid, timeout=120)
+                finished.append(rid)
+
+            await asyncio.gather(*(follow(rid) for rid in [orphan, *rids]))
+            return finished, orphan
+
+    finished, orphan = run(main())
+    assert len(finished) == behind + 1
+    assert finished.index(orphan) < behind // 2, f"the orphan ended {finished.index(orphan) + 1}th"

@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 import structlog
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 from protocol.channels import ChannelHub
 from protocol.connection import RedisClient, connect, redact
@@ -241,9 +241,13 @@ class Worker:
             self._start(deliveries)
 
     async def _reclaim(self) -> None:
-        free = self.settings.max_concurrency - len(self._jobs) - len(self._backlog)
-        if free > 0:
-            claimed = await self.queue.reclaim(free)
+        """Take over jobs whose worker died (or gave the attempt up). Also while every slot is
+        busy: what does not fit waits in the backlog, leases kept, and the consumer serves the
+        backlog before reading new jobs. So orphaned jobs, older than anything new, run next
+        instead of waiting until the stream runs dry."""
+        room = self.settings.max_concurrency - len(self._backlog)
+        if room > 0:
+            claimed = await self.queue.reclaim(room)
             if claimed:
                 log.info("jobs_reclaimed", count=len(claimed))
             self._start(claimed)
@@ -310,11 +314,17 @@ class Worker:
             "in_flight": len(self._jobs),
             "model": self.settings.model,
         }
-        await self.redis.set(
+        key, ttl_ms = (
             self.keys.worker(self.settings.worker_id),
-            json.dumps(beat),
-            px=int(self.settings.heartbeat_ttl * 1000),
+            int(self.settings.heartbeat_ttl * 1000),
         )
+        try:
+            await self.redis.set(key, json.dumps(beat), px=ttl_ms)
+        except OutOfMemoryError:
+            # A full Redis (noeviction) refuses the write but not a new TTL: keep the last beat
+            # alive, so a live worker does not look dead while memory is being freed.
+            if not await self.redis.pexpire(key, ttl_ms):
+                raise
 
     async def _stats(self) -> dict[str, Any]:
         try:
