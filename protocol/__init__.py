@@ -20,7 +20,9 @@ from protocol.errors import (
     ClientError,
     ControlTimeout,
     ProtocolError,
+    RedisUnavailable,
     RequestNotFound,
+    StreamRewritten,
     StreamTimeout,
 )
 from protocol.keys import Keys
@@ -64,8 +66,10 @@ __all__ = [
     "Limits",
     "ProtocolError",
     "QueuedEvent",
+    "RedisUnavailable",
     "RequestNotFound",
     "ResetEvent",
+    "StreamRewritten",
     "StreamTimeout",
     "SyncClient",
     "TokenLogprob",

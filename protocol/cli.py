@@ -24,9 +24,10 @@ from protocol.errors import (
     ProtocolError,
     RedisUnavailable,
     RequestNotFound,
+    StreamRewritten,
     StreamTimeout,
 )
-from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, ResetEvent
+from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, Event, ResetEvent
 from protocol.rendering import (
     EXIT_CODES_HELP,
     ExitCode,
@@ -180,29 +181,53 @@ async def _submit(client: Client, args: argparse.Namespace, out: TextIO) -> int:
 
 
 async def _follow(client: Client, request_id: str, args: argparse.Namespace, out: TextIO) -> int:
-    """Print the request's events; the exit status follows from how it ended."""
-    ended_with_newline = True
-    async with aclosing(client.stream(request_id, timeout=args.timeout)) as events:
-        async for event in events:
-            if args.json:
-                print(json_line(event_as_dict(event)), file=out, flush=True)
-            elif isinstance(event, DeltaEvent) and event.new_text:
-                out.write(event.new_text)
-                out.flush()
-                ended_with_newline = event.new_text.endswith("\n")
-            elif isinstance(event, ResetEvent):
-                if not ended_with_newline:
-                    out.write("\n")
-                    ended_with_newline = True
-                _note(f"[restarted as attempt {event.attempt}: the text above is void]")
-            if isinstance(event, DoneEvent | ErrorEvent):
-                if not args.json:
-                    if not ended_with_newline:
-                        out.write("\n")
-                        out.flush()
-                    _describe_end(event)
-                return exit_code_for(event)
-    return _fail(ExitCode.USAGE, f"request {request_id!r}: events ended without done or error")
+    """Print the request's events; the exit status follows from how it ended. A history
+    rewritten under the stream (Redis lost events in a failover) is followed again from the
+    start, like a reset: the text printed so far is void."""
+    printer = _Printer(out, args.json)
+    while True:
+        try:
+            async with aclosing(client.stream(request_id, timeout=args.timeout)) as events:
+                async for event in events:
+                    printer.show(event)
+                    if isinstance(event, DoneEvent | ErrorEvent):
+                        return exit_code_for(event)
+        except StreamRewritten as exc:
+            printer.void(f"[{exc}: following it again from the start; the text above is void]")
+            continue
+        return _fail(ExitCode.USAGE, f"request {request_id!r}: events ended without done or error")
+
+
+class _Printer:
+    """Events as text (or JSON lines) on stdout; notes for the person on stderr."""
+
+    def __init__(self, out: TextIO, as_json: bool) -> None:
+        self.out = out
+        self.as_json = as_json
+        self.ended_with_newline = True
+
+    def show(self, event: Event) -> None:
+        if self.as_json:
+            print(json_line(event_as_dict(event)), file=self.out, flush=True)
+        elif isinstance(event, DeltaEvent) and event.new_text:
+            self.out.write(event.new_text)
+            self.out.flush()
+            self.ended_with_newline = event.new_text.endswith("\n")
+        elif isinstance(event, ResetEvent):
+            self.void(f"[restarted as attempt {event.attempt}: the text above is void]")
+        if isinstance(event, DoneEvent | ErrorEvent) and not self.as_json:
+            self._end_line()
+            _describe_end(event)
+
+    def void(self, note: str) -> None:
+        self._end_line()
+        _note(note)
+
+    def _end_line(self) -> None:
+        if not self.ended_with_newline:
+            self.out.write("\n")
+            self.out.flush()
+            self.ended_with_newline = True
 
 
 async def _control(client: Client, args: argparse.Namespace, out: TextIO) -> int:

@@ -26,7 +26,7 @@ from protocol.constants import (
     JOB_FIELD,
 )
 from protocol.control import send_command
-from protocol.errors import ClientError, RedisUnavailable
+from protocol.errors import ClientError, RedisUnavailable, StreamRewritten
 from protocol.identifiers import new_request_id
 from protocol.keys import Keys
 from protocol.limits import DEFAULT_LIMITS, Limits
@@ -232,12 +232,17 @@ class Client:
         return await self.wait(request_id, timeout=timeout)
 
     async def wait(self, request_id: str, *, timeout: float | None = None) -> TerminalEvent:
-        """Follow a request to its done or error event and return that."""
-        async with aclosing(self.stream(request_id, timeout=timeout)) as events:
-            async for event in events:
-                if isinstance(event, TerminalEvent):
-                    return event
-        raise ClientError(f"request {request_id!r}: events ended without done or error")
+        """Follow a request to its done or error event and return that (following it again
+        from the start if its history was rewritten under the stream)."""
+        while True:
+            try:
+                async with aclosing(self.stream(request_id, timeout=timeout)) as events:
+                    async for event in events:
+                        if isinstance(event, TerminalEvent):
+                            return event
+            except StreamRewritten:
+                continue
+            raise ClientError(f"request {request_id!r}: events ended without done or error")
 
     async def abort(
         self, request_id: str, *, timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS

@@ -59,6 +59,16 @@ class RequestNotFound(ClientError):
         self.request_id = request_id
 
 
+class StreamRewritten(ClientError):
+    """The request's history changed under a subscriber: Redis lost events it had already
+    delivered (a failover to a replica that had not received them), and the job ran again
+    over the same seqs. Follow the request again from the start; the log is whole again."""
+
+    def __init__(self, request_id: str, detail: str) -> None:
+        super().__init__(f"request {request_id!r}: its events were rewritten ({detail})")
+        self.request_id = request_id
+
+
 class StreamTimeout(ClientError, TimeoutError):
     """No event arrived for a request within the stream's timeout (whatever the reason: a job
     still queued, a slow worker, or Redis unreachable for that long)."""

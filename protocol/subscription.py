@@ -140,7 +140,7 @@ class _Follower:
         for entry in entries:
             self.log_cursor = entry.stream_id
             if entry.seq >= 0:
-                released += self.ordering.offer(self._decode(entry.data))
+                released += self.ordering.offer(self._decode(entry.data), hash(entry.data))
         return released
 
     async def recheck_log(self) -> list[Event]:
@@ -170,7 +170,7 @@ class _Follower:
         released: list[Event] = []
         for data in messages:
             assert data is not None
-            released += self.ordering.offer(self._decode(data))
+            released += self.ordering.offer(self._decode(data), hash(data))
         if self.ordering.waiting_for_gap:
             # The log holds everything up to the event just heard: fill the gap from there.
             released += await self.read_log()

@@ -14,6 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from protocol.client import Client
 from protocol.codec import decode_event
+from protocol.errors import StreamRewritten
 from protocol.messages import DoneEvent, Event
 from protocol.scripts import read_log
 from tests.daemon.conftest import Reference
@@ -403,14 +404,17 @@ def test_a_log_that_lost_its_newest_events_gets_a_new_attempt_not_a_hole(
     the newest entries the worker already wrote. The worker must not append after the hole
     (subscribers would wait forever for the missing seq): it gives the attempt up without an
     ack, the job is reclaimed once its lease runs out, and the new attempt continues the log
-    from what is left, after a reset, to exactly one done with the greedy text."""
+    from what is left, after a reset, to exactly one done with the greedy text. A subscriber
+    that heard the lost events live learns that its history was rewritten."""
     text = prompts(1, seed=23)[0]
     expected = reference.texts([text], LONG)[0]
     worker = workers.start("gap-1", lease_seconds=2)
 
-    async def main() -> tuple[list[Event], list[Event], int, dict[str, int]]:
+    async def main() -> tuple[list[Event], list[Event], int, dict[str, int], object, object]:
         async with Client(redis_url, prefix=prefix) as client:
             rid = await client.submit(text, max_tokens=LONG, temperature=0.0)
+            live = asyncio.create_task(collect(client, rid))
+            waited = asyncio.create_task(client.wait(rid, timeout=60))
             await until(lambda: _deltas_at_least(client, [rid], 6), 60, "the first deltas")
             newest = await client.redis.xrevrange(client.keys.log(rid), count=2)
             await client.redis.xdel(client.keys.log(rid), *[entry_id for entry_id, _ in newest])
@@ -419,9 +423,21 @@ def test_a_log_that_lost_its_newest_events_gets_a_new_attempt_not_a_hole(
             await until(lambda: settled(client), 30, "the ack")
             replies = await client.stats(timeout=5)
             outcomes = (replies[0].result or {}).get("jobs", {}).get("outcomes", {})
-            return await collect(client, rid), await _log_events(client, rid), lost_at, outcomes
+            live_ending = (await asyncio.gather(live, return_exceptions=True))[0]
+            return (
+                await collect(client, rid),
+                await _log_events(client, rid),
+                lost_at,
+                outcomes,
+                live_ending,
+                await waited,
+            )
 
-    streamed, logged, lost_at, outcomes = run(main())
+    streamed, logged, lost_at, outcomes, live_ending, waited = run(main())
+    # A subscriber that had heard the lost events is told its history was rewritten (instead
+    # of merging two attempts' text); `wait` follows again and ends where the log ends.
+    assert isinstance(live_ending, StreamRewritten), live_ending
+    assert waited == logged[-1]
     summary = check_stream(logged, logged[0].request_id)
     assert summary.terminal.output_text == expected
     assert [reset.seq for reset in summary.resets] == [lost_at]  # the new attempt fills the hole

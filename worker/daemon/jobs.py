@@ -215,6 +215,8 @@ class JobRunner:
             last_seq = await self._begin_attempt(rid, delivery.times_delivered)
             if last_seq >= 0:
                 written = self.publisher.open(rid, delivery.times_delivered, last_seq + 1, None)
+                if delivery.times_delivered > 1:  # every new attempt opens with a reset
+                    self.publisher.reset(rid)
                 self.publisher.error(rid, "invalid_job", f"{code}: {message}")
         await self._finish(delivery, written, "invalid", dead=(code, message), rid=rid)
 
