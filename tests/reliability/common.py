@@ -141,26 +141,24 @@ class WorkerProcess:
             client.close()
 
     def wait_ready(self, timeout: float = 120.0) -> WorkerProcess:
-        """Block until this process's heartbeat exists (a previous process's heartbeat may
-        still be alive after a kill, so wait for a heartbeat carrying our pid)."""
+        """Block until this run of the process logged ``worker_ready``. The log, not the
+        heartbeat: it works whatever Redis the worker serves from (a Cluster, a Sentinel
+        master), and an earlier process's heartbeat may outlive a kill."""
         deadline = time.monotonic() + timeout
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=2, socket_connect_timeout=2)
-        try:
-            while True:
-                with contextlib.suppress(RedisError, ValueError):
-                    beat = client.get(self.keys.worker(self.worker_id))
-                    if beat is not None and json.loads(beat).get("pid") == self.pid:
-                        return self
-                if not self.running():
-                    raise AssertionError(
-                        f"worker {self.worker_id} exited (rc={self.returncode()}):\n"
-                        + self.log_tail()
-                    )
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"worker {self.worker_id} not ready:\n{self.log_tail()}")
-                time.sleep(0.1)
-        finally:
-            client.close()
+        while not self.serving():
+            if not self.running():
+                raise AssertionError(
+                    f"worker {self.worker_id} exited (rc={self.returncode()}):\n" + self.log_tail()
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(f"worker {self.worker_id} not ready:\n{self.log_tail()}")
+            time.sleep(0.1)
+        return self
+
+    def serving(self) -> bool:
+        """Whether the current run (since the last ``=== start`` line) logged worker_ready."""
+        current_run = self.log_text().rsplit("=== start", 1)[-1]
+        return '"event": "worker_ready"' in current_run
 
     def kill(self) -> None:
         """SIGKILL: no drain, no clean-up."""

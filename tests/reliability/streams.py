@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from protocol.client import Client
 from protocol.codec import decode_event
 from protocol.constants import JOB_FIELD, LOG_EVENT_FIELD, LOG_SEQ_FIELD
-from protocol.errors import ClientError, ProtocolError, RequestNotFound
+from protocol.errors import ClientError, ProtocolError, RequestNotFound, StreamRewritten
 from protocol.keys import Keys
 from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, Event, QueuedEvent, ResetEvent
 from protocol.scripts import publish_events
@@ -110,6 +110,8 @@ class Followed:
     duplicates: int = 0
     # Events a resumed subscription replayed and this follower skipped (seq already seen).
     replay_skipped: int = 0
+    # Times the stream said the request's history was rewritten and it started over.
+    rewrites: int = 0
     error: str | None = None
     ended_at: float | None = None
 
@@ -168,6 +170,12 @@ async def follow(
         except RequestNotFound as exc:
             result.error = f"not found: {exc}"
             return result
+        except StreamRewritten:
+            # Redis lost events this subscriber had (a failover): what it saw is void, the
+            # log is whole again; follow it afresh, as a client is told to.
+            result.rewrites += 1
+            result.events.clear()
+            last_seq = -1
         except (*CONNECTION_ERRORS, ClientError, TimeoutError) as exc:
             result.reconnects += 1
             if time.monotonic() > deadline:
