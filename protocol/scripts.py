@@ -7,7 +7,8 @@ Clients given to these helpers must use ``decode_responses=False``: events are b
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import secrets
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
@@ -24,9 +25,10 @@ from protocol.messages import Event
 # ARGV[1] the log TTL in seconds; ARGV[2] PUBLISH, or SPUBLISH on a Redis Cluster (sharded
 # pub/sub: a message goes to the shard of its channel, not to every node). Then per event i
 # (from 1): KEYS[3i-2] its channel, KEYS[3i-1] its log, KEYS[3i] its attempt key; ARGV[2i+1]
-# the encoded event, ARGV[2i+2] "seq attempt terminal" (terminal is 1 for done/error, else 0).
-# Returns per event: 1 it is in the log, 0 refused (fenced: a newer attempt owns the request),
-# 2 refused (the log lacks events this attempt wrote before: it lost them).
+# the encoded event, ARGV[2i+2] "seq attempt terminal run" (terminal is 1 for done/error, else
+# 0; run is the token the attempt was begun with, "-" for the producer's queued marker).
+# Returns per event: 1 it is in the log, 0 refused (fenced: the request's attempt key does not
+# name this attempt and run), 2 refused (the log lacks events this attempt wrote before).
 #
 # Channels are passed as keys only so Redis Cluster routes the call by their hash tag; on a
 # Cluster one call carries only keys of one slot. `seq` is a field of its own so XREVRANGE
@@ -35,11 +37,14 @@ from protocol.messages import Event
 #
 # Idempotent by seq: an event whose seq the log already holds is not written or published
 # again, so a call whose reply was lost (a timeout, a failover) can simply be sent again.
-# The fence: once a newer attempt has begun (BEGIN_ATTEMPT), a stale worker's events are
-# refused instead of interleaving two attempts. The gap check: events after a hole would
-# leave subscribers waiting forever for the missing seq (a failover to a replica that had not
-# received the newest entries); the worker restarts the attempt instead. A log that is gone
-# altogether (expired) is written afresh.
+# The fence: only the run that began the attempt (BEGIN_ATTEMPT) writes for it, so a stale
+# worker's events are refused instead of interleaving two runs; so are those of a run whose
+# begin Redis lost (a failover), which could otherwise share an attempt number with a new
+# delivery of the job. The gap check: events after a hole would leave subscribers waiting
+# forever for the missing seq (a failover to a replica that had not received the newest
+# entries); the worker restarts the attempt instead. A log that is gone altogether (expired)
+# is written afresh. The attempt key lives until the request's terminal event, then gets the
+# log's TTL.
 PUBLISH_EVENTS: Final = """
 local ttl, publish = ARGV[1], ARGV[2]
 if publish ~= 'PUBLISH' and publish ~= 'SPUBLISH' then
@@ -50,9 +55,9 @@ local results = {}
 for i = 1, #KEYS / 3 do
   local channel, log, attempt_key = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
   local event = ARGV[2 * i + 1]
-  local seq, attempt, terminal = string.match(ARGV[2 * i + 2], '^(%d+) (%d+) ([01])$')
+  local seq, attempt, terminal, run = string.match(ARGV[2 * i + 2], '^(%d+) (%d+) ([01]) (%S+)$')
   seq = tonumber(seq)
-  if tonumber(redis.call('GET', attempt_key) or '0') > tonumber(attempt) then
+  if attempt ~= '0' and redis.call('GET', attempt_key) ~= attempt .. ' ' .. run then
     results[i] = 0
   else
     local last = newest[log]
@@ -77,7 +82,7 @@ for i = 1, #KEYS / 3 do
       end
       redis.call(publish, channel, event)
       redis.call('EXPIRE', log, ttl)
-      if redis.call('EXISTS', attempt_key) == 1 then
+      if terminal == '1' then
         redis.call('EXPIRE', attempt_key, ttl)
       end
       last = seq
@@ -89,17 +94,20 @@ end
 return results
 """
 
-# KEYS[1] log, KEYS[2] attempt key; ARGV[1] attempt, ARGV[2] TTL seconds. A worker calls it
-# before publishing anything for an attempt: from then on older attempts are fenced off, and
-# the seq it returns (the log's last) is final, since no older attempt can append after it.
-# Returns -1 when a newer attempt has already begun (this delivery is stale), and -2 when the
-# log already ends with a terminal event (the job is finished: nothing may follow it). Both
-# checks and the fence are one atomic step, so an older attempt's last event cannot land
-# between "not finished yet" and "fenced". Safe to repeat: a second call for the same attempt
-# finds the fence already set and returns the same seq. It renews the log's TTL, so a log that
-# waited almost its TTL in the queue does not expire between here and the first event.
+# KEYS[1] log, KEYS[2] attempt key; ARGV[1] attempt, ARGV[2] TTL seconds, ARGV[3] the run's
+# token (unique per run of an attempt). A worker calls it before publishing anything for an
+# attempt: from then on only this run writes the request's events, and the seq it returns (the
+# log's last) is final, since no other run can append after it. Returns -1 when a newer
+# attempt has already begun (this delivery is stale), and -2 when the log already ends with a
+# terminal event (the job is finished: nothing may follow it). Both checks and the fence are
+# one atomic step, so an older attempt's last event cannot land between "not finished yet" and
+# "fenced". Safe to repeat with the same token: it sets the same fence and returns the same
+# seq. The fence has no TTL while the request runs (a long prefill publishes nothing for a
+# while); the terminal event gives it the log's. It renews the log's TTL, so a log that waited
+# almost its TTL in the queue does not expire between here and the first event.
 BEGIN_ATTEMPT: Final = """
-if tonumber(redis.call('GET', KEYS[2]) or '0') > tonumber(ARGV[1]) then
+local fence = redis.call('GET', KEYS[2])
+if fence and tonumber(string.match(fence, '^%d+') or '0') > tonumber(ARGV[1]) then
   return -1
 end
 local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
@@ -114,7 +122,7 @@ if newest then
     end
   end
 end
-redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+redis.call('SET', KEYS[2], ARGV[1] .. ' ' .. ARGV[3])
 if newest then
   redis.call('EXPIRE', KEYS[1], ARGV[2])
 end
@@ -123,6 +131,8 @@ return seq
 
 STALE_ATTEMPT: Final = -1
 FINISHED: Final = -2
+# The run of the producer's queued marker (attempt 0), which no attempt fences.
+NO_RUN: Final = "-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +158,11 @@ async def publish_events(
     events: Iterable[Event],
     *,
     ttl_seconds: int = DEFAULT_LOG_TTL_SECONDS,
+    runs: Mapping[str, str] | None = None,
 ) -> list[Outcome]:
-    """Log and publish the events, in order; returns what happened to each.
+    """Log and publish the events, in order; returns what happened to each. ``runs`` maps
+    each request id to the token its attempt was begun with (``begin_attempt``); the queued
+    marker (attempt 0) needs none.
 
     One script call on a single server. On a Redis Cluster, one call per hash slot (a
     request's keys share its slot), all sent together: one round trip in parallel to the
@@ -161,7 +174,7 @@ async def publish_events(
     if not events:
         return []
     if not isinstance(redis, RedisCluster):
-        script_keys, script_args = publish_call(keys, events, ttl_seconds, sharded=False)
+        script_keys, script_args = publish_call(keys, events, ttl_seconds, runs, sharded=False)
         replies = await redis.eval(PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args)
         return [Outcome(reply) for reply in replies]
     by_slot: dict[int, list[int]] = {}
@@ -170,7 +183,7 @@ async def publish_events(
     async with redis.pipeline(transaction=False) as pipe:
         for indexes in by_slot.values():
             script_keys, script_args = publish_call(
-                keys, [events[i] for i in indexes], ttl_seconds, sharded=True
+                keys, [events[i] for i in indexes], ttl_seconds, runs, sharded=True
             )
             pipe.eval(PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args)
         per_slot = await pipe.execute()
@@ -182,26 +195,44 @@ async def publish_events(
 
 
 def publish_call(
-    keys: Keys, events: Iterable[Event], ttl: int, *, sharded: bool
+    keys: Keys,
+    events: Iterable[Event],
+    ttl: int,
+    runs: Mapping[str, str] | None = None,
+    *,
+    sharded: bool,
 ) -> tuple[list[str], list[bytes | int | str]]:
     """KEYS and ARGV of one PUBLISH_EVENTS call (on a Cluster: events of one slot only)."""
+    runs = runs or {}
     script_keys: list[str] = []
     script_args: list[bytes | int | str] = [ttl, "SPUBLISH" if sharded else "PUBLISH"]
     for event in events:
         rid = event.request_id
+        run = runs.get(rid, NO_RUN)
         script_keys += (keys.out(rid), keys.log(rid), keys.attempt(rid))
-        script_args += (encode_event(event), f"{event.seq} {event.attempt} {int(event.terminal)}")
+        script_args += (
+            encode_event(event),
+            f"{event.seq} {event.attempt} {int(event.terminal)} {run}",
+        )
     return script_keys, script_args
 
 
+def new_run() -> str:
+    """A token for one run of an attempt (``begin_attempt``, then ``publish_events``)."""
+    return secrets.token_hex(8)
+
+
 async def begin_attempt(
-    redis: RedisClient, keys: Keys, request_id: str, attempt: int, ttl_seconds: int
+    redis: RedisClient, keys: Keys, request_id: str, attempt: int, ttl_seconds: int, run: str
 ) -> int:
-    """Fence off older attempts of the request and return the log's last seq to continue
-    from; or ``STALE_ATTEMPT`` when a newer attempt has already begun, or ``FINISHED`` when
-    the log already ends with a terminal event (then nothing was fenced)."""
+    """Fence the request for this run of ``attempt`` (a ``new_run()`` token) and return the
+    log's last seq to continue from; or ``STALE_ATTEMPT`` when a newer attempt has already
+    begun, or ``FINISHED`` when the log already ends with a terminal event (then nothing was
+    fenced)."""
+    if not run or run == NO_RUN or any(c.isspace() for c in run):
+        raise ValueError(f"a run token must be a word, got {run!r}")
     last: int = await redis.eval(
-        BEGIN_ATTEMPT, 2, keys.log(request_id), keys.attempt(request_id), attempt, ttl_seconds
+        BEGIN_ATTEMPT, 2, keys.log(request_id), keys.attempt(request_id), attempt, ttl_seconds, run
     )
     return last
 

@@ -23,6 +23,7 @@ from tests.daemon.helpers import (
     settled,
     until,
 )
+from tests.protocol.helpers import emit
 
 MAX_TOKENS = 12
 
@@ -66,7 +67,7 @@ def test_poison_job_is_dead_lettered_after_max_deliveries_while_others_flow(
                 output_text="ghost",
                 usage=usage,
             )
-            await publish_events(redis, keys, [done])
+            await emit(redis, keys, done)
             others = [
                 await client.submit(text, max_tokens=MAX_TOKENS, temperature=0.0)
                 for text in prompts(4, seed=51)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
@@ -20,7 +21,7 @@ from protocol.messages import (
     ResetEvent,
     Usage,
 )
-from protocol.scripts import publish_events
+from protocol.scripts import Outcome, begin_attempt, publish_events
 
 T = TypeVar("T")
 
@@ -68,9 +69,28 @@ def text_events(request_id: str, pieces: Iterable[str], reason: Any = "stop") ->
     return events
 
 
-async def emit(redis: Redis, keys: Keys, *events: Event) -> None:
-    """Publish and log, exactly as a worker does."""
-    await publish_events(redis, keys, events)
+def run_of(attempt: int) -> str:
+    """The run token these tests begin ``attempt`` with."""
+    return f"test-attempt-{attempt}"
+
+
+async def begin(redis: Redis, keys: Keys, request_id: str, attempt: int = 1) -> int:
+    """BEGIN_ATTEMPT as a worker runs it, with the attempt's test run."""
+    return await begin_attempt(redis, keys, request_id, attempt, 600, run_of(attempt))
+
+
+async def emit(redis: Redis, keys: Keys, *events: Event) -> list[Outcome]:
+    """Publish and log exactly as workers do: each attempt begun (BEGIN_ATTEMPT) before its
+    events are sent with its run token, one attempt after the other."""
+    outcomes: list[Outcome] = []
+    for (request_id, attempt), group in itertools.groupby(
+        events, key=lambda event: (event.request_id, event.attempt)
+    ):
+        if attempt:
+            await begin(redis, keys, request_id, attempt)
+        batch = list(group)
+        outcomes += await publish_events(redis, keys, batch, runs={request_id: run_of(attempt)})
+    return outcomes
 
 
 async def append_only(redis: Redis, keys: Keys, event: Event) -> None:

@@ -21,7 +21,7 @@ from protocol.scripts import (
     publish_events,
     read_log,
 )
-from tests.protocol.helpers import delta, done, queued, run, text_events
+from tests.protocol.helpers import begin, delta, done, emit, queued, run, run_of, text_events
 
 
 def test_events_are_logged_and_published_in_order(redis_url: str, keys: Keys) -> None:
@@ -33,7 +33,7 @@ def test_events_are_logged_and_published_in_order(redis_url: str, keys: Keys) ->
         try:
             await pubsub.subscribe(keys.out("r1"))
             await pubsub.get_message(timeout=2)  # the subscribe confirmation
-            outcomes = await publish_events(redis, keys, events, ttl_seconds=120)
+            outcomes = await emit(redis, keys, *events)
             entries = await read_log(redis, keys, "r1")
             published = []
             while len(published) < len(events):
@@ -55,7 +55,7 @@ def test_events_are_logged_and_published_in_order(redis_url: str, keys: Keys) ->
     outcomes, seqs, ttl, last, published = run(scenario())
     assert outcomes == [Outcome.LOGGED] * 4
     assert seqs == [1, 2, 3, 4]
-    assert 110 <= ttl <= 120
+    assert 590 <= ttl <= 600
     assert last == 4
     assert [decode_event(data) for data in published] == events
 
@@ -72,9 +72,9 @@ def test_a_repeated_call_writes_and_publishes_nothing_twice(redis_url: str, keys
         try:
             await pubsub.subscribe(keys.out("r4"))
             await pubsub.get_message(timeout=2)
-            await publish_events(redis, keys, first_call[:2])
-            repeated = await publish_events(redis, keys, first_call[:2])
-            resent = await publish_events(redis, keys, first_call)
+            await emit(redis, keys, *first_call[:2])
+            repeated = await emit(redis, keys, *first_call[:2])
+            resent = await emit(redis, keys, *first_call)
             heard = []
             while (message := await pubsub.get_message(True, timeout=0.5)) is not None:
                 heard.append(decode_event(message["data"]).seq)
@@ -99,13 +99,13 @@ def test_events_after_a_hole_in_the_log_are_refused(redis_url: str, keys: Keys) 
     async def scenario() -> tuple[list[Outcome], list[int], list[Outcome]]:
         redis = Redis.from_url(redis_url)
         try:
-            await publish_events(redis, keys, [delta("r5", 1, "a"), delta("r5", 2, "b")])
+            await emit(redis, keys, delta("r5", 1, "a"), delta("r5", 2, "b"))
             newest = (await redis.xrevrange(keys.log("r5"), count=1))[0][0]
             await redis.xdel(keys.log("r5"), newest)  # seq 2 is lost
-            after_hole = await publish_events(redis, keys, [delta("r5", 3, "c"), done("r5", 4, "")])
+            after_hole = await emit(redis, keys, delta("r5", 3, "c"), done("r5", 4, ""))
             seqs = [entry.seq for entry in await read_log(redis, keys, "r5")]
             await redis.delete(keys.log("r5"))
-            afresh = await publish_events(redis, keys, [delta("r5", 5, "d")])
+            afresh = await emit(redis, keys, delta("r5", 5, "d"))
             return after_hole, seqs, afresh
         finally:
             await redis.aclose()
@@ -121,9 +121,9 @@ def test_single_event_on_a_client_after_script_flush(redis_url: str, keys: Keys)
         redis = Redis.from_url(redis_url)
         try:
             await redis.script_flush()
-            await publish_events(redis, keys, [delta("r2", 1, "x")])
+            await emit(redis, keys, delta("r2", 1, "x"))
             await redis.script_flush()
-            await publish_events(redis, keys, [delta("r2", 2, "y"), delta("r2", 3, "z")])
+            await emit(redis, keys, delta("r2", 2, "y"), delta("r2", 3, "z"))
             return [entry.seq for entry in await read_log(redis, keys, "r2")]
         finally:
             await redis.aclose()
@@ -150,15 +150,18 @@ def test_a_begun_attempt_fences_off_older_ones(redis_url: str, keys: Keys) -> No
     async def scenario() -> tuple[int, int, list[int], list[int]]:
         redis = Redis.from_url(redis_url)
         try:
-            first = await begin_attempt(redis, keys, "r9", 1, 120)
-            await publish_events(redis, keys, [delta("r9", 1, "a"), delta("r9", 2, "b")])
-            taken_over_at = await begin_attempt(redis, keys, "r9", 2, 120)
+            first = await begin(redis, keys, "r9", 1)
+            await emit(redis, keys, delta("r9", 1, "a"), delta("r9", 2, "b"))
+            taken_over_at = await begin(redis, keys, "r9", 2)
             # The stalled attempt 1 wakes up and flushes: refused.
-            await publish_events(redis, keys, [delta("r9", 3, "c", attempt=1)])
-            stale = await begin_attempt(redis, keys, "r9", 1, 120)
-            await publish_events(redis, keys, [delta("r9", 3, "C", attempt=2)])
+            stalled = await publish_events(
+                redis, keys, [delta("r9", 3, "c", attempt=1)], runs={"r9": run_of(1)}
+            )
+            stale = await begin(redis, keys, "r9", 1)
+            await emit(redis, keys, delta("r9", 3, "C", attempt=2))
             entries = await read_log(redis, keys, "r9")
             attempts = [decode_event(e.data).attempt for e in entries]
+            assert stalled == [Outcome.FENCED]
             return first, taken_over_at, [e.seq for e in entries], [*attempts, stale]
         finally:
             await redis.aclose()
@@ -169,6 +172,41 @@ def test_a_begun_attempt_fences_off_older_ones(redis_url: str, keys: Keys) -> No
     assert attempts == [1, 1, 2, STALE_ATTEMPT]
 
 
+def test_only_the_run_that_began_an_attempt_writes_for_it(redis_url: str, keys: Keys) -> None:
+    """Two runs can carry one attempt number: after a failover that lost a delivery (and the
+    begin after it), the job is delivered again as attempt 1 while the first run still works.
+    The fence names the run, not just the attempt: the run whose begin is gone is refused,
+    the one that began last writes. The fence lives until the request ends, then gets the
+    log's TTL (a long prefill that publishes nothing for a while keeps it)."""
+
+    async def scenario() -> tuple[list[Outcome], list[Outcome], list[Outcome], int, int]:
+        redis = Redis.from_url(redis_url)
+        try:
+            await emit(redis, keys, queued("r12"))
+            # Run A began on a master that died before replicating it: no fence here.
+            lost_begin = await publish_events(
+                redis, keys, [delta("r12", 1, "a")], runs={"r12": "run-a"}
+            )
+            assert await begin_attempt(redis, keys, "r12", 1, 600, "run-b") == 0
+            running_ttl = await redis.ttl(keys.attempt("r12"))
+            superseded = await publish_events(
+                redis, keys, [delta("r12", 1, "a")], runs={"r12": "run-a"}
+            )
+            owner = await publish_events(
+                redis, keys, [delta("r12", 1, "b"), done("r12", 2, "b")], runs={"r12": "run-b"}
+            )
+            return lost_begin, superseded, owner, running_ttl, await redis.ttl(keys.attempt("r12"))
+        finally:
+            await redis.aclose()
+
+    lost_begin, superseded, owner, running_ttl, ended_ttl = run(scenario())
+    assert lost_begin == [Outcome.FENCED]
+    assert superseded == [Outcome.FENCED]
+    assert owner == [Outcome.LOGGED, Outcome.LOGGED]
+    assert running_ttl == -1  # no expiry while the request runs
+    assert 590 <= ended_ttl <= 600
+
+
 def test_a_finished_log_refuses_a_new_attempt(redis_url: str, keys: Keys) -> None:
     """Once the log ends with a terminal event, BEGIN_ATTEMPT answers FINISHED and fences
     nothing (so the finished attempt's bookkeeping stands and no second ending can follow)."""
@@ -176,21 +214,19 @@ def test_a_finished_log_refuses_a_new_attempt(redis_url: str, keys: Keys) -> Non
     async def scenario() -> tuple[int, int, bytes | None, int]:
         redis = Redis.from_url(redis_url)
         try:
-            await begin_attempt(redis, keys, "r10", 1, 120)
-            await publish_events(redis, keys, [delta("r10", 1, "a"), done("r10", 2, "a")])
-            again = await begin_attempt(redis, keys, "r10", 2, 120)
+            await emit(redis, keys, delta("r10", 1, "a"), done("r10", 2, "a"))
+            again = await begin(redis, keys, "r10", 2)
             attempt_key = await redis.get(keys.attempt("r10"))
             # A log whose last entry is not terminal (a reset, say) may be continued.
-            await begin_attempt(redis, keys, "r11", 1, 120)
-            await publish_events(redis, keys, [delta("r11", 1, "a")])
-            continued = await begin_attempt(redis, keys, "r11", 2, 120)
+            await emit(redis, keys, delta("r11", 1, "a"))
+            continued = await begin(redis, keys, "r11", 2)
             return again, len(await read_log(redis, keys, "r10")), attempt_key, continued
         finally:
             await redis.aclose()
 
     again, entries, attempt_key, continued = run(scenario())
     assert again == FINISHED
-    assert entries == 2 and attempt_key == b"1"
+    assert entries == 2 and attempt_key == f"1 {run_of(1)}".encode()
     assert continued == 1
 
 
@@ -203,14 +239,17 @@ def test_one_call_writes_many_requests_and_fences_each_on_its_own(
     async def scenario() -> tuple[list[Outcome], list[int], list[int]]:
         redis = Redis.from_url(redis_url)
         try:
-            await begin_attempt(redis, keys, "fenced", 2, 120)  # attempt 1 has been taken over
+            for rid in ("ok-a", "fenced", "ok-b"):
+                await begin(redis, keys, rid, 1)
+            await begin(redis, keys, "fenced", 2)  # attempt 1 has been taken over
             written = await publish_events(
                 redis,
                 keys,
                 [delta("ok-a", 1, "x"), delta("fenced", 1, "y", attempt=1), done("ok-b", 1, "z")],
+                runs={rid: run_of(1) for rid in ("ok-a", "fenced", "ok-b")},
             )
             logs = [len(await read_log(redis, keys, rid)) for rid in ("ok-a", "fenced", "ok-b")]
-            ends = [await begin_attempt(redis, keys, rid, 2, 120) for rid in ("ok-a", "ok-b")]
+            ends = [await begin(redis, keys, rid, 2) for rid in ("ok-a", "ok-b")]
             return written, logs, ends
         finally:
             await redis.aclose()

@@ -97,8 +97,9 @@ def _hold_oom(
     port: int, prefix: str, seconds: float, progress: Progress, while_full: Callable[[], object]
 ) -> dict[str, Any]:
     """``maxmemory`` just above ``used_memory``, filler keys until Redis answers OOM; then
-    ``maxmemory`` a little under what it holds (HEADROOM), so that the buffers Redis frees
-    after every command cannot let writes slip through; ``seconds`` later, all freed."""
+    ``maxmemory`` a little under what it holds (HEADROOM), again before every probe write,
+    so that what Redis frees meanwhile cannot let writes slip through; ``seconds`` later, all
+    freed."""
     client = redis.Redis(port=port, socket_timeout=10)
     try:
         before = _oom_errors(client)
@@ -118,8 +119,11 @@ def _hold_oom(
         ended_before = len(progress.ended)
         while_full()
         slipped = 0
-        while time.monotonic() - began < seconds:  # still full? a probe write every 0.25 s
-            time.sleep(0.25)
+        while time.monotonic() - began < seconds:
+            # The workers free memory as they go (acked entries are deleted): tighten again,
+            # then check with a probe write that Redis still refuses.
+            client.config_set("maxmemory", max(_used(client) - HEADROOM, 1))
+            time.sleep(0.1)
             try:
                 client.set(f"{prefix}:filler:probe", b"x")
                 slipped += 1

@@ -21,13 +21,13 @@ import argparse
 import asyncio
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from redis.asyncio import Redis
 
 from protocol.keys import Keys
 from protocol.messages import Event
-from protocol.scripts import PUBLISH_EVENTS, publish_call
+from protocol.scripts import PUBLISH_EVENTS, Outcome, begin_attempt, new_run, publish_call
 from worker.daemon.publisher import EventPublisher
 from worker.engine import RequestOutput
 from worker.local_redis import local_redis
@@ -39,15 +39,15 @@ LOG_TTL = 600
 class PerEventPublisher(EventPublisher):
     """The publisher as it was: the same bookkeeping, one script call per event (pipelined)."""
 
-    async def _send(self, events: list[Event]) -> list[int]:
+    async def _send(self, events: list[Event], runs: Mapping[str, str]) -> list[Outcome]:
         async with self.redis.pipeline(transaction=False) as pipe:
             for event in events:
                 script_keys, script_args = publish_call(
-                    self.keys, [event], self.log_ttl, sharded=False
+                    self.keys, [event], self.log_ttl, runs, sharded=False
                 )
                 pipe.eval(PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args)
             replies: list[list[int]] = await pipe.execute()
-        return [reply[0] for reply in replies]
+        return [Outcome(reply[0]) for reply in replies]
 
 
 def publishing(
@@ -66,11 +66,15 @@ def publishing(
         if flusher is None:
             flusher = asyncio.create_task(publisher.run())
             flushers.append(flusher)
-            for output in outputs:
-                publisher.open(output.request_id, attempt=1, first_seq=1, metadata=None)
+            for output in outputs:  # begun as a worker begins them: the fence must let them in
+                run = new_run()
+                await begin_attempt(publisher.redis, publisher.keys, output.request_id, 1, 60, run)
+                publisher.open(output.request_id, attempt=1, run=run, first_seq=1, metadata=None)
         publisher.on_step(outputs)
         if not await publisher.drain(timeout=30):
             raise RuntimeError("the publisher did not flush within 30 s")
+        if publisher.fenced or publisher.log_gaps:  # refused events cost less: not a measure
+            raise RuntimeError(f"Redis refused events: {publisher.stats()}")
 
     return step
 

@@ -21,7 +21,7 @@ from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.limits import Limits
 from protocol.messages import SYSTEM_PREFIX, Job
-from protocol.scripts import FINISHED, STALE_ATTEMPT, Outcome, begin_attempt
+from protocol.scripts import FINISHED, STALE_ATTEMPT, Outcome, begin_attempt, new_run
 from worker.daemon.backoff import retry_until_done
 from worker.daemon.job_queue import Delivery, JobQueue
 from worker.daemon.publisher import EventPublisher
@@ -73,7 +73,8 @@ class JobRunner:
             log.warning("job_duplicate_in_flight")
             return
         attempt = delivery.times_delivered
-        last_seq = await self._begin_attempt(rid, attempt)
+        run = new_run()
+        last_seq = await self._begin_attempt(rid, attempt, run)
         if last_seq == FINISHED:  # its log already ends: a redelivery of a finished job
             await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
             self._count("already_done")
@@ -84,7 +85,7 @@ class JobRunner:
             log.warning("job_stale_delivery", attempt=attempt)
             return
         first_seq = last_seq + 1
-        written = self.publisher.open(rid, attempt, first_seq, job.metadata)
+        written = self.publisher.open(rid, attempt, run, first_seq, job.metadata)
         if attempt > 1:
             self.publisher.reset(rid)
         if delivery.times_delivered > self.max_deliveries:
@@ -197,12 +198,12 @@ class JobRunner:
             boundary = shared_prefix_length(system_ids, token_ids)
         return token_ids, boundary
 
-    async def _begin_attempt(self, request_id: str, attempt: int) -> int:
-        """Fence off older attempts (one round trip, atomic with the "already finished?"
-        check); the log's last seq, or ``STALE_ATTEMPT`` / ``FINISHED``."""
+    async def _begin_attempt(self, request_id: str, attempt: int, run: str) -> int:
+        """Fence the request for this run (one round trip, atomic with the "already
+        finished?" check); the log's last seq, or ``STALE_ATTEMPT`` / ``FINISHED``."""
         return await retry_until_done(
             lambda: begin_attempt(
-                self.redis, self.keys, request_id, attempt, self.publisher.log_ttl
+                self.redis, self.keys, request_id, attempt, self.publisher.log_ttl, run
             ),
             "begin attempt",
         )
@@ -212,9 +213,12 @@ class JobRunner:
         log.warning("job_rejected", code=code, error=message, request_id=rid)
         written = None
         if rid is not None and rid not in self.in_flight:
-            last_seq = await self._begin_attempt(rid, delivery.times_delivered)
+            run = new_run()
+            last_seq = await self._begin_attempt(rid, delivery.times_delivered, run)
             if last_seq >= 0:
-                written = self.publisher.open(rid, delivery.times_delivered, last_seq + 1, None)
+                written = self.publisher.open(
+                    rid, delivery.times_delivered, run, last_seq + 1, None
+                )
                 if delivery.times_delivered > 1:  # every new attempt opens with a reset
                     self.publisher.reset(rid)
                 self.publisher.error(rid, "invalid_job", f"{code}: {message}")

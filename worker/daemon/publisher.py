@@ -47,6 +47,7 @@ class _Stream:
 
     request_id: str
     attempt: int
+    run: str  # the token BEGIN_ATTEMPT fenced the request with for this run
     next_seq: int
     metadata: Mapping[str, Any] | None
     started: float
@@ -116,12 +117,19 @@ class EventPublisher:
     # -- requests ----------------------------------------------------------------------------
 
     def open(
-        self, request_id: str, attempt: int, first_seq: int, metadata: Mapping[str, Any] | None
+        self,
+        request_id: str,
+        attempt: int,
+        run: str,
+        first_seq: int,
+        metadata: Mapping[str, Any] | None,
     ) -> asyncio.Future[None]:
-        """Start publishing a request; the future resolves once its terminal event is in Redis."""
+        """Start publishing a request (its attempt begun with ``run``); the future resolves
+        once its terminal event is in Redis."""
         stream = _Stream(
             request_id=request_id,
             attempt=attempt,
+            run=run,
             next_seq=first_seq,
             metadata=metadata,
             started=time.monotonic(),
@@ -230,9 +238,8 @@ class EventPublisher:
     async def _flush_once(self) -> None:
         batch = self._failed or self._number(self._take_drafts())
         self._failed = batch  # until Redis confirms it, it is the batch to resend
-        outcomes = await publish_events(
-            self.redis, self.keys, [event for _, event in batch], ttl_seconds=self.log_ttl
-        )
+        runs = {draft.stream.request_id: draft.stream.run for draft, _ in batch}
+        outcomes = await self._send([event for _, event in batch], runs)
         self._failed = []
         self.round_trips += 1
         self.events_published += len(batch)
@@ -252,6 +259,12 @@ class EventPublisher:
             self.abandon(request_id)
             if self.on_lost is not None:
                 self.on_lost(request_id, outcome)
+
+    async def _send(self, events: list[Event], runs: Mapping[str, str]) -> list[Outcome]:
+        """One round trip (one script call per hash slot on a Cluster, pipelined)."""
+        return await publish_events(
+            self.redis, self.keys, events, ttl_seconds=self.log_ttl, runs=runs
+        )
 
     def _take_drafts(self) -> list[_Draft]:
         drafts, self._drafts = self._drafts, []
