@@ -24,7 +24,7 @@ from redis.asyncio.cluster import ClusterPubSub, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from protocol.connection import RedisClient
+from protocol.connection import RedisClient, retry_delay
 
 # Put in an inbox after its connection came back: messages may have been lost meanwhile.
 MISSED: Final = None
@@ -33,7 +33,6 @@ Inbox = asyncio.Queue[bytes | None]
 SUBSCRIBE_CONFIRM_TIMEOUT: Final = 10.0
 # How long one read waits before the reader looks at its bookkeeping again.
 _READ_WAIT: Final = 1.0
-_RETRY_DELAYS: Final = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 _SUBSCRIBED: Final = frozenset({"subscribe", "ssubscribe"})
 _MESSAGES: Final = frozenset({"message", "smessage"})
 
@@ -170,7 +169,7 @@ class ChannelHub:
                 # A subscription sent on this connection may never be confirmed now: tell
                 # whoever waits for one (they subscribe again), instead of letting them wait.
                 self._fail_pending(exc)
-                delay = _RETRY_DELAYS[min(failures, len(_RETRY_DELAYS) - 1)]
+                delay = retry_delay(failures)
                 failures += 1
                 await asyncio.sleep(delay)
                 continue

@@ -8,9 +8,9 @@
   without a restart. ``?sentinel_username=…&sentinel_password=…`` authenticate to Sentinels
   that need it.
 
-Callers tell a cluster client apart with ``is_cluster``: on a Cluster, pub/sub is sharded
-(``SPUBLISH``/``SSUBSCRIBE``, so a message goes to one shard instead of every node) and a
-multi-key script may only carry keys of one hash slot.
+Callers tell a cluster client apart by its type (``RedisCluster``): on a Cluster, pub/sub is
+sharded (``SPUBLISH``/``SSUBSCRIBE``, so a message goes to one shard instead of every node)
+and a multi-key script may only carry keys of one hash slot.
 
 No client made here retries a command by itself: redis-py would send a command again after a
 timeout, and a timed-out command may have run. Every retry in this project is explicit, in
@@ -20,7 +20,7 @@ code that knows the command is safe to repeat.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypeAlias
+from typing import Any, Final, TypeAlias
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from redis.asyncio import Redis
@@ -32,6 +32,7 @@ from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
     ClusterDownError,
+    NoPermissionError,
     RedisClusterException,
     ResponseError,
     TryAgainError,
@@ -42,7 +43,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from protocol.errors import ClientError
 
 RedisClient: TypeAlias = Redis | RedisCluster
-Topology = Literal["auto", "standalone", "cluster"]
 TOPOLOGIES: Final = ("auto", "standalone", "cluster")
 SENTINEL_SCHEME: Final = "redis+sentinel"
 DEFAULT_SENTINEL_PORT: Final = 26379
@@ -64,26 +64,29 @@ _UNAVAILABLE: Final = (
     TryAgainError,
     RedisClusterException,
 )
-# Redis answering "no" to who we are: waiting does not help (both are ConnectionErrors).
-_REFUSED: Final = (AuthenticationError, AuthorizationError)
+# Redis answering "no" to who we are: waiting does not help (the first two are
+# ConnectionErrors in redis-py, so they must be told apart from an outage).
+REFUSED: Final = (AuthenticationError, AuthorizationError, NoPermissionError)
+# Waits between tries while Redis is unreachable: quick at first, then every 2 s.
+_RETRY_DELAYS: Final = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
 def is_unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` means Redis cannot be reached now (retry later), as opposed to a
     refusal, a bad command, or one of the client's own errors (some of which are OSErrors)."""
-    if isinstance(exc, (ClientError, *_REFUSED)):
+    if isinstance(exc, (ClientError, *REFUSED)):
         return False
     return isinstance(exc, _UNAVAILABLE)
+
+
+def retry_delay(failures: int) -> float:
+    """Seconds to wait before the next try, after ``failures`` failed ones in a row."""
+    return _RETRY_DELAYS[min(failures, len(_RETRY_DELAYS) - 1)]
 
 
 def no_retries() -> Retry:
     """A retry policy that never sends a command twice (see the module docstring)."""
     return Retry(NoBackoff(), 0)
-
-
-def is_cluster(redis: RedisClient) -> bool:
-    """Whether ``redis`` talks to a Redis Cluster (sharded pub/sub, one slot per script)."""
-    return isinstance(redis, RedisCluster)
 
 
 async def publish(redis: RedisClient, channel: str, message: bytes) -> int:

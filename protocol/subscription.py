@@ -19,12 +19,11 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator
-from typing import Final
 
 from protocol.cancellation import raise_if_cancelled
 from protocol.channels import MISSED, SUBSCRIBE_CONFIRM_TIMEOUT, ChannelHub, Inbox
 from protocol.codec import decode_event
-from protocol.connection import RedisClient, is_unavailable
+from protocol.connection import RedisClient, is_unavailable, retry_delay
 from protocol.errors import (
     ProtocolError,
     RedisUnavailable,
@@ -36,8 +35,6 @@ from protocol.limits import Limits
 from protocol.messages import Event
 from protocol.ordering import EventOrdering
 from protocol.scripts import read_log
-
-_RETRY_DELAYS: Final = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
 async def follow_events(
@@ -104,7 +101,7 @@ async def follow_events(
                     f"Redis unreachable for {unavailable_timeout:g} s while following "
                     f"{request_id!r}: {exc}"
                 ) from exc
-            delay = _RETRY_DELAYS[min(failures, len(_RETRY_DELAYS) - 1)]
+            delay = retry_delay(failures)
             failures += 1
             if timeout is not None:
                 delay = min(delay, max(timeout - (now - last_event_at), 0.0))

@@ -16,13 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 import structlog
-from redis.exceptions import (
-    AuthenticationError,
-    AuthorizationError,
-    NoPermissionError,
-    RedisClusterException,
-    RedisError,
-)
+from redis.exceptions import RedisClusterException, RedisError
+
+from protocol.connection import REFUSED
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -32,7 +28,7 @@ REDIS_DOWN = (ConnectionError, TimeoutError, OSError)
 # slots raises RedisClusterException, which is not a RedisError).
 REDIS_FAILURES = (RedisError, RedisClusterException, *REDIS_DOWN)
 # Waiting does not fix these: fail fast with the server's message.
-REDIS_REFUSED = (AuthenticationError, AuthorizationError, NoPermissionError)
+REDIS_REFUSED = REFUSED
 
 REMIND_EVERY: Final = 60.0
 _MAX_ERROR_TEXT: Final = 300
