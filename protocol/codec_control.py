@@ -62,7 +62,10 @@ def encode_reply(reply: ControlReply) -> bytes:
 def decode_reply(data: object, limits: Limits = DEFAULT_LIMITS) -> ControlReply:
     """A validated reply: ``ok`` with an optional ``result`` map, or not ok with an error."""
     reader = FieldReader(unpack(data, limits, "reply"), "reply", limits)
-    reply_id = _identifier(reader, "id", required=True) or ""
+    # "" answers a refused command whose own id was unusable (the reply list says which).
+    reply_id = reader.string("id", required=True) or ""
+    if reply_id and not is_valid_id(reply_id):
+        raise reader.error("invalid_field", "id", f"must be {ID_RULE} or empty")
     ok = reader.boolean("ok", required=True)
     worker_id = _identifier(reader, "worker_id", required=True) or ""
     result = reader.json_map("result")

@@ -9,7 +9,7 @@ from protocol.fields import FieldReader
 from protocol.identifiers import ID_RULE, is_valid_id, new_request_id
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import SYSTEM_PREFIX, ChatMessage, Job, PrefixBoundary
-from protocol.wire import pack, unpack
+from protocol.wire import pack, top_level_strings, unpack
 
 PROMPT_FIELDS: Final = ("prompt", "prompt_token_ids", "messages")
 MAX_ROLE_LEN: Final = 64
@@ -38,7 +38,25 @@ def decode_job(data: object, limits: Limits = DEFAULT_LIMITS) -> Job:
     """A validated Job. Raises only ProtocolError (with ``request_id`` once that was read).
 
     A job without ``request_id`` gets a fresh one (nobody can subscribe to it, but it runs).
+    A job refused for any reason carries its request id when that is *readable* (see
+    ``readable_request_id``), so its request can be told why.
     """
+    try:
+        return _decode_job(data, limits)
+    except ProtocolError as exc:
+        if exc.request_id is None:
+            exc.request_id = readable_request_id(data)
+        raise
+
+
+def readable_request_id(data: object) -> str | None:
+    """The job's request id if the bytes begin with a msgpack map holding a top-level
+    ``request_id`` str that is a valid id, whatever else is wrong with the message."""
+    request_id = top_level_strings(data, ("request_id",)).get("request_id")
+    return request_id if request_id is not None and is_valid_id(request_id) else None
+
+
+def _decode_job(data: object, limits: Limits) -> Job:
     reader = FieldReader(unpack(data, limits, "job"), "job", limits)
     reader.request_id = _request_id(reader)
     prompt, prompt_token_ids, messages = _prompt(reader)

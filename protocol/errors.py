@@ -18,7 +18,6 @@ ERROR_CODES: Final[dict[str, str]] = {
     "invalid_job": "the job failed validation (the message says which field and why)",
     "dead_lettered": "the job failed too many deliveries and was moved to the dead stream",
     "engine_error": "the inference engine failed while running the request",
-    "queue_full": "the worker's admission queue is full; submit again later",
     "internal": "an unexpected worker failure",
     # Sent by workers in control replies.
     "unknown_command": "the worker does not implement this control command",

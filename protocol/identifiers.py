@@ -33,3 +33,13 @@ def is_valid_cache_name(value: str) -> bool:
 def new_request_id() -> str:
     """A random request id (32 hex digits)."""
     return uuid.uuid4().hex
+
+
+def stream_id_time(entry_id: str) -> float | None:
+    """When a stream entry was added, in epoch seconds (on Redis' clock): the millisecond part
+    of its id. A job's arrival, from which its usage timings count; None for an id that is
+    not ``<ms>-<seq>``."""
+    millis, dash, seq = entry_id.partition("-")
+    if not (millis.isdigit() and dash and seq.isdigit()):
+        return None
+    return int(millis) / 1000

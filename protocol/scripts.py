@@ -22,6 +22,37 @@ from protocol.constants import DEFAULT_LOG_TTL_SECONDS, LOG_EVENT_FIELD, LOG_SEQ
 from protocol.keys import Keys
 from protocol.messages import Event
 
+# The newest event a worker wrote to a log: its seq and whether it ends the request; seq -1
+# for an empty (or expired) log, 0 when it holds only producers' queued markers. Markers (seq
+# 0) may follow the worker's events: a producer that re-submits a request writes a new one,
+# and that must neither hide the request's end (it would run twice) nor reset the numbering.
+# Shared by both scripts below (Lua scripts cannot call each other).
+NEWEST_EVENT: Final = """
+local function newest_event(log)
+  local before = '+'
+  local seq = -1
+  while true do
+    local entry = redis.call('XREVRANGE', log, before, '-', 'COUNT', 1)[1]
+    if not entry then
+      return seq, false
+    end
+    seq = 0
+    local fields, ended, found = entry[2], false, 0
+    for f = 1, #fields, 2 do
+      if fields[f] == 'seq' then
+        found = tonumber(fields[f + 1]) or 0
+      elseif fields[f] == 'end' then
+        ended = true
+      end
+    end
+    if found > 0 or ended then
+      return found, ended
+    end
+    before = '(' .. entry[1]
+  end
+end
+"""
+
 # ARGV[1] the log TTL in seconds; ARGV[2] PUBLISH, or SPUBLISH on a Redis Cluster (sharded
 # pub/sub: a message goes to the shard of its channel, not to every node). Then per event i
 # (from 1): KEYS[3i-2] its channel, KEYS[3i-1] its log, KEYS[3i] its attempt key; ARGV[2i+1]
@@ -45,7 +76,9 @@ from protocol.messages import Event
 # entries); the worker restarts the attempt instead. A log that is gone altogether (expired)
 # is written afresh. The attempt key lives until the request's terminal event, then gets the
 # log's TTL.
-PUBLISH_EVENTS: Final = """
+PUBLISH_EVENTS: Final = (
+    NEWEST_EVENT
+    + """
 local ttl, publish = ARGV[1], ARGV[2]
 if publish ~= 'PUBLISH' and publish ~= 'SPUBLISH' then
   return redis.error_reply('ERR ARGV[2] must be PUBLISH or SPUBLISH')
@@ -62,13 +95,7 @@ for i = 1, #KEYS / 3 do
   else
     local last = newest[log]
     if last == nil then
-      last = -1
-      local entry = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)[1]
-      if entry then
-        for f = 1, #entry[2], 2 do
-          if entry[2][f] == 'seq' then last = tonumber(entry[2][f + 1]) or -1 end
-        end
-      end
+      last = newest_event(log)
     end
     if seq <= last then
       results[i] = 1
@@ -93,41 +120,41 @@ for i = 1, #KEYS / 3 do
 end
 return results
 """
+)
 
 # KEYS[1] log, KEYS[2] attempt key; ARGV[1] attempt, ARGV[2] TTL seconds, ARGV[3] the run's
 # token (unique per run of an attempt). A worker calls it before publishing anything for an
 # attempt: from then on only this run writes the request's events, and the seq it returns (the
-# log's last) is final, since no other run can append after it. Returns -1 when a newer
-# attempt has already begun (this delivery is stale), and -2 when the log already ends with a
-# terminal event (the job is finished: nothing may follow it). Both checks and the fence are
-# one atomic step, so an older attempt's last event cannot land between "not finished yet" and
-# "fenced". Safe to repeat with the same token: it sets the same fence and returns the same
-# seq. The fence has no TTL while the request runs (a long prefill publishes nothing for a
-# while); the terminal event gives it the log's. It renews the log's TTL, so a log that waited
-# almost its TTL in the queue does not expire between here and the first event.
-BEGIN_ATTEMPT: Final = """
+# log's last) is final, since no other run can append after it. Returns -2 when the log's
+# newest event is terminal (the job is finished: nothing may follow it, whatever queued
+# markers a re-submission appended), and -1 when a newer attempt has already begun (this
+# delivery is stale), or with ARGV[4] = "IFFREE" when any attempt has begun: a worker ending a
+# request that still waits (an abort) must not take it from the worker that started it. Both
+# checks and the fence are one atomic step, so an older attempt's last event cannot land
+# between "not finished yet" and "fenced". Safe to repeat with the same token: it sets the
+# same fence and returns the same seq. The fence has no TTL while the request runs (a long
+# prefill publishes nothing for a while); the terminal event gives it the log's. It renews the
+# log's TTL, so a log that waited almost its TTL in the queue does not expire between here
+# and the first event.
+BEGIN_ATTEMPT: Final = (
+    NEWEST_EVENT
+    + """
+local seq, ended = newest_event(KEYS[1])
+if ended then
+  return -2
+end
 local fence = redis.call('GET', KEYS[2])
-if fence and tonumber(string.match(fence, '^%d+') or '0') > tonumber(ARGV[1]) then
+if fence and (ARGV[4] == 'IFFREE'
+    or tonumber(string.match(fence, '^%d+') or '0') > tonumber(ARGV[1])) then
   return -1
 end
-local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
-local seq = 0
-if newest then
-  local fields = newest[2]
-  for i = 1, #fields, 2 do
-    if fields[i] == 'end' then
-      return -2
-    elseif fields[i] == 'seq' then
-      seq = tonumber(fields[i + 1])
-    end
-  end
-end
 redis.call('SET', KEYS[2], ARGV[1] .. ' ' .. ARGV[3])
-if newest then
+if seq >= 0 then
   redis.call('EXPIRE', KEYS[1], ARGV[2])
 end
-return seq
+return math.max(seq, 0)
 """
+)
 
 STALE_ATTEMPT: Final = -1
 FINISHED: Final = -2
@@ -223,16 +250,25 @@ def new_run() -> str:
 
 
 async def begin_attempt(
-    redis: RedisClient, keys: Keys, request_id: str, attempt: int, ttl_seconds: int, run: str
+    redis: RedisClient,
+    keys: Keys,
+    request_id: str,
+    attempt: int,
+    ttl_seconds: int,
+    run: str,
+    *,
+    if_free: bool = False,
 ) -> int:
     """Fence the request for this run of ``attempt`` (a ``new_run()`` token) and return the
-    log's last seq to continue from; or ``STALE_ATTEMPT`` when a newer attempt has already
-    begun, or ``FINISHED`` when the log already ends with a terminal event (then nothing was
-    fenced)."""
+    log's last seq to continue from; or ``FINISHED`` when the log's newest event is terminal,
+    or ``STALE_ATTEMPT`` when a newer attempt has already begun (with ``if_free``: when any
+    attempt has). Nothing is fenced in those two cases."""
     if not run or run == NO_RUN or any(c.isspace() for c in run):
         raise ValueError(f"a run token must be a word, got {run!r}")
+    log_key, fence_key = keys.log(request_id), keys.attempt(request_id)
+    mode = ("IFFREE",) if if_free else ()
     last: int = await redis.eval(
-        BEGIN_ATTEMPT, 2, keys.log(request_id), keys.attempt(request_id), attempt, ttl_seconds, run
+        BEGIN_ATTEMPT, 2, log_key, fence_key, attempt, ttl_seconds, run, *mode
     )
     return last
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]  # ships no type hints
@@ -80,10 +81,57 @@ def _check_version(message: dict[str, Any], what: str) -> None:
     if "v" not in message:
         raise ProtocolError("missing_field", f"{what} has no protocol version `v`")
     version = message["v"]
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise ProtocolError("invalid_field", f"{what} `v` must be an integer")
-    if version != PROTOCOL_VERSION:
+    # Anything but the integer itself (a string "1", 1.0, true) is a version this reader does
+    # not speak: the spec names one code for every other value.
+    if isinstance(version, bool) or not isinstance(version, int) or version != PROTOCOL_VERSION:
         raise ProtocolError(
             "unsupported_version",
-            f"{what} has protocol version {version}, this reader speaks {PROTOCOL_VERSION}",
+            f"{what} has protocol version {version!r}, this reader speaks {PROTOCOL_VERSION}",
         )
+
+
+def top_level_strings(data: object, names: Collection[str]) -> dict[str, str]:
+    """The str values of the given top-level keys of a msgpack map, read from a message that
+    may be invalid in every other way: a wrong or missing version, other bad fields, extension
+    types, non-str keys, over-limit values or size, trailing bytes. Used only to say *who*
+    a rejected message came from (its request id, a command's reply list), so the sender hears
+    why instead of waiting. Later pairs win, as in a decoded map; missing or non-str values are
+    left out. Never raises.
+
+    Values are skipped, not built, so this allocates nothing for what it does not return."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        return {}
+    wanted = {name.encode(): name for name in names}
+    found: dict[str, str] = {}
+    # raw: keys and values stay bytes, so a bad UTF-8 string elsewhere cannot stop the walk.
+    unpacker = msgpack.Unpacker(raw=True, max_buffer_size=max(len(data), 1), strict_map_key=False)
+    view = bytes(data)
+    try:
+        unpacker.feed(view)
+        pairs = unpacker.read_map_header()
+        for _ in range(pairs):
+            key_is_str = _str_at(view, unpacker.tell())
+            key = unpacker.unpack()
+            name = wanted.get(key) if key_is_str and isinstance(key, bytes) else None
+            if name is None:
+                unpacker.skip()
+                continue
+            value_is_str = _str_at(view, unpacker.tell())
+            value = unpacker.unpack()
+            if value_is_str and isinstance(value, bytes):
+                with contextlib.suppress(UnicodeDecodeError):
+                    found[name] = value.decode()
+                    continue
+            found.pop(name, None)  # a later non-str value replaces an earlier str one
+    except Exception:  # truncated or hostile input: what was read so far is all there is
+        pass
+    return found
+
+
+def _str_at(data: bytes, offset: int) -> bool:
+    """Whether the msgpack value at ``offset`` is a str (raw unpacking returns str and bin
+    alike as bytes; the protocol's strings are never bin)."""
+    if offset >= len(data):
+        return False
+    head = data[offset]
+    return 0xA0 <= head <= 0xBF or head in (0xD9, 0xDA, 0xDB)

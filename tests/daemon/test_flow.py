@@ -8,7 +8,7 @@ import time
 import pytest
 
 from protocol.client import Client
-from protocol.messages import ControlReply, DeltaEvent, DoneEvent, Event
+from protocol.messages import ControlReply, DeltaEvent, DoneEvent, Event, Usage
 from tests.daemon.conftest import Reference
 from tests.daemon.helpers import (
     WorkerFactory,
@@ -102,12 +102,13 @@ def test_abort_running_and_queued_jobs(workers: WorkerFactory, redis_url: str, p
             await asyncio.sleep(0.5)  # the worker has no free slot: it must not read it
             assert len(await pending_ids(client)) == 1
             replies = await client.abort(queued)
-            # Nobody runs it yet, so no worker reports aborting it.
-            assert [r.result for r in replies] == [{"aborted": False}]
-            assert await log_length(client, queued) == 1  # only the queued marker
+            # Nobody has begun it: the worker ends it where it waits, at once.
+            assert [r.result for r in replies] == [{"aborted": True, "state": "queued"}]
+            queued_events = await asyncio.wait_for(queued_stream, 1.0)
+            assert not running_stream.done()  # the long job was not in the way
 
             replies = await client.abort(running)
-            assert [r.result for r in replies] == [{"aborted": True}]
+            assert [r.result for r in replies] == [{"aborted": True, "state": "running"}]
             events = await asyncio.wait_for(running_stream, 30)
             summary = check_stream(events, running)
             assert isinstance(summary.terminal, DoneEvent)
@@ -115,25 +116,25 @@ def test_abort_running_and_queued_jobs(workers: WorkerFactory, redis_url: str, p
             assert 0 < summary.terminal.usage.completion_tokens < 2000
             assert summary.deltas
 
-            events = await asyncio.wait_for(queued_stream, 30)
-            summary = check_stream(events, queued)
+            summary = check_stream(queued_events, queued)
             assert isinstance(summary.terminal, DoneEvent)
             assert summary.terminal.finish_reason == "abort"
-            assert summary.terminal.usage.completion_tokens == 0
+            assert summary.terminal.usage == Usage(prompt_tokens=0, completion_tokens=0)
             assert summary.terminal.output_text == ""
-            assert not [e for e in events if isinstance(e, DeltaEvent)]
+            assert not [e for e in queued_events if isinstance(e, DeltaEvent)]
 
             late = await client.submit("too late", max_tokens=50, deadline=time.time() - 1)
             events = await collect(client, late)
             assert [e.type for e in events] == ["queued", "done"]
             assert events[-1].finish_reason == "expired"
-            assert events[-1].usage.completion_tokens == 0
+            assert events[-1].usage == Usage(prompt_tokens=0, completion_tokens=0)
 
             # All acknowledged (nothing pending) and deleted from the job stream.
             await until(lambda: settled(client), 10, "entries acknowledged and deleted")
             stats = await client.stats()
             outcomes = stats[0].result["jobs"]["outcomes"]
-            assert outcomes == {"completed": 1, "aborted_before_start": 1, "expired": 1}
+            # The queued job's entry, read once the slot was free, found its request ended.
+            assert outcomes == {"completed": 1, "already_done": 1, "expired": 1}
 
     run(main())
 

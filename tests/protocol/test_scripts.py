@@ -9,7 +9,7 @@ import pytest
 from redis.asyncio import Redis
 
 from protocol import scripts
-from protocol.codec import decode_event
+from protocol.codec import decode_event, encode_event
 from protocol.keys import Keys
 from protocol.scripts import (
     FINISHED,
@@ -21,7 +21,17 @@ from protocol.scripts import (
     publish_events,
     read_log,
 )
-from tests.protocol.helpers import begin, delta, done, emit, queued, run, run_of, text_events
+from tests.protocol.helpers import (
+    begin,
+    delta,
+    done,
+    emit,
+    queued,
+    reset,
+    run,
+    run_of,
+    text_events,
+)
 
 
 def test_events_are_logged_and_published_in_order(redis_url: str, keys: Keys) -> None:
@@ -266,3 +276,62 @@ def test_the_spec_lists_the_script_the_code_runs() -> None:
     readme = (Path(scripts.__file__).parent / "README.md").read_text()
     listing = readme.split("```lua\n", 1)[1].split("```", 1)[0]
     assert textwrap.dedent(listing) == PUBLISH_EVENTS.lstrip("\n")
+
+
+def test_queued_markers_after_the_end_neither_hide_it_nor_renumber(
+    redis_url: str, keys: Keys
+) -> None:
+    """A producer re-submitting a finished request appends a queued marker with a plain XADD
+    (as the spec's worked example does): the request still reads as finished, and numbering
+    still continues from the worker's newest event, not from the marker's seq 0."""
+    marker = encode_event(queued("r1"))
+
+    async def plain_marker(redis: Redis, request_id: str) -> None:
+        await redis.xadd(keys.log(request_id), {"seq": "0", "e": marker})
+
+    async def scenario() -> tuple[int, int, int, list[Outcome], list[int]]:
+        redis = Redis.from_url(redis_url)
+        try:
+            await plain_marker(redis, "r1")
+            await emit(redis, keys, *text_events("r1", ["a", "b"]))
+            await plain_marker(redis, "r1")
+            await plain_marker(redis, "r1")
+            finished = await begin(redis, keys, "r1", 1)
+            redelivered = await begin(redis, keys, "r1", 2)
+            # Unfinished: markers after a worker's event (the job re-submitted while it runs).
+            await emit(redis, keys, delta("r2", 1, "x"))
+            await plain_marker(redis, "r2")
+            continued = await begin(redis, keys, "r2", 2)
+            outcomes = await emit(redis, keys, reset("r2", 2, 2), delta("r2", 3, "y", 2))
+            seqs = [entry.seq for entry in await read_log(redis, keys, "r2")]
+            return finished, redelivered, continued, outcomes, seqs
+        finally:
+            await redis.aclose()
+
+    finished, redelivered, continued, outcomes, seqs = run(scenario())
+    assert (finished, redelivered) == (FINISHED, FINISHED)
+    assert continued == 1
+    assert outcomes == [Outcome.LOGGED, Outcome.LOGGED]
+    assert seqs == [1, 0, 2, 3]
+
+
+def test_begin_if_free_takes_only_a_request_nobody_began(redis_url: str, keys: Keys) -> None:
+    """The abort of a waiting job ends it only if no worker has begun it: a begun request
+    answers STALE_ATTEMPT, a free one is fenced for the caller, a finished one FINISHED."""
+
+    async def scenario() -> tuple[int, int, int, bytes | None]:
+        redis = Redis.from_url(redis_url)
+        try:
+            await emit(redis, keys, queued("free"), queued("begun"), queued("ended"))
+            await begin(redis, keys, "begun", 1)
+            await emit(redis, keys, *text_events("ended", ["z"]))
+            free = await begin_attempt(redis, keys, "free", 1, 600, "aborter", if_free=True)
+            begun = await begin_attempt(redis, keys, "begun", 1, 600, "aborter", if_free=True)
+            ended = await begin_attempt(redis, keys, "ended", 1, 600, "aborter", if_free=True)
+            return free, begun, ended, await redis.get(keys.attempt("begun"))
+        finally:
+            await redis.aclose()
+
+    free, begun, ended, fence = run(scenario())
+    assert (free, begun, ended) == (0, STALE_ATTEMPT, FINISHED)
+    assert fence == f"1 {run_of(1)}".encode()  # the worker that began it keeps it

@@ -26,7 +26,7 @@ from protocol.identifiers import CACHE_NAME_RULE, is_valid_cache_name, is_valid_
 from protocol.keys import Keys
 from protocol.limits import Limits
 from protocol.messages import ControlCommand, ControlReply, ErrorInfo
-from protocol.wire import unpack
+from protocol.wire import top_level_strings
 from worker.daemon.backoff import REDIS_FAILURES, Retrier, describe
 from worker.engine import EngineCore
 
@@ -65,7 +65,7 @@ class ControlListener:
         cache_dir: Path,
         reply_ttl: int,
         limits: Limits,
-        abort_job: Callable[[str], Awaitable[bool]],
+        abort_job: Callable[[str], Awaitable[dict[str, Any]]],
         extra_stats: Callable[[], Awaitable[dict[str, Any]]],
     ) -> None:
         self.redis = redis
@@ -104,9 +104,12 @@ class ControlListener:
         try:
             command = decode_command(data, self.limits)
         except ProtocolError as exc:
-            log.warning("control_command_rejected", code=exc.code, error=exc.message)
-            rejected = _answerable(data, self.limits)
-            if rejected is not None and self._is_reply_list(rejected.reply_to):
+            rejected = _answerable(data)
+            answered = rejected is not None and self._is_reply_list(rejected.reply_to)
+            log.warning(
+                "control_command_rejected", code=exc.code, error=exc.message, answered=answered
+            )
+            if rejected is not None and answered:
                 # It says where to answer: tell the sender why.
                 await self._reply(rejected, self._error(rejected, exc.code, exc.message))
             return
@@ -155,7 +158,7 @@ class ControlListener:
         if kind == "abort":
             if not command.request_id:
                 raise CommandRefused("missing_field", "abort needs request_id")
-            return {"aborted": await self.abort_job(command.request_id)}
+            return await self.abort_job(command.request_id)
         if kind == "stats":
             return {
                 "engine": self.engine.get_stats(),
@@ -187,17 +190,17 @@ class ControlListener:
         )
 
 
-def _answerable(data: object, limits: Limits) -> ControlCommand | None:
-    """A command that failed validation, reduced to its id and reply_to when both are usable,
-    so the sender gets the refusal instead of waiting for its timeout."""
-    try:
-        fields = unpack(data, limits, "command")
-    except ProtocolError:
+def _answerable(data: object) -> ControlCommand | None:
+    """A command that failed validation, reduced to where its refusal can go: its
+    ``reply_to``, read even from a partly invalid message (a wrong version, bad fields), so
+    the sender gets the refusal instead of waiting for its timeout. Its ``id`` when valid,
+    else "" (the reply list alone then tells the sender which command it was)."""
+    fields = top_level_strings(data, ("id", "reply_to", "kind"))
+    reply_to = fields.get("reply_to")
+    if reply_to is None or not 0 < len(reply_to) <= MAX_REPLY_TO_LEN:
         return None
-    command_id, reply_to, kind = fields.get("id"), fields.get("reply_to"), fields.get("kind")
-    if not isinstance(command_id, str) or not is_valid_id(command_id):
-        return None
-    if not isinstance(reply_to, str) or not 0 < len(reply_to) <= MAX_REPLY_TO_LEN:
-        return None
-    kind = kind[:MAX_KIND_LEN] if isinstance(kind, str) else "?"
-    return ControlCommand(kind=kind, id=command_id, reply_to=reply_to)
+    command_id = fields.get("id", "")
+    kind = fields.get("kind", "?")[:MAX_KIND_LEN]
+    return ControlCommand(
+        kind=kind, id=command_id if is_valid_id(command_id) else "", reply_to=reply_to
+    )

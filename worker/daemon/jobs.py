@@ -18,6 +18,7 @@ from structlog.contextvars import bound_contextvars
 from protocol.codec import decode_job
 from protocol.connection import RedisClient
 from protocol.errors import ProtocolError
+from protocol.identifiers import stream_id_time
 from protocol.keys import Keys
 from protocol.limits import Limits
 from protocol.messages import SYSTEM_PREFIX, Job
@@ -85,7 +86,9 @@ class JobRunner:
             log.warning("job_stale_delivery", attempt=attempt)
             return
         first_seq = last_seq + 1
-        written = self.publisher.open(rid, attempt, run, first_seq, job.metadata)
+        written = self.publisher.open(
+            rid, attempt, run, first_seq, job.metadata, arrival=stream_id_time(delivery.entry_id)
+        )
         if attempt > 1:
             self.publisher.reset(rid)
         if delivery.times_delivered > self.max_deliveries:
@@ -118,10 +121,12 @@ class JobRunner:
                 collect=False,
             )
         except (ValueError, TypeError) as exc:
+            # Checks that need the model (a prompt's token count, the chat template): the
+            # decoder's kind of verdict, stated the same way.
             self.in_flight.pop(rid, None)
-            self.publisher.error(rid, "invalid_job", str(exc))
+            self.publisher.error(rid, "invalid_job", f"invalid_field: {exc}")
             await self._finish(
-                delivery, written, "invalid", dead=("invalid_job", str(exc)), rid=rid
+                delivery, written, "invalid", dead=("invalid_field", str(exc)), rid=rid
             )
             return
         except QueueFullError:
@@ -148,11 +153,48 @@ class JobRunner:
         self._count("completed")
         log.info("job_finished", seconds=round(time.monotonic() - started, 3))
 
+    def running(self, request_id: str) -> bool:
+        return request_id in self.in_flight
+
     async def abort(self, request_id: str) -> bool:
         """Abort a job running here; its stream ends with ``done(abort)``."""
         if request_id not in self.in_flight:
             return False
         return await self.engine.abort_request(request_id)
+
+    async def end_waiting(self, request_id: str) -> str:
+        """End with ``done(abort)`` a request that no worker has begun (its job still waits in
+        the stream, or in some worker's backlog): "queued". Its job entry, when a worker takes
+        it, finds the request finished and is acknowledged without running. "finished" when it
+        had already ended; "elsewhere" when a worker has begun it (that worker stops it, by
+        the abort command or the marker)."""
+        run = new_run()
+        last_seq = await retry_until_done(
+            lambda: begin_attempt(
+                self.redis,
+                self.keys,
+                request_id,
+                1,
+                self.publisher.log_ttl,
+                run,
+                if_free=True,
+            ),
+            "begin attempt",
+        )
+        if last_seq == FINISHED:
+            return "finished"
+        if last_seq == STALE_ATTEMPT:
+            return "elsewhere"
+        written = self.publisher.open(request_id, 1, run, last_seq + 1, None)
+        self.publisher.done(request_id, "abort")
+        try:
+            await written
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            return "elsewhere"  # a worker began it meanwhile, and its fence refused our event
+        return "queued"
 
     def lose(self, request_id: str, why: Outcome = Outcome.FENCED) -> None:
         """This attempt is over: another worker now owns the job (we stalled past the lease:
@@ -217,7 +259,12 @@ class JobRunner:
             last_seq = await self._begin_attempt(rid, delivery.times_delivered, run)
             if last_seq >= 0:
                 written = self.publisher.open(
-                    rid, delivery.times_delivered, run, last_seq + 1, None
+                    rid,
+                    delivery.times_delivered,
+                    run,
+                    last_seq + 1,
+                    None,
+                    arrival=stream_id_time(delivery.entry_id),
                 )
                 if delivery.times_delivered > 1:  # every new attempt opens with a reset
                     self.publisher.reset(rid)

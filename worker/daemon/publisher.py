@@ -50,7 +50,10 @@ class _Stream:
     run: str  # the token BEGIN_ATTEMPT fenced the request with for this run
     next_seq: int
     metadata: Mapping[str, Any] | None
-    started: float
+    # When the producer queued the job (epoch seconds, Redis' clock: its entry id) and when
+    # this attempt opened (this host's clock): usage timings count from the arrival.
+    arrival: float
+    opened: float
     written: asyncio.Future[None]
 
 
@@ -123,16 +126,20 @@ class EventPublisher:
         run: str,
         first_seq: int,
         metadata: Mapping[str, Any] | None,
+        *,
+        arrival: float | None = None,
     ) -> asyncio.Future[None]:
-        """Start publishing a request (its attempt begun with ``run``); the future resolves
-        once its terminal event is in Redis."""
+        """Start publishing a request (its attempt begun with ``run``; ``arrival`` when its job
+        was queued, default now); the future resolves once its terminal event is in Redis."""
+        now = time.time()
         stream = _Stream(
             request_id=request_id,
             attempt=attempt,
             run=run,
             next_seq=first_seq,
             metadata=metadata,
-            started=time.monotonic(),
+            arrival=now if arrival is None else min(arrival, now),
+            opened=now,
             written=asyncio.get_running_loop().create_future(),
         )
         self._streams[request_id] = stream
@@ -149,18 +156,10 @@ class EventPublisher:
     def done(
         self, request_id: str, finish_reason: str, output: RequestOutput | None = None
     ) -> None:
+        """The request's ``done``; ``output`` is None for a job that never started (expired,
+        aborted while it waited), whose usage is all zero."""
         stream = self._streams[request_id]
-        usage = Usage(
-            prompt_tokens=output.prompt_tokens if output else 0,
-            completion_tokens=output.completion_tokens if output else 0,
-            cached_tokens=output.cached_tokens if output else 0,
-            ttft_ms=output.ttft * 1000 if output and output.ttft is not None else None,
-            # The engine reports (n - 1) / decode time, negative when the first token already
-            # ended the request (EOS or a stop token: 0 completion tokens); the protocol wants
-            # >= 0, and an event its decoder refuses would be unreadable for every subscriber.
-            tokens_per_second=max(output.tokens_per_second, 0.0) if output else 0.0,
-            duration_ms=(time.monotonic() - stream.started) * 1000,
-        )
+        usage = _usage(stream, output) if output is not None else Usage(0, 0)
         fields = {
             "finish_reason": finish_reason,
             "output_text": output.output_text if output else "",
@@ -315,3 +314,21 @@ class EventPublisher:
         self._drafts.append(draft)
         self._idle.clear()
         self._wake.set()
+
+
+def _usage(stream: _Stream, output: RequestOutput) -> Usage:
+    """Usage of a finished run: timings from the job's arrival (its queue wait included), so
+    ``ttft_ms`` is what the producer waited for the first token. Redis' clock and this host's
+    may differ a little; no timing goes below zero."""
+    waited = max(stream.opened - stream.arrival, 0.0)
+    return Usage(
+        prompt_tokens=output.prompt_tokens,
+        completion_tokens=output.completion_tokens,
+        cached_tokens=output.cached_tokens,
+        ttft_ms=(waited + output.ttft) * 1000 if output.ttft is not None else None,
+        # The engine reports (n - 1) / decode time, negative when the first token already
+        # ended the request (EOS or a stop token: 0 completion tokens); the protocol wants
+        # >= 0, and an event its decoder refuses would be unreadable for every subscriber.
+        tokens_per_second=max(output.tokens_per_second, 0.0),
+        duration_ms=max(time.time() - stream.arrival, 0.0) * 1000,
+    )

@@ -23,6 +23,7 @@ import structlog
 from redis.exceptions import OutOfMemoryError, ResponseError
 
 from protocol.channels import ChannelHub
+from protocol.codec_job import readable_request_id
 from protocol.connection import RedisClient, connect, redact
 from protocol.keys import Keys
 from protocol.limits import DEFAULT_LIMITS
@@ -34,7 +35,7 @@ from worker.daemon.backoff import (
     describe,
     retry_until_done,
 )
-from worker.daemon.control import ControlListener
+from worker.daemon.control import CommandRefused, ControlListener
 from worker.daemon.eviction import check_eviction_policy
 from worker.daemon.job_queue import Delivery, JobQueue
 from worker.daemon.jobs import JobRunner
@@ -48,6 +49,11 @@ from worker.models import load_model
 log = structlog.get_logger(__name__)
 
 BACKLOG_READ_LIMIT = 100_000
+# How often the abort markers of running jobs are checked: the marker alone stops a job
+# within this (the abort command is the faster path).
+ABORT_POLL_SECONDS = 0.5
+# The marker the abort command sets (as the protocol's producers do).
+ABORT_MARKER_SECONDS = 3600
 
 
 class Worker:
@@ -131,7 +137,7 @@ class Worker:
             settings.cache_path,
             settings.reply_ttl,
             DEFAULT_LIMITS,
-            self.runner.abort,
+            self._abort,
             self._stats,
         )
         self.engine.set_step_listener(self.publisher.on_step)
@@ -166,6 +172,9 @@ class Worker:
             ),
             asyncio.create_task(
                 self._every(settings.lease_refresh_interval, self._extend_leases), name="leases"
+            ),
+            asyncio.create_task(
+                self._every(ABORT_POLL_SECONDS, self._stop_aborted), name="abort_markers"
             ),
             asyncio.create_task(self.notifier.keep_alive(self.engine.is_running), name="watchdog"),
         ]
@@ -261,11 +270,13 @@ class Worker:
             self._backlog = [d for d in self._backlog if d.entry_id not in lost]
             self.runner.lose_entries(lost)
 
-    def _start(self, deliveries: list[Delivery]) -> None:
+    def _start(self, deliveries: list[Delivery], *, now: bool = False) -> None:
+        """Run the deliveries, as many as there are free slots (``now``: all of them; for jobs
+        that end before they reach the engine) and keep the rest in the backlog."""
         for delivery in deliveries:
             if delivery.entry_id in self._jobs:
                 continue
-            if len(self._jobs) >= self.settings.max_concurrency:
+            if len(self._jobs) >= self.settings.max_concurrency and not now:
                 # The consumer's read and the reclaimer both sized their batch from the same
                 # free slots: what does not fit waits in the backlog (ours, its lease kept)
                 # instead of overfilling the engine, whose full queue would fail the job.
@@ -281,6 +292,39 @@ class Worker:
         self._slot_freed.set()
         if not task.cancelled() and (failure := task.exception()) is not None:
             log.error("job_task_failed", entry_id=entry_id, error=describe(failure))
+
+    # -- aborts ------------------------------------------------------------------------------
+
+    async def _abort(self, request_id: str) -> dict[str, Any]:
+        """The abort command: stop the request wherever it is, as far as this worker can."""
+        await self.redis.set(self.keys.abort(request_id), b"1", ex=ABORT_MARKER_SECONDS)
+        if self.runner.running(request_id):
+            return {"aborted": await self.runner.abort(request_id), "state": "running"}
+        waiting = [d for d in self._backlog if _request_id(d) == request_id]
+        if waiting:  # ours, waiting for a slot: it starts, sees its marker and ends at once
+            self._backlog = [d for d in self._backlog if d not in waiting]
+            self._start(waiting, now=True)
+            return {"aborted": True, "state": "queued"}
+        if not await self.redis.exists(self.keys.log(request_id)):
+            raise CommandRefused("not_found", f"request {request_id!r} is unknown or expired")
+        state = await self.runner.end_waiting(request_id)
+        return {"aborted": state == "queued", "state": state}
+
+    async def _stop_aborted(self) -> None:
+        """Stop running jobs whose abort marker is set: the marker alone (without the control
+        command, which may have gone to a worker that was not listening) stops a job within
+        ``ABORT_POLL_SECONDS``. Also catches a command that arrived while the job was between
+        its start checks and the engine. One round trip for all of them."""
+        running = list(self.runner.in_flight)
+        if not running:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request_id in running:
+                pipe.exists(self.keys.abort(request_id))
+            marked = await pipe.execute()
+        for request_id, is_marked in zip(running, marked, strict=True):
+            if is_marked and await self.runner.abort(request_id):
+                log.info("job_aborted_by_marker", request_id=request_id)
 
     # -- periodic ----------------------------------------------------------------------------
 
@@ -358,6 +402,10 @@ class Worker:
                 mlx_peak_memory_bytes=peak,
             )
         return memory
+
+
+def _request_id(delivery: Delivery) -> str | None:
+    return readable_request_id(delivery.job_bytes)
 
 
 def _mlx_memory(_scheduler: object) -> tuple[int, int, int]:

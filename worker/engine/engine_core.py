@@ -376,7 +376,10 @@ class EngineCore:
         params = sampling_params if sampling_params is not None else SamplingParams()
         token_ids = self._tokenize(prompt)
         if not 0 <= prefix_boundary <= len(token_ids):
-            raise ValueError(f"prefix_boundary must be in [0, {len(token_ids)}]")
+            raise ValueError(
+                f"prefix_boundary {prefix_boundary} is not in [0, {len(token_ids)}] "
+                "(the prompt's tokens)"
+            )
         interval = self.config.stream_interval if stream_interval is None else stream_interval
         if not isinstance(interval, int) or interval < 1:
             raise ValueError("stream_interval must be an integer >= 1")
