@@ -249,8 +249,12 @@ class Client:
     ) -> list[ControlReply]:
         """Stop a request wherever it is; returns the workers' replies (maybe none).
 
-        The marker stops a job still in the queue from ever starting; the broadcast stops it
-        on the worker running it. Its stream ends with ``done`` / ``finish_reason="abort"``.
+        The marker stops a job still in the queue from ever starting, and a running one within
+        about a second; the broadcast is faster: the worker running it stops it, and a job no
+        worker has begun is ended where it waits. Its stream ends with ``done`` /
+        ``finish_reason="abort"``. Each reply's ``result`` is ``{"aborted": bool, "state":
+        "running" | "queued" | "finished" | "elsewhere"}``, or an error ``not_found`` when the
+        request is unknown (see protocol/README.md, Control commands).
         """
         redis = await self.connect()
         async with self._commands:

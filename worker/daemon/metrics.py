@@ -83,13 +83,13 @@ class Metrics:
         self.registry.register(self.collector)
         self.ttft = Histogram(
             "mlxw_ttft_seconds",
-            "Time from a job's start to its first generated token.",
+            "Time from a job's arrival in the queue (its entry id) to its first generated token.",
             buckets=TTFT_BUCKETS,
             registry=self.registry,
         )
         self.duration = Histogram(
             "mlxw_job_duration_seconds",
-            "Time from a job's start to its terminal event, for jobs that generated.",
+            "Time from a job's arrival in the queue to its end, for jobs that generated.",
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
