@@ -58,10 +58,11 @@ def readable_request_id(data: object) -> str | None:
 
 def _decode_job(data: object, limits: Limits) -> Job:
     reader = FieldReader(unpack(data, limits, "job"), "job", limits)
+    # Errors carry the job's own id only: a refusal must not go to an id made up here.
     reader.request_id = _request_id(reader)
     prompt, prompt_token_ids, messages = _prompt(reader)
     return Job(
-        request_id=reader.request_id,
+        request_id=reader.request_id or new_request_id(),
         prompt=prompt,
         prompt_token_ids=prompt_token_ids,
         messages=messages,
@@ -84,10 +85,10 @@ def _decode_job(data: object, limits: Limits) -> Job:
     )
 
 
-def _request_id(reader: FieldReader) -> str:
+def _request_id(reader: FieldReader) -> str | None:
     value = reader.message.get("request_id")
     if value is None:
-        return new_request_id()
+        return None
     if not isinstance(value, str) or not is_valid_id(value):
         raise reader.error("invalid_field", "request_id", f"must be {ID_RULE}")
     return value

@@ -56,7 +56,7 @@ INVALID_JOBS = [
     ("no version", msgpack.packb({"request_id": "r1", "prompt": "hi"}), "missing_field"),
     ("version 2", job(v=2), "unsupported_version"),
     ("version as str", job(v="1"), "unsupported_version"),
-    ("version as bool", job(v=True), "invalid_field"),
+    ("version as bool", job(v=True), "unsupported_version"),
     ("no prompt", pack(request_id="r1"), "missing_field"),
     ("two prompts", job(prompt_token_ids=[1]), "conflicting_fields"),
     ("empty prompt", job(prompt=""), "invalid_field"),

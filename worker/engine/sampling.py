@@ -31,7 +31,8 @@ def build_sampler(params: SamplingParams) -> Sampler | None:
     if params.min_p > 0.0:
         filters.append(lambda x: apply_min_p(x, params.min_p, 1))
     if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
+        # k at or above the vocabulary keeps every token, i.e. no filter (mlx-lm refuses it).
+        filters.append(lambda x: apply_top_k(x, params.top_k) if params.top_k < x.shape[-1] else x)
     seed = params.seed if params.seed is not None else secrets.randbits(63)
     inverse_temperature = 1.0 / params.temperature
     key = mx.random.key(seed)
