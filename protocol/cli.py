@@ -16,6 +16,7 @@ from typing import Any, Final, TextIO
 
 import redis.exceptions
 
+from protocol.cli_group import add_group_command, run_group
 from protocol.client import Client
 from protocol.connection import TOPOLOGIES, redact
 from protocol.constants import DEFAULT_CONTROL_TIMEOUT_SECONDS, DEFAULT_PREFIX, DEFAULT_REDIS_URL
@@ -38,7 +39,7 @@ from protocol.rendering import (
     reply_as_dict,
 )
 
-COMMANDS: Final = frozenset({"submit", "stream", "ctl"})
+COMMANDS: Final = frozenset({"submit", "stream", "ctl", "group"})
 CTL_COMMANDS: Final = ("stats", "ping", "abort", "cache-save", "cache-load", "cache-clear")
 
 
@@ -52,19 +53,29 @@ def add_commands(subparsers: Any) -> None:
         parents=[connection],
         formatter_class=formatter,
         help="queue a job and stream its text",
-        description="Queue a job and print its text as it arrives.",
+        description=(
+            "Queue a job and print its text as it arrives. The prompt goes as one user chat "
+            "turn, which the worker renders with the model's chat template, so an instruct "
+            "model answers it; --raw sends it as plain text for the model to continue."
+        ),
         epilog=EXIT_CODES_HELP,
     )
     submit.add_argument("prompt", help="the prompt text")
+    prompt_kind = submit.add_mutually_exclusive_group()
+    prompt_kind.add_argument(
+        "--raw",
+        action="store_true",
+        help="send the prompt as plain text (job field `prompt`), not as a chat turn",
+    )
+    prompt_kind.add_argument(
+        "--system", default=None, metavar="TEXT", help="a system turn before the prompt"
+    )
     submit.add_argument("--max-tokens", type=int, default=None)
     submit.add_argument("--temperature", type=float, default=None)
     submit.add_argument("--top-p", type=float, default=None)
     submit.add_argument("--seed", type=int, default=None)
     submit.add_argument("--stop", action="append", default=None, help="a stop string (repeat)")
     submit.add_argument("--request-id", default=None, help="default: a random id")
-    submit.add_argument(
-        "--chat", action="store_true", help="send the prompt as one user chat message"
-    )
     submit.add_argument(
         "--no-stream", action="store_true", help="print the request id and exit at once"
     )
@@ -99,6 +110,8 @@ def add_commands(subparsers: Any) -> None:
             command.add_argument("--worker-id", default=None, help="one worker, not all")
         command.add_argument("--timeout", type=float, default=DEFAULT_CONTROL_TIMEOUT_SECONDS)
         command.add_argument("--json", action="store_true", help="one JSON object per reply")
+
+    add_group_command(subparsers, connection, EXIT_CODES_HELP)
 
 
 def run(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
@@ -150,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _run(args: argparse.Namespace, out: TextIO) -> int:
+    if args.command == "group":
+        return await run_group(args, out)
     async with Client(args.redis_url, prefix=args.prefix, topology=args.redis_topology) as client:
         if args.command == "submit":
             return await _submit(client, args, out)
@@ -169,11 +184,12 @@ async def _submit(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         "stop": args.stop,
     }
     options: Any = {name: value for name, value in sampling.items() if value is not None}
-    if args.chat:
-        messages = [{"role": "user", "content": args.prompt}]
-        request_id = await client.submit(messages=messages, request_id=args.request_id, **options)
-    else:
+    if args.raw:
         request_id = await client.submit(args.prompt, request_id=args.request_id, **options)
+    else:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        messages = [*system, {"role": "user", "content": args.prompt}]
+        request_id = await client.submit(messages=messages, request_id=args.request_id, **options)
     if args.no_stream:
         print(request_id, file=out, flush=True)
         return ExitCode.OK
@@ -248,8 +264,10 @@ async def _control(client: Client, args: argparse.Namespace, out: TextIO) -> int
         replies = await client.cache_load(args.name, worker_id=worker_id, timeout=timeout)
     else:
         replies = await client.cache_clear(worker_id=worker_id, timeout=timeout)
+    if not args.json:  # people compare workers by name; programs get the arrival order
+        replies = sorted(replies, key=lambda reply: reply.worker_id)
     for reply in replies:
-        line = json_line(reply_as_dict(reply)) if args.json else describe_reply(reply)
+        line = json_line(reply_as_dict(reply)) if args.json else describe_reply(reply, command)
         print(line, file=out, flush=True)
     return ExitCode.OK if all(reply.ok for reply in replies) else ExitCode.ERROR
 

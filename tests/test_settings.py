@@ -56,3 +56,88 @@ def test_cli_reports_bad_settings_in_one_line() -> None:
         "mlx-worker health: bad settings: worker_id must be 1-128 characters of "
         "A-Z a-z 0-9 . _ : -, got 'a{b}'"
     ]
+
+
+def test_dead_letter_maxlen_from_every_source(tmp_path: Path) -> None:
+    assert WorkerSettings().dead_letter_maxlen == 10_000
+    config = tmp_path / "worker.toml"
+    config.write_text("dead-letter-maxlen = 500\n")
+    assert load_settings({}, {}, str(config)).dead_letter_maxlen == 500
+    assert (
+        load_settings({}, {"MLXW_DEAD_LETTER_MAXLEN": "700"}, str(config)).dead_letter_maxlen == 700
+    )
+    flags = {"dead_letter_maxlen": 900}
+    assert load_settings(flags, {"MLXW_DEAD_LETTER_MAXLEN": "700"}).dead_letter_maxlen == 900
+    with pytest.raises(ValueError, match="dead_letter_maxlen must be > 0"):
+        load_settings({"dead_letter_maxlen": 0}, {})
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('max_concurrency = "four"', "max_concurrency must be an integer, got the string 'four'"),
+        ("max_concurrency = 4.5", "max_concurrency must be an integer, got float"),
+        ("max_concurrency = true", "max_concurrency must be an integer, got bool"),
+        ('allow_eviction = "yes"', "allow_eviction must be true or false, got the string 'yes'"),
+        ("allow_eviction = 1", "allow_eviction must be true or false, got int"),
+        ('lease_seconds = "9"', "lease_seconds must be a number, got the string '9'"),
+        ("prefix = 7", "prefix must be a string, got int"),
+        ("metrics_port = [9464]", "metrics_port must be an integer, got list"),
+        ("max_concurrency = ", "not valid TOML: Invalid value (at line 1, column 19)"),
+    ],
+)
+def test_config_values_of_the_wrong_type_name_key_type_and_file(
+    tmp_path: Path, toml: str, message: str
+) -> None:
+    config = tmp_path / "worker.toml"
+    config.write_text(toml + "\n")
+    with pytest.raises(ValueError) as raised:
+        load_settings({}, {}, str(config))
+    assert str(raised.value) == f"config file {config}: {message}"
+
+
+def test_config_values_of_the_right_type_are_taken(tmp_path: Path) -> None:
+    config = tmp_path / "worker.toml"
+    config.write_text("lease_seconds = 9\nallow_eviction = true\nmetrics_port = 9464\n")
+    settings = load_settings({}, {}, str(config))
+    assert settings.lease_seconds == 9.0 and isinstance(settings.lease_seconds, float)
+    assert settings.allow_eviction is True
+    assert settings.metrics_port == 9464
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://localhost:6379/0",
+        "redis://localhost",
+        "rediss://user:pw@host.example:6380/3?ssl_ca_certs=/etc/ca.crt",
+        "redis+sentinel://:pw@s1:26379,s2/mymaster/1",
+        "unix:///run/redis/redis.sock",
+    ],
+)
+def test_redis_urls_of_every_supported_form_pass(url: str) -> None:
+    assert WorkerSettings(redis_url=url).redis_url == url
+
+
+@pytest.mark.parametrize(
+    ("url", "shown", "problem"),
+    [
+        ("garbage", "'garbage'", "no scheme; use redis://"),
+        ("localhost:6379", "'localhost:6379'", "unknown scheme; use redis://"),
+        ("redis://", "'redis://'", "no host; use redis://"),
+        ("redis://:pw-S3CRET@host:63x9/0", "'redis://***@host:63x9/0'", "the port must be"),
+        ("redis://host/db0", "'redis://host/db0'", "what follows the host must be a database"),
+        ("redis://u:pw-S3CRET/x@host/0", "'redis://***@host/0'", "the port must be"),
+        ("unix://", "'unix://'", "no socket path"),
+        ("redis+sentinel://u:pw-S3CRET@s1/", "'redis+sentinel://***@s1/'", "URLs look like"),
+    ],
+)
+def test_bad_redis_urls_are_refused_without_their_password(
+    url: str, shown: str, problem: str
+) -> None:
+    with pytest.raises(ValueError) as raised:
+        load_settings({"redis_url": url}, {})
+    message = str(raised.value)
+    assert message.startswith(f"redis_url {shown} is not a Redis URL: "), message
+    assert problem in message, message
+    assert "S3CRET" not in message

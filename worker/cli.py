@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 import worker  # noqa: F401  (loads OpenBLAS before anything imports mlx)
@@ -25,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--log-level", default=os.environ.get("MLXW_LOG_LEVEL", "INFO"), help="env MLXW_LOG_LEVEL"
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=os.environ.get("MLXW_DEBUG", "").lower() in ("1", "true", "yes", "on"),
+        help="show the Python traceback of a failure, not only its one line (env MLXW_DEBUG=1)",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -137,6 +144,7 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "cache_dir": (str, "where cache_save/cache_load keep prefix caches"),
     "lease_seconds": (float, "idle time after which another worker reclaims a job"),
     "max_deliveries": (int, "deliveries before a job is dead-lettered"),
+    "dead_letter_maxlen": (int, "dead letters kept (about; the oldest go first)"),
     "drain_timeout": (float, "seconds in-flight jobs get to finish on SIGTERM"),
     "heartbeat_interval": (float, "seconds between heartbeats"),
     "metrics_port": (int, "serve Prometheus metrics on 127.0.0.1:PORT"),
@@ -169,8 +177,31 @@ def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand. No traceback reaches the user without ``--debug``: a mistake of
+    the operator's is one line and status 2, anything unexpected one line and status 1."""
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_format, args.log_level)
+    try:
+        configure_logging(args.log_format, args.log_level)
+    except ValueError as exc:
+        return _usage_error(args, str(exc), exc)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        if _is_model_unavailable(exc):
+            return _usage_error(args, _one_line(exc), exc)
+        print(
+            f"mlx-worker {args.command}: {type(exc).__name__}: {_one_line(exc)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "model":
         from worker.models.prepare import run_prepare
 
@@ -198,19 +229,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in CLIENT_COMMANDS:
         return run_client_command(args)
     if args.command in ("run", "health"):
-        from worker.daemon.service import check_health, serve
-
         try:
             settings = _worker_settings(args)
         except (ValueError, OSError) as exc:
-            print(f"mlx-worker {args.command}: bad settings: {exc}", file=sys.stderr)
-            return 2
-        return serve(settings) if args.command == "run" else check_health(settings)
+            return _usage_error(args, f"bad settings: {_one_line(exc)}", exc)
+        from worker.daemon.service import check_health, serve
+
+        if args.command == "run":
+            return serve(settings, debug=args.debug)
+        return check_health(settings)
     if args.command == "demo":
         from worker.demo import run_demo
 
         return run_demo(args)
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _usage_error(args: argparse.Namespace, message: str, exc: BaseException) -> int:
+    """One line naming the problem (after its traceback with --debug); status 2."""
+    if args.debug:
+        traceback.print_exception(exc)
+    print(f"mlx-worker {args.command}: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _is_model_unavailable(exc: BaseException) -> bool:
+    """A model that cannot be loaded (demo, bench) is the operator's mistake. Its class is
+    looked up only once loaded: importing it imports mlx (a second), which submit, stream and
+    ctl never need."""
+    loading = sys.modules.get("worker.models.loading")
+    return loading is not None and isinstance(exc, loading.ModelUnavailable)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

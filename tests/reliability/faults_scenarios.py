@@ -194,7 +194,17 @@ def _cli_round(url: str, config: FaultConfig, rid: str, prompt: str, want: str) 
     base = ["--redis-url", url, "--prefix", config.prefix]
     tokens = str(config.max_tokens)
     submit = _cli(
-        ["submit", prompt, "--request-id", rid, "--max-tokens", tokens, "--temperature", "0"],
+        [
+            "submit",
+            prompt,
+            "--raw",
+            "--request-id",
+            rid,
+            "--max-tokens",
+            tokens,
+            "--temperature",
+            "0",
+        ],
         [*base, "--json", "--timeout", "60"],
     )
     stream = _cli(["stream", rid], [*base, "--json", "--timeout", "60"])

@@ -15,6 +15,7 @@ from redis.exceptions import ResponseError
 
 from protocol.connection import RedisClient
 from protocol.constants import JOB_FIELD
+from protocol.group import remove_idle_consumer
 from protocol.keys import Keys
 
 # KEYS[1] job stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids. Re-claiming only
@@ -34,18 +35,20 @@ return lost
 """
 
 # KEYS[1] job stream, KEYS[2] dead-letter stream (one slot: see protocol/keys.py); ARGV[1]
-# group, ARGV[2] consumer, ARGV[3] entry id, ARGV[4..] the dead letter's fields and values.
-# One step, so no entry is ever in neither stream: the append comes first, and when Redis
-# refuses it (out of memory) the script stops there with the entry still pending. It moves
-# the entry only while it is pending for this consumer, so a repeated call (its reply lost)
-# writes nothing twice, and an entry another worker took over stays theirs. 1: moved, 0: not
-# ours (any more).
+# group, ARGV[2] consumer, ARGV[3] entry id, ARGV[4] the dead-letter stream's MAXLEN, ARGV[5..]
+# the dead letter's fields and values. One step, so no entry is ever in neither stream: the
+# append comes first, and when Redis refuses it (out of memory) the script stops there with
+# the entry still pending. It moves the entry only while it is pending for this consumer, so
+# a repeated call (its reply lost) writes nothing twice, and an entry another worker took over
+# stays theirs. The append trims the oldest dead letters past MAXLEN (approximately: whole
+# stream nodes, cheap), so a flood of bad jobs cannot fill Redis. 1: moved, 0: not ours (any
+# more).
 DEAD_LETTER = """
 local mine = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
 if #mine == 0 then
   return 0
 end
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 5))
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
 redis.call('XDEL', KEYS[1], ARGV[3])
 return 1
@@ -61,12 +64,25 @@ class Delivery:
     times_delivered: int
 
 
+DEFAULT_DEAD_LETTER_MAXLEN = 10_000
+
+
 class JobQueue:
-    def __init__(self, redis: RedisClient, keys: Keys, consumer: str, lease_ms: int) -> None:
+    def __init__(
+        self,
+        redis: RedisClient,
+        keys: Keys,
+        consumer: str,
+        lease_ms: int,
+        dead_letter_maxlen: int = DEFAULT_DEAD_LETTER_MAXLEN,
+    ) -> None:
+        if dead_letter_maxlen < 1:
+            raise ValueError(f"dead_letter_maxlen must be > 0, got {dead_letter_maxlen}")
         self.redis = redis
         self.keys = keys
         self.consumer = consumer
         self.lease_ms = lease_ms
+        self.dead_letter_maxlen = dead_letter_maxlen
         self._reclaim_cursor = "0-0"
 
     async def ensure_group(self) -> None:
@@ -139,9 +155,16 @@ class JobQueue:
             self.keys.group,
             self.consumer,
             delivery.entry_id,
+            self.dead_letter_maxlen,
             *pairs,
         )
         return bool(moved)
+
+    async def leave_group(self) -> bool:
+        """Remove this worker's consumer from the group unless it still holds pending entries
+        (jobs left for a restart or for another worker to reclaim); True when it is gone. For
+        a clean stop: otherwise every stopped worker's id stays in the group forever."""
+        return await remove_idle_consumer(self.redis, self.keys, self.consumer)
 
     async def group_info(self) -> dict[str, Any]:
         """Lag and pending count of our group (for stats)."""

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import sys
+import traceback
 
 import structlog
 
@@ -13,16 +14,24 @@ from protocol.connection import UnsupportedRedis, connect, redact
 from protocol.keys import Keys
 from worker.daemon.backoff import REDIS_FAILURES, REDIS_REFUSED, describe
 from worker.daemon.eviction import EvictingRedis
+from worker.daemon.permissions import MissingPermission
 from worker.daemon.settings import WorkerSettings
 from worker.daemon.worker import Worker
+from worker.models.loading import ModelUnavailable
 
 log = structlog.get_logger(__name__)
 
-EXIT_FORCED = 130
+# `mlx-worker run`'s exit statuses besides 0 and 1 (the table: README.md, "Operating the
+# worker").
+EXIT_USAGE = 2  # settings, model, or a Redis that refuses us or would evict our keys
+EXIT_FORCED = 130  # a second SIGTERM/SIGINT while stopping
 
 
-def serve(settings: WorkerSettings) -> int:
-    """Run the worker until SIGTERM/SIGINT; a second signal exits at once."""
+def serve(settings: WorkerSettings, *, debug: bool = False) -> int:
+    """Run the worker until SIGTERM/SIGINT; a second signal exits at once. Exit statuses:
+    0 a clean stop (also one requested before serving), 2 a configuration the worker cannot
+    serve with (one line on stderr; the traceback too with ``debug``), 130 a second signal.
+    Anything unexpected propagates: ``mlx-worker`` turns it into one line and status 1."""
 
     async def main() -> int:
         worker = Worker(settings)
@@ -45,13 +54,23 @@ def serve(settings: WorkerSettings) -> int:
     try:
         return asyncio.run(main())
     except REDIS_REFUSED as exc:
-        print(
-            f"mlx-worker: Redis refused us at {redact(settings.redis_url)}: {exc}", file=sys.stderr
+        return _refused(
+            f"Redis refused us at {redact(settings.redis_url)}: {_one_line(exc)}", exc, debug
         )
-        return 2
-    except (EvictingRedis, UnsupportedRedis) as exc:
-        print(f"mlx-worker: {exc}", file=sys.stderr)
-        return 2
+    except (EvictingRedis, UnsupportedRedis, MissingPermission, ModelUnavailable) as exc:
+        return _refused(_one_line(exc), exc, debug)
+
+
+def _refused(line: str, exc: BaseException, debug: bool) -> int:
+    """One line for the operator (after the traceback with ``debug``); the usage status."""
+    if debug:
+        traceback.print_exception(exc)
+    print(f"mlx-worker: {line}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 def check_health(settings: WorkerSettings) -> int:

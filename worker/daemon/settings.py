@@ -12,10 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from protocol.connection import TOPOLOGIES
+from protocol.connection import SENTINEL_SCHEME, TOPOLOGIES, parse_sentinel_url
 from protocol.constants import DEFAULT_PREFIX, DEFAULT_REDIS_URL
 from protocol.identifiers import ID_RULE, is_valid_id
+from worker.daemon.job_queue import DEFAULT_DEAD_LETTER_MAXLEN
 
 ENV_PREFIX = "MLXW_"
 
@@ -52,6 +54,9 @@ class WorkerSettings:
     lease_seconds: float = 60.0
     reclaim_interval: float = 10.0
     max_deliveries: int = 3
+    # Dead letters kept (approximately: Redis trims whole stream nodes of ~100 entries), so a
+    # flood of bad jobs cannot fill Redis; the oldest go first.
+    dead_letter_maxlen: int = DEFAULT_DEAD_LETTER_MAXLEN
     drain_timeout: float = 30.0
     # XREADGROUP BLOCK; must stay well below the socket timeout.
     read_block_ms: int = 1000
@@ -71,6 +76,7 @@ class WorkerSettings:
             "lease_seconds",
             "reclaim_interval",
             "max_deliveries",
+            "dead_letter_maxlen",
             "read_block_ms",
             "socket_timeout",
             "heartbeat_interval",
@@ -94,6 +100,7 @@ class WorkerSettings:
             raise ValueError("log_format must be json or console")
         if not is_valid_id(self.worker_id):
             raise ValueError(f"worker_id must be {ID_RULE}, got {self.worker_id!r}")
+        check_redis_url(self.redis_url)
 
     @property
     def lease_refresh_interval(self) -> float:
@@ -109,22 +116,16 @@ def load_settings(
     environ: Mapping[str, str] | None = None,
     config_file: str | None = None,
 ) -> WorkerSettings:
-    """Merge the sources; ``flags`` holds only options given on the command line (not None)."""
+    """Merge the sources; ``flags`` holds only options given on the command line (not None).
+    Every error is a ValueError of one line naming the setting and where it came from."""
     environ = os.environ if environ is None else environ
-    types = {f.name: f.type for f in fields(WorkerSettings)}
-    from_file: dict[str, Any] = {}
-    if config_file:
-        with open(config_file, "rb") as handle:
-            for key, value in tomllib.load(handle).items():
-                name = key.replace("-", "_")
-                if name not in types:
-                    raise ValueError(f"{config_file}: unknown setting {key!r}")
-                from_file[name] = value
+    types = {f.name: str(f.type) for f in fields(WorkerSettings)}
+    from_file = _read_config(config_file, types) if config_file else {}
     from_env: dict[str, Any] = {}
     for name in types:
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is not None and raw != "":
-            from_env[name] = _parse(name, raw, str(types[name]))
+            from_env[name] = _parse(name, raw, types[name])
     from_flags = {k: v for k, v in flags.items() if v is not None and k in types}
     merged: dict[str, Any] = {}
     for source in (from_file, from_env, from_flags):
@@ -132,6 +133,47 @@ def load_settings(
     if merged.get("redis_url_file"):
         merged["redis_url"] = read_url_file(merged["redis_url_file"])
     return dataclasses.replace(WorkerSettings(), **merged) if merged else WorkerSettings()
+
+
+def _read_config(path: str, types: Mapping[str, str]) -> dict[str, Any]:
+    """The settings of a TOML file, each checked against its field's type here: a string where
+    a number belongs would otherwise surface later as a TypeError far from the file, and
+    ``allow_eviction = "yes"`` would count as true only because the string is not empty."""
+    try:
+        with open(path, "rb") as handle:
+            document = tomllib.load(handle)
+    except OSError as exc:
+        raise ValueError(f"config file {path}: cannot read it: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {path}: not valid TOML: {exc}") from exc
+    settings: dict[str, Any] = {}
+    for key, value in document.items():
+        name = key.replace("-", "_")
+        if name not in types:
+            raise ValueError(f"config file {path}: unknown setting {key!r}")
+        settings[name] = _typed(value, types[name], f"config file {path}: {key}")
+    return settings
+
+
+# The TOML value types each field annotation accepts, and how the type is named in messages.
+_TOML_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "bool": ((bool,), "true or false"),
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "str": ((str,), "a string"),
+}
+
+
+def _typed(value: Any, annotation: str, where: str) -> Any:
+    kind = annotation.replace(" | None", "")
+    if kind not in _TOML_TYPES:  # a field of another type: WorkerSettings checks it
+        return value
+    accepted, expected = _TOML_TYPES[kind]
+    # bool is an int in Python, but `max_concurrency = true` is a mistake, not 1.
+    if isinstance(value, accepted) and (kind == "bool" or not isinstance(value, bool)):
+        return float(value) if kind == "float" else value  # type: ignore[arg-type]
+    got = type(value).__name__ if not isinstance(value, str) else f"the string {value!r}"
+    raise ValueError(f"{where} must be {expected}, got {got}")
 
 
 def _merge_redis_url(merged: dict[str, Any], source: Mapping[str, Any]) -> None:
@@ -157,6 +199,60 @@ def read_url_file(path: str) -> str:
     if not text or "\n" in text:
         raise ValueError(f"redis_url_file {path}: must hold exactly one line, the Redis URL")
     return text
+
+
+# Schemes redis-py opens (``unix://`` only for a single server, not a Cluster).
+REDIS_URL_SCHEMES = ("redis", "rediss", SENTINEL_SCHEME, "unix")
+REDIS_URL_FORMS = (
+    "redis://[user:password@]host[:port][/db], rediss://… (TLS), "
+    f"{SENTINEL_SCHEME}://[user:password@]host:port[,host:port…]/service_name[/db] "
+    "or unix:///path/to/redis.sock"
+)
+
+
+def check_redis_url(url: str) -> None:
+    """Refuse a URL no client could open, at settings time, instead of a connection error (or
+    a traceback from deep inside redis-py) later. Messages show the URL without what precedes
+    its last ``@`` (user and password: in a malformed URL even ``redact`` cannot tell where
+    the password ends), and the problem's own text quotes no part of it."""
+    problem = _url_problem(url)
+    if problem is not None:
+        raise ValueError(f"redis_url {_without_credentials(url)!r} is not a Redis URL: {problem}")
+
+
+def _url_problem(url: str) -> str | None:
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme == SENTINEL_SCHEME:
+        try:
+            parse_sentinel_url(url)
+        except ValueError as exc:  # its message shows the form
+            return str(exc)
+        return None
+    if parts.scheme not in REDIS_URL_SCHEMES:
+        return f"{'unknown' if parts.scheme else 'no'} scheme; use {REDIS_URL_FORMS}"
+    if parts.scheme == "unix":
+        return None if parts.path else "no socket path (unix:///path/to/redis.sock)"
+    if not parts.hostname:
+        return f"no host; use {REDIS_URL_FORMS}"
+    try:
+        parts.port  # noqa: B018  (raises for a port that is not a number in range)
+    except ValueError:
+        return "the port must be a number from 0 to 65535"
+    database = parts.path.strip("/")
+    if database and not database.isdigit():
+        return "what follows the host must be a database number"
+    return None
+
+
+def _without_credentials(url: str) -> str:
+    head, at, tail = url.rpartition("@")
+    if not at:
+        return url
+    scheme, separator, _ = head.partition("://")
+    return f"{scheme}{separator}***@{tail}" if separator else f"***@{tail}"
 
 
 _TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})

@@ -16,7 +16,7 @@ import json
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import structlog
@@ -40,6 +40,7 @@ from worker.daemon.eviction import check_eviction_policy
 from worker.daemon.job_queue import Delivery, JobQueue
 from worker.daemon.jobs import JobRunner
 from worker.daemon.metrics import Metrics
+from worker.daemon.permissions import check_permissions, redis_user
 from worker.daemon.publisher import EventPublisher
 from worker.daemon.sd_notify import Notifier
 from worker.daemon.settings import WorkerSettings
@@ -47,6 +48,7 @@ from worker.engine import EngineConfig, EngineCore, SchedulerConfig
 from worker.models import load_model
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 BACKLOG_READ_LIMIT = 100_000
 # How often the abort markers of running jobs are checked: the marker alone stops a job
@@ -80,22 +82,69 @@ class Worker:
     async def run(self) -> int:
         settings = self.settings
         # Redis first: a wrong password, a missing permission or an evicting Redis fails now,
-        # not after a model load that can take minutes (an unreachable Redis is waited for).
-        self.redis = await retry_until_done(self._connect, "connect")
+        # not after a model load that can take minutes (an unreachable Redis is waited for,
+        # until a stop request).
+        redis = await self._unless_stopped(retry_until_done(self._connect, "connect"))
+        if redis is None:
+            log.info("worker_stopped_before_serving", waiting_for="redis")
+            return 0
+        self.redis = redis
         self.hub = ChannelHub(self.redis)
         self.queue = JobQueue(
-            self.redis, self.keys, settings.worker_id, int(settings.lease_seconds * 1000)
+            self.redis,
+            self.keys,
+            settings.worker_id,
+            int(settings.lease_seconds * 1000),
+            settings.dead_letter_maxlen,
         )
         try:
-            await check_eviction_policy(
-                self.redis, redact(settings.redis_url), allow=settings.allow_eviction
-            )
-            await retry_until_done(self.queue.ensure_group, "create consumer group")
+            if not await self._unless_stopped(self._check_redis()):
+                log.info("worker_stopped_before_serving", waiting_for="redis")
+                return 0
             model, tokenizer = self._model_and_tokenizer or load_model(settings.model)
+            if self._stop.is_set():
+                log.info("worker_stopped_before_serving", waiting_for="model")
+                return 0
             return await self._run_engine(model, tokenizer)
         finally:
             await self.hub.aclose()
             await self.redis.aclose()
+
+    async def _unless_stopped(self, step: Awaitable[T]) -> T | None:
+        """The step's result, or None when a stop request comes first (the step is
+        cancelled): waiting for Redis must not make a service manager kill the worker."""
+        task, stop = asyncio.ensure_future(step), asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait((task,))
+        return None if task.cancelled() else task.result()
+
+    async def _check_redis(self) -> bool:
+        """Everything the worker needs from Redis, before it loads the model: a policy that
+        keeps its keys, every command it will send, and the consumer group."""
+        settings = self.settings
+        await retry_until_done(
+            lambda: check_eviction_policy(
+                self.redis, redact(settings.redis_url), allow=settings.allow_eviction
+            ),
+            "check maxmemory-policy",
+        )
+        await retry_until_done(
+            lambda: check_permissions(
+                self.redis,
+                self.keys,
+                settings.worker_id,
+                redis_user(settings.redis_url),
+                settings.dead_letter_maxlen,
+            ),
+            "check permissions",
+        )
+        await retry_until_done(self.queue.ensure_group, "create consumer group")
+        return True
 
     async def _connect(self) -> RedisClient:
         settings = self.settings
@@ -209,6 +258,14 @@ class Worker:
         await _cancel(background)
         with contextlib.suppress(*REDIS_FAILURES):
             await self.redis.delete(self.keys.worker(settings.worker_id))
+        try:
+            # Jobs left pending (abandoned after the drain timeout) keep the consumer: they
+            # wait for a restart under this id, or for another worker to reclaim them.
+            left = await self.queue.leave_group()
+        except REDIS_FAILURES as exc:
+            log.warning("consumer_not_removed", error=describe(exc))
+        else:
+            log.info("consumer_removed" if left else "consumer_kept_with_pending_jobs")
         await self.engine.stop()
         log.info("worker_stopped")
         return 0
@@ -228,7 +285,7 @@ class Worker:
 
     async def _consume(self) -> None:
         retrier = Retrier("read jobs")
-        while True:
+        while not self._stop.is_set():
             free = self.settings.max_concurrency - len(self._jobs)
             if free <= 0:
                 self._slot_freed.clear()
@@ -247,6 +304,11 @@ class Worker:
                 await retrier.failed(exc)
                 continue
             retrier.succeeded()
+            if self._stop.is_set():
+                # Stopping, and the cancel of this task was lost (redis-py can swallow one
+                # that lands as its read completes): start nothing more. What this read took
+                # stays pending for us: a restart or another worker's reclaim runs it.
+                return
             self._start(deliveries)
 
     async def _reclaim(self) -> None:

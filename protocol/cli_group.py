@@ -1,0 +1,95 @@
+"""``mlx-worker group list|prune``: the job group's consumers, and removing stopped workers' ones.
+
+Registered by protocol/cli.py beside submit, stream and ctl, with the same connection options
+and exit statuses (errors reach the user through that module's ``run``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, TextIO
+
+from protocol.connection import connect
+from protocol.group import DEFAULT_PRUNE_IDLE_SECONDS, Consumer, list_consumers, prune
+from protocol.keys import Keys
+from protocol.rendering import ExitCode, json_line
+
+# Short: the verb runs a handful of commands and must not hang on a stalled Redis.
+_SOCKET_TIMEOUT = 10.0
+
+
+def add_group_command(
+    subparsers: Any, connection: argparse.ArgumentParser, epilog: str | None = None
+) -> None:
+    """Register ``group list`` and ``group prune`` (``connection``: the shared options)."""
+    group = subparsers.add_parser("group", help="consumers of the job group: list, prune")
+    commands = group.add_subparsers(dest="group_command", required=True, metavar="COMMAND")
+    formatter = argparse.RawDescriptionHelpFormatter
+    listing = commands.add_parser(
+        "list",
+        parents=[connection],
+        formatter_class=formatter,
+        help="each consumer: pending entries, idle seconds, whether its worker is alive",
+        epilog=epilog,
+    )
+    listing.add_argument("--json", action="store_true", help="one JSON object per consumer")
+    pruning = commands.add_parser(
+        "prune",
+        parents=[connection],
+        formatter_class=formatter,
+        help="remove consumers of stopped workers (no pending entries, idle, no heartbeat)",
+        epilog=epilog,
+    )
+    pruning.add_argument(
+        "--idle",
+        type=float,
+        default=DEFAULT_PRUNE_IDLE_SECONDS,
+        metavar="SECONDS",
+        help=f"only consumers idle at least this long (default {DEFAULT_PRUNE_IDLE_SECONDS:g})",
+    )
+    pruning.add_argument("--dry-run", action="store_true", help="show, remove nothing")
+    pruning.add_argument("--json", action="store_true", help="one JSON object per consumer")
+
+
+async def run_group(args: argparse.Namespace, out: TextIO) -> int:
+    """Execute ``group list`` or ``group prune``; Redis errors propagate to the caller."""
+    keys = Keys(args.prefix)
+    redis = await connect(
+        args.redis_url,
+        topology=args.redis_topology,
+        socket_timeout=_SOCKET_TIMEOUT,
+        socket_connect_timeout=_SOCKET_TIMEOUT,
+    )
+    try:
+        if args.group_command == "list":
+            consumers = await list_consumers(redis, keys)
+            if args.json:
+                for consumer in consumers:
+                    print(json_line(consumer.as_dict()), file=out)
+            else:
+                _table(out, consumers)
+            return ExitCode.OK
+        pruned = await prune(redis, keys, args.idle, dry_run=args.dry_run)
+        for entry in pruned:
+            action = "would remove" if args.dry_run else "removed" if entry.removed else "kept"
+            if args.json:
+                print(json_line({**entry.consumer.as_dict(), "action": action}), file=out)
+            else:
+                note = " (it took a job meanwhile)" if action == "kept" else ""
+                print(f"{action} {entry.consumer.name}{note}", file=out)
+        return ExitCode.OK
+    finally:
+        await redis.aclose()
+
+
+def _table(out: TextIO, consumers: list[Consumer]) -> None:
+    header = ("CONSUMER", "PENDING", "IDLE_S", "HEARTBEAT")
+    cells = [header] + [
+        (c.name, str(c.pending), f"{c.idle_seconds:.0f}", "alive" if c.heartbeat else "none")
+        for c in consumers
+    ]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        left = row[0].ljust(widths[0])
+        rest = "  ".join(cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True))
+        print(f"{left}  {rest}", file=out)

@@ -1,0 +1,160 @@
+"""The job stream's consumer group seen by an operator: its consumers, and removing stopped ones.
+
+Redis keeps a consumer in the group until someone deletes it, so every worker id that ever
+read a job stays listed (``XINFO CONSUMERS``, ``stats``) long after its worker is gone. Deleting
+one is safe only while it holds no pending entries: ``XGROUP DELCONSUMER`` drops a consumer's
+pending entries with it, and an entry no longer pending is never reclaimed (``XAUTOCLAIM``
+only sees pending ones): its job would sit in the stream unserved for good. So the check and
+the delete are one script, used by a worker leaving the group at a clean stop and by
+``mlx-worker group prune`` alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from redis.exceptions import ResponseError
+
+from protocol.connection import RedisClient
+from protocol.identifiers import is_valid_id
+from protocol.keys import Keys
+
+# KEYS[1] the job stream; ARGV[1] the group, ARGV[2] the consumer. Deletes the consumer unless
+# it holds pending entries, atomically: between a separate check and the delete, the consumer
+# could read a job that the delete would then drop from the pending list. 1: deleted (or it
+# was not there), 0: kept, it holds pending entries.
+REMOVE_IDLE_CONSUMER: Final = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then
+  return 0
+end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+# `group prune` leaves consumers idle for less than this alone by default: a worker that is
+# alive reads every second, so an hour without a read means it is gone (or stuck).
+DEFAULT_PRUNE_IDLE_SECONDS: Final = 3600.0
+
+
+class NoGroup(ValueError):
+    """The job stream or its consumer group does not exist (no worker ever started with this
+    prefix, or Redis lost its data)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Consumer:
+    """One consumer of the job group, as ``XINFO CONSUMERS`` and its heartbeat key show it."""
+
+    name: str
+    pending: int  # entries delivered to it and not acknowledged
+    idle_seconds: float  # since its last read or claim
+    heartbeat: bool  # whether a worker of that id is alive (its heartbeat key exists)
+    raw_name: bytes = field(default=b"", repr=False, compare=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "pending": self.pending,
+            "idle_seconds": round(self.idle_seconds, 3),
+            "heartbeat": self.heartbeat,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Pruned:
+    """What ``prune`` did with one consumer it chose."""
+
+    consumer: Consumer
+    removed: bool  # False: a dry run, or it took a job between the listing and the removal
+
+
+async def remove_idle_consumer(redis: RedisClient, keys: Keys, consumer: str | bytes) -> bool:
+    """Delete ``consumer`` from the group unless it holds pending entries (one atomic step);
+    True when it is gone."""
+    removed = await redis.eval(REMOVE_IDLE_CONSUMER, 1, keys.jobs, keys.group, consumer)
+    return bool(removed)
+
+
+async def list_consumers(redis: RedisClient, keys: Keys) -> list[Consumer]:
+    """The group's consumers, each with its heartbeat looked up; NoGroup when there is none."""
+    try:
+        rows: Any = await redis.xinfo_consumers(keys.jobs, keys.group)
+    except ResponseError as exc:
+        if "NOGROUP" in str(exc) or "no such key" in str(exc).lower():
+            raise NoGroup(
+                f"no consumer group {keys.group!r} on {keys.jobs} (has a worker with prefix "
+                f"{keys.prefix!r} ever started?)"
+            ) from exc
+        raise
+    infos = [{_text(k): v for k, v in row.items()} for row in rows]
+    names = [_raw(info.get("name", b"")) for info in infos]
+    alive = await _heartbeats(redis, keys, names)
+    return [
+        Consumer(
+            name=raw.decode(errors="replace"),
+            pending=int(info.get("pending", 0)),
+            idle_seconds=int(info.get("idle", 0)) / 1000,
+            heartbeat=beating,
+            raw_name=raw,
+        )
+        for raw, info, beating in zip(names, infos, alive, strict=True)
+    ]
+
+
+async def prune(
+    redis: RedisClient,
+    keys: Keys,
+    idle_seconds: float = DEFAULT_PRUNE_IDLE_SECONDS,
+    *,
+    dry_run: bool = False,
+) -> list[Pruned]:
+    """Remove the consumers with no pending entries, idle for ``idle_seconds`` or more and
+    without a live heartbeat. A consumer holding pending entries is never removed: its jobs
+    wait for a restart under its id, or for another worker to reclaim them after the lease."""
+    if idle_seconds < 0:
+        raise ValueError(f"the idle time must be >= 0 seconds, got {idle_seconds:g}")
+    chosen = [
+        consumer
+        for consumer in await list_consumers(redis, keys)
+        if consumer.pending == 0
+        and consumer.idle_seconds >= idle_seconds
+        and not consumer.heartbeat
+    ]
+    if dry_run:
+        return [Pruned(consumer, removed=False) for consumer in chosen]
+    return [
+        Pruned(consumer, removed=await remove_idle_consumer(redis, keys, consumer.raw_name))
+        for consumer in chosen
+    ]
+
+
+async def _heartbeats(redis: RedisClient, keys: Keys, names: list[bytes]) -> list[bool]:
+    """Whether each consumer's heartbeat key exists, in one round trip (one per node on a
+    Cluster). A name that is not a valid worker id has no heartbeat key: not alive."""
+    checked = [(i, keys.worker(name.decode())) for i, name in enumerate(names) if _is_id(name)]
+    found = [False] * len(names)
+    if not checked:
+        return found
+    async with redis.pipeline(transaction=False) as pipe:
+        for _, key in checked:
+            pipe.exists(key)
+        replies = await pipe.execute()
+    for (index, _), reply in zip(checked, replies, strict=True):
+        found[index] = bool(reply)
+    return found
+
+
+def _is_id(name: bytes) -> bool:
+    try:
+        return is_valid_id(name.decode())
+    except UnicodeDecodeError:
+        return False
+
+
+def _raw(value: object) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,262 @@
+"""Consumers of stopped workers leave the group; the dead-letter stream stays bounded.
+
+A worker that stops cleanly removes its consumer; one killed while holding a job keeps it, and
+``mlx-worker group prune`` removes only consumers with nothing pending, idle long enough and no
+live heartbeat. Against the real redis-server and the real worker process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+from typing import Any
+
+import pytest
+import redis
+
+from protocol.client import Client
+from protocol.connection import connect
+from protocol.group import list_consumers, remove_idle_consumer
+from protocol.keys import Keys
+from protocol.messages import DoneEvent
+from tests.daemon.helpers import (
+    WORKER_COMMAND,
+    WorkerFactory,
+    check_stream,
+    clean_environment,
+    collect,
+    run,
+    wait_until,
+)
+from worker.daemon.job_queue import JobQueue
+from worker.local_redis import LocalCluster
+
+
+def mlx_worker_group(redis_url: str, prefix: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*WORKER_COMMAND, "group", *args, "--redis-url", redis_url, "--prefix", prefix],
+        capture_output=True,
+        text=True,
+        env=clean_environment({}),
+        timeout=60,
+        check=False,
+    )
+
+
+def json_rows(completed: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
+    assert completed.returncode == 0, completed.stderr
+    return [json.loads(line) for line in completed.stdout.splitlines()]
+
+
+def consumer_names(redis_url: str, keys: Keys) -> list[str]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return [row["name"].decode() for row in client.xinfo_consumers(keys.jobs, keys.group)]
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_clean_stop_removes_the_workers_consumer(
+    workers: WorkerFactory, redis_url: str, prefix: str
+) -> None:
+    keys = Keys(prefix)
+    worker = workers.start("leaves")
+
+    async def serve_one() -> None:
+        async with Client(redis_url, prefix=prefix) as client:
+            request_id = await client.submit("one job", max_tokens=6, temperature=0.0)
+            summary = check_stream(await collect(client, request_id), request_id)
+            assert isinstance(summary.terminal, DoneEvent)
+
+    run(serve_one())
+    assert consumer_names(redis_url, keys) == ["leaves"]
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(30) == 0, worker.log_tail()
+    assert consumer_names(redis_url, keys) == []
+    assert any(e.get("event") == "consumer_removed" for e in worker.log_events())
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_worker_holding_a_job_keeps_its_consumer_and_prune_spares_it(
+    workers: WorkerFactory, redis_url: str, prefix: str
+) -> None:
+    """SIGKILL while a job runs: the consumer keeps the pending job, so `group prune` (any
+    idle time, heartbeat long gone) must not remove it, whereas an idle consumer with nothing
+    pending beside it goes. `--dry-run` removes nothing."""
+    keys = Keys(prefix)
+    worker = workers.start("killed", lease_seconds=600)
+
+    async def submit_long() -> str:
+        async with Client(redis_url, prefix=prefix) as client:
+            request_id = await client.submit("a long one", max_tokens=2000, temperature=0.0)
+            # Running: its first delta is in the log.
+            while await client.redis.xlen(keys.log(request_id)) < 3:
+                await asyncio.sleep(0.05)
+            # A consumer that read nothing it still holds: the one prune may remove.
+            await client.redis.xreadgroup(keys.group, "ghost", {keys.jobs: "0"}, count=1)
+            return request_id
+
+    run(submit_long())
+    worker.kill()
+    wait_until(lambda: not worker.heartbeat_alive(), 10, "the heartbeat to expire")
+
+    listed = {
+        row["name"]: row for row in json_rows(mlx_worker_group(redis_url, prefix, "list", "--json"))
+    }
+    assert set(listed) == {"killed", "ghost"}
+    assert (listed["killed"]["pending"], listed["killed"]["heartbeat"]) == (1, False)
+    assert (listed["ghost"]["pending"], listed["ghost"]["heartbeat"]) == (0, False)
+
+    dry = json_rows(
+        mlx_worker_group(redis_url, prefix, "prune", "--idle", "0", "--dry-run", "--json")
+    )
+    assert [(row["name"], row["action"]) for row in dry] == [("ghost", "would remove")]
+    assert sorted(consumer_names(redis_url, keys)) == ["ghost", "killed"]
+
+    # The default idle time (an hour) spares both: they were active a moment ago.
+    assert json_rows(mlx_worker_group(redis_url, prefix, "prune", "--json")) == []
+
+    pruned = mlx_worker_group(redis_url, prefix, "prune", "--idle", "0")
+    assert pruned.returncode == 0, pruned.stderr
+    assert pruned.stdout.splitlines() == ["removed ghost"]
+    assert consumer_names(redis_url, keys) == ["killed"]
+
+    table = mlx_worker_group(redis_url, prefix, "list")
+    assert table.returncode == 0, table.stderr
+    header, row = table.stdout.splitlines()
+    assert header.split() == ["CONSUMER", "PENDING", "IDLE_S", "HEARTBEAT"]
+    assert row.split()[0:2] == ["killed", "1"] and row.split()[3] == "none"
+
+
+def test_prune_spares_a_consumer_with_a_live_heartbeat(redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix)
+
+    async def prepare() -> None:
+        client = await connect(redis_url)
+        try:
+            await client.xgroup_create(keys.jobs, keys.group, id="0", mkstream=True)
+            for name in ("alive", "gone"):
+                await client.xreadgroup(keys.group, name, {keys.jobs: "0"}, count=1)
+            await client.set(keys.worker("alive"), b"{}", px=60_000)
+        finally:
+            await client.aclose()
+
+    run(prepare())
+    rows = json_rows(mlx_worker_group(redis_url, prefix, "prune", "--idle", "0", "--json"))
+    assert [(row["name"], row["action"]) for row in rows] == [("gone", "removed")]
+    assert consumer_names(redis_url, keys) == ["alive"]
+
+
+def test_the_removal_script_keeps_a_consumer_with_pending_entries(
+    redis_url: str, prefix: str
+) -> None:
+    keys = Keys(prefix)
+
+    async def main() -> None:
+        client = await connect(redis_url)
+        try:
+            await client.xgroup_create(keys.jobs, keys.group, id="0", mkstream=True)
+            entry = await client.xadd(keys.jobs, {"job": b"x"})
+            await client.xreadgroup(keys.group, "holder", {keys.jobs: ">"}, count=1)
+            assert not await remove_idle_consumer(client, keys, "holder")
+            consumers = await list_consumers(client, keys)
+            assert [(c.name, c.pending) for c in consumers] == [("holder", 1)]
+            await client.xack(keys.jobs, keys.group, entry)
+            assert await remove_idle_consumer(client, keys, "holder")
+            assert await list_consumers(client, keys) == []
+        finally:
+            await client.aclose()
+
+    run(main())
+
+
+def test_group_verbs_without_a_group_are_a_usage_error(redis_url: str, prefix: str) -> None:
+    completed = mlx_worker_group(redis_url, prefix, "list")
+    assert completed.returncode == 2
+    assert completed.stderr.splitlines() == [
+        f"mlx-worker: no consumer group '{prefix}' on {prefix}:jobs (has a worker with prefix "
+        f"'{prefix}' ever started?)"
+    ]
+
+
+@pytest.mark.parametrize(("maxlen", "bound"), [(50, 150), (10_000, None)])
+def test_the_dead_letter_stream_is_trimmed_to_about_maxlen(
+    redis_url: str, prefix: str, maxlen: int, bound: int | None
+) -> None:
+    """300 dead letters: with MAXLEN ~ 50 Redis trims whole nodes of 100 entries, so the
+    stream holds at least 50 and fewer than 150, the newest ones; with the default all stay."""
+    keys = Keys(prefix)
+    letters = 300
+
+    async def main() -> None:
+        client = await connect(redis_url)
+        try:
+            queue = JobQueue(client, keys, "dlq", lease_ms=60_000, dead_letter_maxlen=maxlen)
+            await queue.ensure_group()
+            for i in range(letters):
+                await client.xadd(keys.jobs, {"job": f"bad {i}".encode()})
+            deliveries = await queue.read_new(letters, block_ms=100)
+            assert len(deliveries) == letters
+            for delivery in deliveries:
+                moved = await queue.dead_letter(delivery, "malformed", "not msgpack", None)
+                assert moved
+            length = await client.xlen(keys.dead)
+            if bound is None:
+                assert length == letters
+            else:
+                assert maxlen <= length < bound, length
+            newest = await client.xrevrange(keys.dead, "+", "-", count=1)
+            assert newest[0][1][b"entry_id"].decode() == deliveries[-1].entry_id
+            assert await client.xlen(keys.jobs) == 0
+        finally:
+            await client.aclose()
+
+    run(main())
+
+
+def test_dead_letter_maxlen_must_be_positive(redis_url: str) -> None:
+    async def main() -> None:
+        client = await connect(redis_url)
+        try:
+            with pytest.raises(ValueError, match="dead_letter_maxlen must be > 0"):
+                JobQueue(client, Keys("x"), "c", 1000, dead_letter_maxlen=0)
+        finally:
+            await client.aclose()
+
+    run(main())
+
+
+@pytest.mark.timeout(120)
+def test_list_and_prune_on_a_cluster(redis_cluster: LocalCluster, prefix: str) -> None:
+    """Heartbeat keys live in other slots than the job stream: the lookups go to their nodes,
+    and the removal script runs on the job stream's."""
+    keys = Keys(prefix)
+
+    async def prepare() -> None:
+        client = await connect(redis_cluster.url)
+        try:
+            await client.xgroup_create(keys.jobs, keys.group, id="0", mkstream=True)
+            await client.xadd(keys.jobs, {"job": b"x"})
+            await client.xreadgroup(keys.group, "holder", {keys.jobs: ">"}, count=1)
+            for name in ("alive", "gone"):
+                await client.xreadgroup(keys.group, name, {keys.jobs: "0"}, count=1)
+            await client.set(keys.worker("alive"), b"{}", px=60_000)
+        finally:
+            await client.aclose()
+
+    run(prepare())
+    listed = json_rows(mlx_worker_group(redis_cluster.url, prefix, "list", "--json"))
+    assert sorted((r["name"], r["pending"], r["heartbeat"]) for r in listed) == [
+        ("alive", 0, True),
+        ("gone", 0, False),
+        ("holder", 1, False),
+    ]
+    pruned = json_rows(
+        mlx_worker_group(redis_cluster.url, prefix, "prune", "--idle", "0", "--json")
+    )
+    assert [(r["name"], r["action"]) for r in pruned] == [("gone", "removed")]
+    listed = json_rows(mlx_worker_group(redis_cluster.url, prefix, "list", "--json"))
+    assert sorted(r["name"] for r in listed) == ["alive", "holder"]

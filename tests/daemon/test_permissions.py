@@ -1,0 +1,284 @@
+"""The worker checks every Redis permission it needs at start and names the first one missing.
+
+Real ACL users on the session's redis-server (``ACL SETUSER`` as its default user), and the
+real ``mlx-worker run`` process. A command only the worker's Lua scripts call (PUBLISH on a
+single server) is named like any other: Redis checks the ACL inside scripts too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from protocol.client import Client
+from protocol.connection import connect
+from protocol.keys import Keys
+from protocol.messages import DoneEvent
+from tests.daemon.helpers import (
+    WORKER_COMMAND,
+    WorkerFactory,
+    check_stream,
+    clean_environment,
+    collect,
+    run,
+)
+from worker.daemon.permissions import check_permissions, probes, redis_user
+from worker.local_redis import LocalCluster, RedisServer
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+PASSWORD = "acl-test-pw"
+MakeUser = Callable[[list[str]], tuple[str, str]]
+
+
+def documented_minimum_acl(prefix: str) -> list[str]:
+    """The README's minimum ACL line for ``prefix``, as ACL SETUSER rules (after the name)."""
+    lines = [
+        line.strip()
+        for line in README.read_text().splitlines()
+        if line.strip().startswith("user mlxw on >PASSWORD") and "-@all" in line
+    ]
+    assert len(lines) == 1, lines
+    rules = lines[0].split()[2:]
+    return [
+        rule.replace(">PASSWORD", f">{PASSWORD}")
+        .replace("~mlxw:*", f"~{prefix}:*")
+        .replace("&mlxw:*", f"&{prefix}:*")
+        for rule in rules
+    ]
+
+
+@pytest.fixture
+def admin(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def acl_user(redis_server: RedisServer, admin: redis.Redis) -> Iterator[MakeUser]:
+    """Creates ACL users (deleted at the end); returns (name, URL logging in as it)."""
+    made: list[str] = []
+
+    def make(rules: list[str]) -> tuple[str, str]:
+        name = f"acl-{uuid.uuid4().hex[:8]}"
+        admin.execute_command("ACL", "SETUSER", name, "reset", *rules)
+        made.append(name)
+        url = redis_server.url.replace("redis://", f"redis://{name}:{PASSWORD}@", 1)
+        return name, url
+
+    try:
+        yield make
+    finally:
+        for name in made:
+            admin.execute_command("ACL", "DELUSER", name)
+
+
+def denials(admin: redis.Redis, user: str) -> list[object]:
+    return [entry for entry in admin.acl_log(count=1000) if entry.get("username") == user]
+
+
+def start_refused(url: str, prefix: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``mlx-worker run`` with a model that does not exist: a permission refusal must come
+    first (Redis is checked before the model load)."""
+    return subprocess.run(
+        [
+            *WORKER_COMMAND,
+            "run",
+            "--model",
+            "/does/not/exist",
+            "--redis-url",
+            url,
+            "--prefix",
+            prefix,
+            "--worker-id",
+            "refused",
+            "--cache-dir",
+            str(tmp_path / "caches"),
+        ],
+        capture_output=True,
+        text=True,
+        env=clean_environment({}),
+        timeout=60,
+        check=False,
+    )
+
+
+def the_line(completed: subprocess.CompletedProcess[str]) -> str:
+    where = f"rc={completed.returncode} stderr={completed.stderr!r}"
+    assert completed.returncode == 2, where
+    assert "Traceback" not in completed.stderr, where
+    lines = completed.stderr.splitlines()
+    assert len(lines) == 1, where
+    assert PASSWORD not in completed.stderr + completed.stdout
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("rule", "command", "needed_to"),
+    [
+        ("-xautoclaim", "XAUTOCLAIM", "reclaim jobs of workers that died"),
+        # Called only inside the publish script on a single server.
+        ("-publish", "PUBLISH", "stream events to subscribers"),
+        # Called by the ack pipeline and inside the dead-letter script.
+        ("-xdel", "XDEL", "delete finished jobs"),
+        ("-xgroup|delconsumer", "XGROUP DELCONSUMER", "leave the consumer group when stopping"),
+        ("-pexpire", "PEXPIRE", "keep the heartbeat alive while Redis is full"),
+        ("-subscribe", "SUBSCRIBE", "receive control commands"),
+    ],
+)
+def test_a_missing_command_is_named_before_the_model_loads(
+    acl_user: MakeUser,
+    admin: redis.Redis,
+    prefix: str,
+    tmp_path: Path,
+    rule: str,
+    command: str,
+    needed_to: str,
+) -> None:
+    user, url = acl_user(["on", f">{PASSWORD}", f"~{prefix}:*", f"&{prefix}:*", "+@all", rule])
+    line = the_line(start_refused(url, prefix, tmp_path))
+    assert line == (
+        f"mlx-worker: Redis user {user!r} may not run {command} (needed to {needed_to}); "
+        "grant it (see README: minimum ACL)"
+    )
+    # Exactly one refusal: the probe of the missing command, nothing sent after it.
+    assert len(denials(admin, user)) == 1
+
+
+def test_keys_outside_the_grant_are_named(acl_user: MakeUser, prefix: str, tmp_path: Path) -> None:
+    user, url = acl_user(["on", f">{PASSWORD}", "~elsewhere:*", f"&{prefix}:*", "+@all"])
+    line = the_line(start_refused(url, prefix, tmp_path))
+    assert line == (
+        f"mlx-worker: Redis user {user!r} has no permission for the key '{prefix}:jobs' "
+        f"(XGROUP CREATE, needed to create the consumer group); grant ~{prefix}:* "
+        "(see README: minimum ACL)"
+    )
+
+
+def test_channels_outside_the_grant_are_named(
+    acl_user: MakeUser, prefix: str, tmp_path: Path
+) -> None:
+    user, url = acl_user(["on", f">{PASSWORD}", f"~{prefix}:*", "&elsewhere:*", "+@all"])
+    line = the_line(start_refused(url, prefix, tmp_path))
+    pattern = (
+        rf"mlx-worker: Redis user '{user}' has no permission for the channel "
+        rf"'{prefix}:out:\{{permission-probe-[0-9a-f]+\}}' \(PUBLISH, needed to stream events "
+        rf"to subscribers\); grant &{prefix}:\* \(see README: minimum ACL\)"
+    )
+    assert re.fullmatch(pattern, line), line
+
+
+@pytest.mark.timeout(180)
+def test_the_documented_minimum_acl_serves_a_job_end_to_end(
+    acl_user: MakeUser,
+    admin: redis.Redis,
+    workers: WorkerFactory,
+    prefix: str,
+) -> None:
+    """A user with exactly the README's minimum ACL line: the worker starts, serves a job to
+    a client of the same user, `group list` works, a clean stop removes the consumer, and
+    Redis denied nothing along the way."""
+    user, url = acl_user(documented_minimum_acl(prefix))
+    worker = workers.start("acl-minimum", redis_url=url)
+
+    async def main() -> None:
+        async with Client(url, prefix=prefix) as client:
+            request_id = await client.submit("hello there", max_tokens=8, temperature=0.0)
+            summary = check_stream(await collect(client, request_id), request_id)
+            assert isinstance(summary.terminal, DoneEvent), summary.terminal
+
+    run(main())
+    listed = subprocess.run(
+        [*WORKER_COMMAND, "group", "list", "--json", "--redis-url", url, "--prefix", prefix],
+        capture_output=True,
+        text=True,
+        env=clean_environment({}),
+        timeout=60,
+        check=False,
+    )
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [(r["name"], r["pending"], r["heartbeat"]) for r in rows] == [("acl-minimum", 0, True)]
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(30) == 0, worker.log_tail()
+    keys = Keys(prefix)
+    assert admin.xinfo_consumers(keys.jobs, keys.group) == []
+    assert denials(admin, user) == [], denials(admin, user)
+
+
+def test_probes_change_nothing(redis_url: str, prefix: str) -> None:
+    """The probes leave no key behind, create no consumer but the worker's own, count no
+    delivery of the worker's pending jobs and add no dead letter."""
+    keys = Keys(prefix)
+
+    async def main() -> None:
+        client = await connect(redis_url)
+        try:
+            await client.xgroup_create(keys.jobs, keys.group, id="0", mkstream=True)
+            await client.xadd(keys.jobs, {"job": b"x"})
+            await client.xreadgroup(keys.group, "mine", {keys.jobs: ">"}, count=1)
+            before = sorted(await client.keys(f"{prefix}:*"))
+            await check_permissions(client, keys, "mine", "default", 10)
+            assert sorted(await client.keys(f"{prefix}:*")) == before
+            pending = await client.xpending_range(keys.jobs, keys.group, "-", "+", 10)
+            assert [(p["consumer"], p["times_delivered"]) for p in pending] == [(b"mine", 1)]
+            consumers = await client.xinfo_consumers(keys.jobs, keys.group)
+            assert [c["name"] for c in consumers] == [b"mine"]
+            assert await client.xlen(keys.jobs) == 1
+        finally:
+            await client.aclose()
+
+    run(main())
+
+
+@pytest.mark.timeout(120)
+def test_probes_route_on_a_cluster(redis_cluster: LocalCluster, prefix: str) -> None:
+    """On a Cluster the probes use the sharded pub/sub commands and each reaches the node of
+    its key: none is refused for any reason but the one planned (XADD's id 0-0), which a
+    refusal such as CROSSSLOT or MOVED would break."""
+    keys = Keys(prefix)
+
+    async def main() -> None:
+        client = await connect(redis_cluster.url)
+        try:
+            names = [probe.command for probe in probes(client, keys, "mine", 10)]
+            assert "SPUBLISH" in names and "SSUBSCRIBE" in names
+            assert "PUBLISH" not in names and "SUBSCRIBE" not in names
+            for probe in probes(client, keys, "mine", 10):
+                try:
+                    await probe.send()
+                except redis.exceptions.ResponseError as exc:
+                    # Only the documented argument refusal: XADD with id 0-0.
+                    assert probe.command == "XADD" and "0-0" in str(exc), (probe, exc)
+                    assert probe.subject == keys.dead
+            await check_permissions(client, keys, "mine", "default", 10)
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("url", "user"),
+    [
+        ("redis://localhost:6379/0", "default"),
+        ("redis://:pw@localhost:6379/0", "default"),
+        ("rediss://bob:pw@localhost:6380/0", "bob"),
+        ("redis://b%40b:pw@localhost/0", "b@b"),
+        ("redis+sentinel://carol:pw@s1:26379,s2:26379/mymaster", "carol"),
+        ("unix:///run/redis.sock", "default"),
+    ],
+)
+def test_the_user_a_url_logs_in_as(url: str, user: str) -> None:
+    assert redis_user(url) == user
