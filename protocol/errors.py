@@ -22,6 +22,10 @@ ERROR_CODES: Final[dict[str, str]] = {
     # Sent by workers in control replies.
     "unknown_command": "the worker does not implement this control command",
     "not_found": "the named thing (a saved cache, a request) does not exist",
+    "incompatible_cache": (
+        "a saved prefix cache was made by another model (the message names both fingerprints)"
+        " or is unreadable"
+    ),
 }
 
 

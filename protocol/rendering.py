@@ -10,7 +10,7 @@ import dataclasses
 import enum
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from protocol.messages import ControlReply, DoneEvent, ErrorEvent, Event, UnknownEvent
@@ -63,13 +63,235 @@ def json_line(fields: Mapping[str, Any]) -> str:
     return json.dumps(fields, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-def describe_reply(reply: ControlReply) -> str:
-    """One line per reply: the worker, then its result or its error."""
-    if reply.ok:
-        result = json_line(_json_ready(dict(reply.result))) if reply.result is not None else ""
-        return f"{reply.worker_id}: ok {result}".rstrip()
-    assert reply.error is not None  # the decoder guarantees an error when not ok
-    return f"{reply.worker_id}: error {reply.error.code}: {reply.error.message}"
+def describe_reply(reply: ControlReply, kind: str | None = None) -> str:
+    """A reply for people: ``worker: what happened``, from the reply to a command of ``kind``
+    (``stats`` or ``cache-load`` alike). A stats reply takes a few aligned lines; a result of a
+    shape this reader does not know is shown as JSON."""
+    if not reply.ok:
+        assert reply.error is not None  # the decoder guarantees an error when not ok
+        return f"{reply.worker_id}: error {reply.error.code}: {reply.error.message}"
+    result: Mapping[str, Any] = reply.result or {}
+    kind = (kind or "").replace("-", "_")
+    if kind == "stats":
+        return "\n".join(describe_stats(reply.worker_id, result))
+    describe = _DESCRIBERS.get(kind)
+    described = describe(result) if describe is not None else None
+    if described is None:
+        shown = json_line(_json_ready(dict(result))) if reply.result is not None else ""
+        described = f"ok {shown}".rstrip()
+    return f"{reply.worker_id}: {described}"
+
+
+def describe_stats(worker_id: str, stats: Mapping[str, Any]) -> list[str]:
+    """A worker's ``stats`` result as a header and aligned ``label  figures`` lines: what it
+    runs, its jobs, throughput, prefix cache, queue group and memory. Sections missing from
+    the map (another worker version, a failed probe) are left out, never guessed."""
+    engine = _section(stats, "engine")
+    header = []
+    model = engine.get("model_name")
+    if model is not None:
+        header.append(f"model {model}")
+    uptime = _number(stats.get("uptime_seconds", engine.get("uptime_seconds")))
+    if uptime is not None:
+        header.append(f"up {_duration(uptime)}")
+    health = _section(engine, "health")
+    if health:
+        header.append("healthy" if health.get("healthy") else "UNHEALTHY")
+    rows = [
+        ("jobs", _jobs_line(engine, _section(stats, "jobs"))),
+        ("tokens", _tokens_line(engine)),
+        ("cache", _cache_line(stats["prefix_cache"]) if "prefix_cache" in stats else ""),
+        ("queue", _queue_line(_section(stats, "group"))),
+        ("memory", _memory_line(_section(stats, "memory"))),
+        ("health", _health_problem(health)),
+    ]
+    shown = [(label, text) for label, text in rows if text]
+    if not shown:  # nothing this reader knows: show the map itself
+        header.append(json_line(_json_ready(dict(stats))))
+    lines = [f"{worker_id}: {', '.join(header)}".rstrip()]
+    return lines + [f"  {label:<8}{text}" for label, text in shown]
+
+
+def _jobs_line(engine: Mapping[str, Any], jobs: Mapping[str, Any]) -> str:
+    parts = []
+    for key, name in (("num_running", "running"), ("num_waiting", "waiting")):
+        if isinstance(engine.get(key), int):
+            parts.append(f"{engine[key]} {name}")
+    if isinstance(jobs.get("in_flight"), list):
+        parts.append(f"{len(jobs['in_flight'])} in flight")
+    outcomes = jobs.get("outcomes")
+    if isinstance(outcomes, Mapping):
+        counted = ", ".join(f"{name} {count}" for name, count in sorted(outcomes.items()))
+        parts.append(f"ended: {counted or 'none yet'}")
+    return "; ".join(parts)
+
+
+def _tokens_line(engine: Mapping[str, Any]) -> str:
+    prompt, generated = engine.get("total_prompt_tokens"), engine.get("total_completion_tokens")
+    if not isinstance(prompt, int) or not isinstance(generated, int):
+        return ""
+    line = f"{prompt} prompt, {generated} generated"
+    model_seconds = _number(engine.get("model_seconds"))
+    if model_seconds:
+        # Model time, not wall time: an idle worker's rate stays what it was while it worked.
+        line += f"; {generated / model_seconds:.1f} tokens/s of model time"
+    if isinstance(engine.get("num_requests_failed"), int) and engine["num_requests_failed"]:
+        line += f"; {engine['num_requests_failed']} requests failed in the engine"
+    return line
+
+
+def _cache_line(cache: Any) -> str:
+    if cache is None:
+        return "prefix cache off"
+    if not isinstance(cache, Mapping) or not isinstance(cache.get("entries"), int):
+        return ""
+    line = _count(cache["entries"], "entry")
+    size, bound = _number(cache.get("memory_bytes")), _number(cache.get("max_bytes"))
+    if size is not None:
+        line += f", {_bytes(size)}" + (f" of {_bytes(bound)}" if bound else "")
+    hits, misses = cache.get("hits"), cache.get("misses")
+    if isinstance(hits, int) and isinstance(misses, int):
+        lookups = hits + misses
+        rate = f"{100 * hits / lookups:.0f}%" if lookups else "-"
+        line += f"; hit rate {rate} ({hits} of {lookups} lookups)"
+    if isinstance(cache.get("tokens_saved"), int):
+        line += f"; {cache['tokens_saved']} prompt tokens reused"
+    if isinstance(cache.get("evictions"), int) and cache["evictions"]:
+        line += f"; {cache['evictions']} evicted"
+    return line
+
+
+def _queue_line(group: Mapping[str, Any]) -> str:
+    if "error" in group:
+        return f"group unreadable: {group['error']}"
+    if "name" not in group:
+        return ""
+    parts = [f"group {group['name']}"]
+    for key, name in (("lag", "lag"), ("pending", "pending"), ("consumers", "consumers")):
+        if group.get(key) is not None:
+            parts.append(f"{name} {group[key]}")
+    return ", ".join(parts)
+
+
+def _memory_line(memory: Mapping[str, Any]) -> str:
+    parts = []
+    for key, name in (
+        ("rss_bytes", "rss"),
+        ("mlx_active_memory_bytes", "MLX active"),
+        ("mlx_cache_memory_bytes", "MLX cache"),
+        ("mlx_peak_memory_bytes", "MLX peak"),
+    ):
+        value = _number(memory.get(key))
+        if value is not None:
+            parts.append(f"{name} {_bytes(value)}")
+    if "mlx_error" in memory:
+        parts.append(f"MLX figures unavailable ({memory['mlx_error']})")
+    return ", ".join(parts)
+
+
+def _health_problem(health: Mapping[str, Any]) -> str:
+    if not health or health.get("healthy"):
+        return ""
+    problem = health.get("fatal_error") or health.get("last_error") or "see the worker's log"
+    failures = health.get("consecutive_failures")
+    return f"{failures} failed steps in a row: {problem}" if failures else str(problem)
+
+
+def _abort(result: Mapping[str, Any]) -> str | None:
+    aborted, state = result.get("aborted"), result.get("state")
+    if not isinstance(aborted, bool):
+        return None
+    why = _ABORT_STATES.get(state) if isinstance(state, str) else None
+    verdict = "aborted" if aborted else "not aborted"
+    return f"{verdict} ({why})" if why else verdict
+
+
+_ABORT_STATES = {
+    "running": "it was running here",
+    "queued": "it had not started",
+    "finished": "it had already ended",
+    "elsewhere": "another worker runs it",
+}
+
+
+def _cache_save(result: Mapping[str, Any]) -> str | None:
+    if not isinstance(result.get("entries"), int):
+        return None
+    return f"saved cache {result.get('name')!r} ({_count(result['entries'], 'entry')})"
+
+
+def _cache_load(result: Mapping[str, Any]) -> str | None:
+    if not isinstance(result.get("loaded"), int):
+        return None
+    return f"loaded {_count(result['loaded'], 'entry')} from cache {result.get('name')!r}"
+
+
+def _cache_clear(result: Mapping[str, Any]) -> str | None:
+    cleared = result.get("cleared")
+    if not isinstance(cleared, Mapping):
+        return None
+    entries = cleared.get("prefix_cache_entries")
+    size, buffers = (
+        _number(cleared.get("prefix_cache_bytes")),
+        _number(cleared.get("mlx_buffer_cache_bytes")),
+    )
+    if not isinstance(entries, int) or size is None or buffers is None:
+        return None
+    return (
+        f"cleared {_count(entries, 'prefix cache entry')} ({_bytes(size)}) and "
+        f"{_bytes(buffers)} of MLX buffers"
+    )
+
+
+def _ping(result: Mapping[str, Any]) -> str | None:
+    return "pong" if result.get("pong") is True else None
+
+
+_DESCRIBERS: dict[str, Callable[[Mapping[str, Any]], str | None]] = {
+    "ping": _ping,
+    "abort": _abort,
+    "cache_save": _cache_save,
+    "cache_load": _cache_load,
+    "cache_clear": _cache_clear,
+}
+
+
+def _section(stats: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = stats.get(name)
+    return value if isinstance(value, Mapping) else {}
+
+
+def _number(value: Any) -> float | None:
+    """A finite int or float (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _count(count: int, noun: str) -> str:
+    if count == 1:
+        return f"1 {noun}"
+    plural = noun[:-1] + "ies" if noun.endswith("y") else noun + "s"
+    return f"{count} {plural}"
+
+
+def _bytes(size: float) -> str:
+    if size < 1024:
+        return f"{size:.0f} B"
+    exponent = min(int(math.log(size, 1024)), 3)
+    return f"{size / 1024**exponent:.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"
+
+
+def _duration(seconds: float) -> str:
+    total = int(seconds)
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    return f"{minutes}m {secs}s" if minutes else f"{secs}s"
 
 
 def _json_ready(value: Any) -> Any:

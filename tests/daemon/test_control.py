@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from pathlib import Path
 
 import pytest
 
+from protocol.cli import main as cli_main
 from protocol.client import Client
 from protocol.messages import DoneEvent, ErrorEvent
-from tests.daemon.helpers import WorkerFactory, prompts, run, settled, until
+from tests.daemon.helpers import (
+    FAST_ENV,
+    WorkerFactory,
+    WorkerProcess,
+    clean_environment,
+    prompts,
+    run,
+    settled,
+    until,
+)
+from worker.engine.fingerprint import model_fingerprint
+from worker.models import load_model
 
 MAX_TOKENS = 8
 REFUSED_NAMES = ("../x", "/etc/x", "a/b", "..", "x..y", "_x/../../y")
@@ -149,3 +162,99 @@ def test_chat_jobs_share_their_system_prompt_through_prefix_boundary(
             assert isinstance(after, DoneEvent)
 
     run(scenario())
+
+
+def _start_with_model(
+    workers: WorkerFactory, worker_id: str, model: str, cache_dir: Path
+) -> WorkerProcess:
+    """A worker serving ``model`` (the factory's workers all serve ``tiny``)."""
+    flags = ["--model", model, "--cache-dir", str(cache_dir)]  # the later --model wins
+    flags += ["--heartbeat-interval", FAST_ENV["MLXW_HEARTBEAT_INTERVAL"]]
+    process = WorkerProcess(
+        worker_id,
+        workers.redis_url,
+        workers.prefix,
+        workers.directory / f"worker-{worker_id}.log",
+        flags,
+        clean_environment(FAST_ENV),
+    )
+    workers.started.append(process)
+    return process.start().wait_ready()
+
+
+def _cli(redis_url: str, prefix: str, *args: str) -> int:
+    verb, *rest = args
+    return cli_main(["ctl", verb, "--redis-url", redis_url, "--prefix", prefix, *rest])
+
+
+@pytest.mark.timeout(180)
+def test_cache_of_another_model_is_refused_with_both_fingerprints(
+    workers: WorkerFactory,
+    redis_url: str,
+    prefix: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A cache saved by the tiny llama, loaded by a worker serving another model (tiny-micro),
+    answers incompatible_cache naming the saved and the loading model's fingerprints (the CLI
+    exits 1); an unreadable manifest answers the same code with the reason; the model that
+    saved it loads it."""
+    cache_dir = tmp_path / "caches"
+    workers.start("same", cache_dir=cache_dir)
+
+    async def warm_up_and_save() -> None:
+        async with Client(redis_url, prefix=prefix) as client:
+            for text in prompts(2, seed=13):
+                done = await client.generate(text, max_tokens=MAX_TOKENS, temperature=0.0)
+                assert isinstance(done, DoneEvent), done
+            (reply,) = await client.cache_save("warm", worker_id="same")
+            assert reply.ok and reply.result["entries"] > 0, reply
+
+    run(warm_up_and_save())
+    saved_fingerprint = json.loads((cache_dir / "warm" / "manifest.json").read_text())[
+        "fingerprint"
+    ]
+    other_fingerprint = model_fingerprint(*load_model("tiny-micro"))
+    assert saved_fingerprint != other_fingerprint
+    _start_with_model(workers, "other", "tiny-micro", cache_dir)
+    broken = cache_dir / "broken"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{not json")
+
+    async def load_everywhere() -> None:
+        async with Client(redis_url, prefix=prefix) as client:
+            (reply,) = await client.cache_load("warm", worker_id="other")
+            assert not reply.ok and reply.error is not None
+            assert reply.error.code == "incompatible_cache", reply.error
+            assert saved_fingerprint in reply.error.message, reply.error.message
+            assert other_fingerprint in reply.error.message, reply.error.message
+            (reply,) = await client.stats(worker_id="other")
+            assert reply.result["prefix_cache"]["entries"] == 0  # nothing of it was taken
+
+            (reply,) = await client.cache_load("broken", worker_id="same")
+            assert not reply.ok and reply.error is not None
+            assert reply.error.code == "incompatible_cache", reply.error
+            assert "manifest.json" in reply.error.message, reply.error.message
+
+            # The model that saved it loads it (after forgetting what it had: duplicates
+            # are not counted).
+            (reply,) = await client.cache_clear(worker_id="same")
+            assert reply.ok, reply.error
+            (reply,) = await client.cache_load("warm", worker_id="same")
+            assert reply.ok, reply.error
+            assert reply.result["loaded"] > 0
+
+    run(load_everywhere())
+
+    capsys.readouterr()
+    assert _cli(redis_url, prefix, "cache-load", "warm", "--worker-id", "other") == 1
+    out = capsys.readouterr().out
+    assert out.startswith("other: error incompatible_cache: cache 'warm': "), out
+    assert saved_fingerprint in out and other_fingerprint in out, out
+    # Broadcast: the worker that made the cache (no duplicates to add) answers ok, the other
+    # refuses, and one refusal is enough for exit status 1. Replies print by worker id.
+    assert _cli(redis_url, prefix, "cache-load", "warm") == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("other: error incompatible_cache:"), lines
+    assert lines[1] == "same: loaded 0 entries from cache 'warm'", lines

@@ -1,4 +1,4 @@
-"""The command line: what it prints and how it exits, against stand-in workers."""
+"""The command line: what it prints and how it exits, against stand-in and real workers."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from protocol.cli import main
 from protocol.codec import decode_job
 from protocol.keys import Keys
 from protocol.messages import Event, Job
+from tests.daemon.helpers import FAST_ENV, WorkerFactory, WorkerProcess, clean_environment
 from tests.protocol.background import Background
 from tests.protocol.fake_responder import FakeResponder
 from tests.protocol.helpers import delta, done, emit, error, reset, text_events, wait_for_job
@@ -108,11 +110,52 @@ def test_submit_sends_the_options(
         return hello(job)
 
     with fake_worker(redis_url, keys, record):
-        args = ["--max-tokens", "7", "--temperature", "0.5", "--stop", "x", "--chat"]
+        args = ["--max-tokens", "7", "--temperature", "0.5", "--stop", "x"]
         assert cli(redis_url, keys.prefix, "submit", "hi", *args) == 0
     job = seen[0]
     assert (job.max_tokens, job.temperature, job.stop) == (7, 0.5, ("x",))
+    # A chat turn by default, so an instruct model answers instead of continuing the text.
     assert job.chat_messages() == [{"role": "user", "content": "hi"}]
+    assert job.prompt is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "prompt", "messages"),
+    [
+        (["--raw"], "hi", None),
+        (
+            ["--system", "Be brief."],
+            None,
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+        ),
+    ],
+)
+def test_submit_raw_sends_a_bare_prompt_and_system_a_leading_turn(
+    redis_url: str,
+    keys: Keys,
+    flags: list[str],
+    prompt: str | None,
+    messages: list[dict[str, str]] | None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    seen: list[Job] = []
+
+    def record(job: Job) -> list[Event]:
+        seen.append(job)
+        return hello(job)
+
+    with fake_worker(redis_url, keys, record):
+        assert cli(redis_url, keys.prefix, "submit", "hi", *flags) == 0
+    assert (seen[0].prompt, seen[0].chat_messages()) == (prompt, messages)
+
+
+def test_submit_chat_flag_is_gone_and_raw_excludes_system(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["submit", "hi", "--chat"]) == 2
+    assert "--chat" in capsys.readouterr().err
+    assert main(["submit", "hi", "--raw", "--system", "x"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_error_event_exits_1(
@@ -233,6 +276,9 @@ def test_ctl_commands(redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[
         assert cli(redis_url, prefix, "ctl", "stats", "--json") == 0
         reply = json.loads(capsys.readouterr().out)
         assert reply["ok"] and reply["worker_id"] == "w-1" and reply["result"]["running"] == 1
+        # Stats of a shape the reader does not know are shown as they are, not guessed at.
+        assert cli(redis_url, prefix, "ctl", "stats") == 0
+        assert capsys.readouterr().out == ('w-1: {"running":1,"queued":0,"worker":"w-1"}\n')
         assert (
             cli(
                 redis_url,
@@ -271,3 +317,125 @@ def test_module_entry_point(redis_url: str, keys: Keys) -> None:
         env={**os.environ, "MLXW_PREFIX": keys.prefix},
     )
     assert result.returncode == 4, result.stderr
+
+
+# -- against real workers --------------------------------------------------------------------
+
+
+@pytest.fixture
+def real_workers(tmp_path: Path, redis_url: str, prefix: str) -> Iterator[WorkerFactory]:
+    """``mlx-worker run`` subprocesses serving the tiny model; killed at the end (their logs
+    are printed, which pytest shows when the test failed)."""
+    factory = WorkerFactory(tmp_path, redis_url, prefix)
+    try:
+        yield factory
+    finally:
+        factory.kill_all()
+        print(factory.report())
+
+
+STATS_LABELS = ["jobs", "tokens", "cache", "queue", "memory"]
+
+
+@pytest.mark.timeout(120)
+def test_ctl_stats_summarises_a_real_worker_and_json_keeps_the_map(
+    real_workers: WorkerFactory, redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ctl stats` gives people a few aligned lines per worker, with the figures of the
+    reply that `--json` prints as one object; the other verbs answer in words too."""
+    prefix = keys.prefix
+    real_workers.start("w-real")
+    for flags in ([], ["--raw"]):  # a chat turn (the default) and a bare prompt
+        assert cli(redis_url, prefix, "submit", "hello there", "--max-tokens", "6", *flags) == 0
+    capsys.readouterr()
+
+    assert cli(redis_url, prefix, "ctl", "stats", "--json") == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    reply = json.loads(line)
+    assert reply["ok"] and reply["worker_id"] == "w-real"
+    stats = reply["result"]
+    engine, cache = stats["engine"], stats["prefix_cache"]
+    assert cache["entries"] == 2  # one per finished job: the prompts share no prefix
+
+    assert cli(redis_url, prefix, "ctl", "stats") == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"w-real: model tiny, up \d+s, healthy", header), header
+    labels = [row.split()[0] for row in rows]
+    assert labels == STATS_LABELS, rows
+    starts = {match.end() for row in rows if (match := re.match(r"  \S+ +", row))}
+    assert len(starts) == 1, rows  # every row indented, its figures in one column
+    (column,) = starts
+    text = {label: row[column:] for label, row in zip(labels, rows, strict=True)}
+    assert text["jobs"] == "0 running; 0 waiting; 0 in flight; ended: completed 2"
+    prompt, generated = engine["total_prompt_tokens"], engine["total_completion_tokens"]
+    rate = generated / engine["model_seconds"]
+    assert text["tokens"] == (
+        f"{prompt} prompt, {generated} generated; {rate:.1f} tokens/s of model time"
+    )
+    assert text["cache"].startswith(f"{cache['entries']} entries, "), text["cache"]
+    assert (
+        f"hit rate {100 * cache['hits'] / 2:.0f}% ({cache['hits']} of 2 lookups)" in (text["cache"])
+    )
+    assert text["queue"] == f"group {prefix}, lag 0, pending 0, consumers 1"
+    assert re.fullmatch(
+        r"rss [\d.]+ MiB, MLX active [\d.]+ [KM]iB, MLX cache [\d.]+ ([KM]i)?B, "
+        r"MLX peak [\d.]+ [KM]iB",
+        text["memory"],
+    ), text["memory"]
+
+    assert cli(redis_url, prefix, "ctl", "ping") == 0
+    assert capsys.readouterr().out == "w-real: pong\n"
+    assert cli(redis_url, prefix, "ctl", "cache-save", "warm") == 0
+    entries = cache["entries"]
+    assert capsys.readouterr().out == f"w-real: saved cache 'warm' ({entries} entries)\n"
+    assert cli(redis_url, prefix, "ctl", "cache-clear") == 0
+    cleared = capsys.readouterr().out
+    assert re.fullmatch(
+        rf"w-real: cleared {entries} prefix cache entries \([\d.]+ [KM]iB\) and "
+        r"[\d.]+ ([KM]i)?B of MLX buffers\n",
+        cleared,
+    ), cleared
+    assert cli(redis_url, prefix, "ctl", "cache-load", "warm") == 0
+    assert capsys.readouterr().out == f"w-real: loaded {entries} entries from cache 'warm'\n"
+
+
+@pytest.mark.timeout(120)
+def test_chat_for_a_model_without_chat_template_says_to_send_a_prompt(
+    real_workers: WorkerFactory,
+    redis_url: str,
+    keys: Keys,
+    tiny_model_path: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A worker whose tokenizer has no chat template ends a `messages` job with invalid_job
+    and a message that names the fix; `submit --raw` then works."""
+    folder = tmp_path / "tiny-without-template"
+    folder.mkdir()
+    for source in tiny_model_path.iterdir():  # the weights are linked, never copied
+        (folder / source.name).symlink_to(source)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    del config["chat_template"]
+    config_path.unlink()
+    config_path.write_text(json.dumps(config))
+    assert not list(folder.glob("chat_template*"))
+    prefix = keys.prefix
+    worker = WorkerProcess(
+        "w-plain",
+        redis_url,
+        prefix,
+        tmp_path / "worker-w-plain.log",
+        ["--model", str(folder), "--heartbeat-interval", "0.5"],  # the later --model wins
+        clean_environment(FAST_ENV),
+    )
+    real_workers.started.append(worker)
+    worker.start().wait_ready()
+
+    assert cli(redis_url, prefix, "submit", "hello", "--max-tokens", "4") == 1
+    assert capsys.readouterr().err == (
+        "error (invalid_job): invalid_field: job.messages: the model has no chat template; "
+        "send a `prompt` instead (mlx-worker submit --raw)\n"
+    )
+    assert cli(redis_url, prefix, "submit", "hello", "--raw", "--max-tokens", "4") == 0
+    assert cli(redis_url, prefix, "submit", "hello", "--system", "x", "--max-tokens", "4") == 1

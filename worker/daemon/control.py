@@ -29,6 +29,7 @@ from protocol.messages import ControlCommand, ControlReply, ErrorInfo
 from protocol.wire import top_level_strings
 from worker.daemon.backoff import REDIS_FAILURES, Retrier, describe
 from worker.engine import EngineCore
+from worker.engine.prefix_cache import IncompatibleCacheError
 
 log = structlog.get_logger(__name__)
 
@@ -177,7 +178,13 @@ class ControlListener:
             path = cache_path(self.cache_dir, command.name)
             if not path.is_dir():
                 raise CommandRefused("not_found", f"no saved cache named {command.name!r}")
-            loaded = await asyncio.to_thread(self.engine.load_cache_from_disk, str(path))
+            try:
+                loaded = await asyncio.to_thread(self.engine.load_cache_checked, str(path))
+            except IncompatibleCacheError as exc:
+                # Not `loaded: 0`: the operator must learn the cache is unusable here, and why.
+                raise CommandRefused(
+                    "incompatible_cache", f"cache {command.name!r}: {exc.reason}"
+                ) from exc
             return {"loaded": loaded, "name": command.name}
         if kind == "cache_clear":
             cleared = await asyncio.to_thread(self.engine.clear_runtime_caches)

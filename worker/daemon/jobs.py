@@ -230,6 +230,13 @@ class JobRunner:
         if job.prompt_token_ids is not None:
             return list(job.prompt_token_ids), boundary
         tokenizer = self.engine.tokenizer
+        if not _has_chat_template(tokenizer):
+            # Else transformers' own error (or, in older versions, a default template the
+            # model never saw) would leave the producer guessing what to send instead.
+            raise ValueError(
+                "job.messages: the model has no chat template; send a `prompt` instead "
+                "(mlx-worker submit --raw)"
+            )
         messages = job.chat_messages() or []
         token_ids = encode_prompt(tokenizer, _render(tokenizer, messages, True))
         if job.prefix_boundary == SYSTEM_PREFIX:
@@ -300,6 +307,16 @@ class JobRunner:
 
     def stats(self) -> dict[str, Any]:
         return {"in_flight": sorted(self.in_flight), "outcomes": dict(self.outcomes)}
+
+
+def _has_chat_template(tokenizer: Any) -> bool:
+    """mlx-lm's TokenizerWrapper says so itself (a template in tokenizer_config.json, one that
+    mlx-lm supplies, or a tokenizer with its own renderer); a bare Hugging Face tokenizer has
+    one when its ``chat_template`` is set."""
+    known = getattr(tokenizer, "has_chat_template", None)
+    if isinstance(known, bool):
+        return known
+    return getattr(tokenizer, "chat_template", None) is not None
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:

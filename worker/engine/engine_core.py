@@ -24,6 +24,7 @@ from worker.engine.config import EngineConfig, SchedulerConfig
 from worker.engine.engine_loop import EngineLoop, EngineStoppedError
 from worker.engine.fingerprint import model_fingerprint
 from worker.engine.output_collector import RequestOutputCollector
+from worker.engine.prefix_cache import IncompatibleCacheError
 from worker.engine.prompt import encode_prompt
 from worker.engine.registry import ModelOwnershipError, get_registry
 from worker.engine.request import Request, RequestOutput, SamplingParams
@@ -303,11 +304,22 @@ class EngineCore:
 
     def load_cache_from_disk(self, cache_dir: str) -> int:
         """Load a saved prefix cache; returns the number of entries added (0 when refused)."""
+        try:
+            return self.load_cache_checked(cache_dir)
+        except IncompatibleCacheError as exc:
+            log.warning("prefix_cache_load_refused", directory=cache_dir, reason=exc.reason)
+            return 0
+
+    def load_cache_checked(self, cache_dir: str) -> int:
+        """``load_cache_from_disk`` for callers that must tell a refusal from an empty cache:
+        a cache saved by another model, in another format or unreadable raises
+        ``IncompatibleCacheError`` (which says why) instead of counting 0."""
         return self._disk_cache_op("load", cache_dir) or 0
 
     def _disk_cache_op(self, operation: str, cache_dir: str) -> int | None:
         """Run the prefix cache's save or load on the engine thread; the entry count, or None
-        when there is no prefix cache or the operation failed (logged)."""
+        when there is no prefix cache or the operation failed (logged). A load this model must
+        not make raises ``IncompatibleCacheError``."""
         if self.scheduler.prefix_cache is None:
             return None
 
@@ -320,6 +332,8 @@ class EngineCore:
 
         try:
             count = self._on_engine(run)
+        except IncompatibleCacheError:
+            raise  # the caller's answer, not an engine failure
         except Exception as exc:
             log.error(f"prefix_cache_{operation}_failed", directory=cache_dir, error=str(exc))
             return None

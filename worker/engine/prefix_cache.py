@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import structlog
 from mlx_lm.models.cache import (
     KVCache,
     LRUPromptCache,
@@ -27,8 +26,6 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-log = structlog.get_logger(__name__)
-
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _KEY = "model"  # one model per engine: a constant trie namespace
@@ -36,6 +33,25 @@ _KEY = "model"  # one model per engine: a constant trie namespace
 # prefixes callers declared (``prefix_boundary``) outlive whole conversations.
 FULL = "assistant"
 SHARED_PREFIX = "system"
+
+
+class IncompatibleCacheError(Exception):
+    """A saved cache this engine must not load: another model's (its KV state would be
+    garbage for these weights), another format's, or one that cannot be read. ``reason`` says
+    which for the operator; for another model's cache it names both fingerprints."""
+
+    def __init__(
+        self,
+        directory: Path,
+        reason: str,
+        saved_fingerprint: str | None = None,
+        model_fingerprint: str | None = None,
+    ) -> None:
+        super().__init__(reason)
+        self.directory = directory
+        self.reason = reason
+        self.saved_fingerprint = saved_fingerprint
+        self.model_fingerprint = model_fingerprint
 
 
 @dataclass(slots=True)
@@ -145,38 +161,31 @@ class PrefixCache:
     def load(self, directory: str | os.PathLike[str], fingerprint: str) -> int:
         """Load entries saved by ``save``; return how many new ones were added.
 
-        Refuses (returns 0, logs why) a cache saved for another model or in another format.
+        Raises ``IncompatibleCacheError`` (and adds nothing) for a cache saved for another model
+        (``fingerprint`` differs), in another format, or one that cannot be read whole: every
+        entry is read before any is stored, so a bad file never leaves half a cache behind.
         """
         source = Path(directory)
-        try:
-            manifest = json.loads((source / MANIFEST).read_text())
-        except (OSError, ValueError) as exc:
-            log.warning("prefix_cache_load_refused", directory=str(source), reason=str(exc))
-            return 0
-        if manifest.get("format") != FORMAT_VERSION:
-            log.warning("prefix_cache_load_refused", directory=str(source), reason="format")
-            return 0
-        if manifest.get("fingerprint") != fingerprint:
-            log.warning(
-                "prefix_cache_load_refused",
-                directory=str(source),
-                reason="saved for another model",
-                saved_fingerprint=manifest.get("fingerprint"),
-                model_fingerprint=fingerprint,
-            )
-            return 0
+        entries = _manifest_entries(source, fingerprint)
         known = {tuple(tokens) for tokens, _, _ in self._entries()}
-        loaded = 0
-        for entry in manifest.get("entries", []):
-            cache, metadata = load_prompt_cache(str(source / entry["file"]), return_metadata=True)
-            tokens = json.loads(metadata["tokens"])
+        read: list[tuple[list[int], list[Any], str]] = []
+        for entry in entries:
+            try:
+                path = source / entry["file"]
+                cache, metadata = load_prompt_cache(str(path), return_metadata=True)
+                tokens = [int(token) for token in json.loads(metadata["tokens"])]
+            except Exception as exc:  # mlx and json raise many kinds; all mean unreadable
+                raise IncompatibleCacheError(
+                    source, f"unreadable entry {entry.get('file')!r}: {_reason(exc)}"
+                ) from exc
             if tuple(tokens) in known:
                 continue
             known.add(tuple(tokens))
             kind = entry.get("kind", FULL)
-            self.store(tokens, cache, kind if kind in (FULL, SHARED_PREFIX) else FULL)
-            loaded += 1
-        return loaded
+            read.append((tokens, cache, kind if kind in (FULL, SHARED_PREFIX) else FULL))
+        for tokens, cache, kind in read:
+            self.store(tokens, cache, kind)
+        return len(read)
 
     def _entries(self) -> list[tuple[list[int], list[Any], str]]:
         # LRUPromptCache has no iteration API; its order deques hold (namespace, tokens) pairs.
@@ -191,6 +200,49 @@ class PrefixCache:
         before = len(self._lru)
         self._lru.trim_to(n_sequences=self.max_entries, n_bytes=self.max_bytes)
         self.evictions += before - len(self._lru)
+
+
+def _manifest_entries(source: Path, fingerprint: str) -> list[dict[str, Any]]:
+    """The entries listed by the manifest in ``source``, once it says the cache was made by
+    the model with ``fingerprint`` in this format; else ``IncompatibleCacheError``."""
+    try:
+        manifest = json.loads((source / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, not JSON
+        raise IncompatibleCacheError(source, f"unreadable {MANIFEST}: {_reason(exc)}") from exc
+    if not isinstance(manifest, dict):
+        raise IncompatibleCacheError(source, f"{MANIFEST} is not a JSON object")
+    if manifest.get("format") != FORMAT_VERSION:
+        raise IncompatibleCacheError(
+            source,
+            f"saved in format {manifest.get('format')!r}; this worker reads format "
+            f"{FORMAT_VERSION}",
+        )
+    saved = manifest.get("fingerprint")
+    if saved != fingerprint:
+        raise IncompatibleCacheError(
+            source,
+            f"saved by another model (fingerprint {saved}); this model's fingerprint is "
+            f"{fingerprint}",
+            saved_fingerprint=str(saved),
+            model_fingerprint=fingerprint,
+        )
+    entries = manifest.get("entries", [])
+    if not isinstance(entries, list) or not all(map(_is_entry, entries)):
+        raise IncompatibleCacheError(source, f"{MANIFEST} has a malformed entry list")
+    return entries
+
+
+def _is_entry(entry: object) -> bool:
+    """An entry names a plain file beside the manifest: a path would let a crafted manifest
+    read outside the cache directory."""
+    if not isinstance(entry, dict):
+        return False
+    name = entry.get("file")
+    return isinstance(name, str) and not name.startswith(".") and Path(name).name == name
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _replace_dir(staging: Path, target: Path) -> None:
