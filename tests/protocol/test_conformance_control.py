@@ -10,31 +10,27 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import pytest
 
-from tests.protocol.conformance.harness import Served, is_int, is_number, serve, start_with_model
+from tests.protocol.conformance.harness import (
+    Served,
+    is_int,
+    is_number,
+    module_worker,
+    start_with_model,
+)
 from tests.protocol.conformance.raw import Reply, new_id, pack
-from worker.local_redis import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 
 MAX_STR = 256 * 1024
 
 
-@pytest.fixture(scope="module")
-def served(
-    request: pytest.FixtureRequest,
-    redis_server: RedisServer,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Served]:
-    directory: Path = tmp_path_factory.mktemp("conformance-control")
-    with serve(request, redis_server.url, directory, lease_seconds=3.0) as served:
-        yield served
+served = module_worker("conformance-control", lease_seconds=3.0)
 
 
 def _check_reply(reply: Reply, served: Served, ok: bool) -> dict[str, Any]:

@@ -8,8 +8,6 @@ with redis-py and msgpack only, against the real worker.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,10 +22,9 @@ from tests.protocol.conformance.harness import (
     check_zero_usage,
     is_int,
     is_number,
-    serve,
+    module_worker,
 )
 from tests.protocol.conformance.raw import LOG_TTL, Subscriber, pack, wait_for
-from worker.local_redis import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,21 +33,7 @@ SEED = 1234
 MAX_DELIVERIES = 2
 
 
-@pytest.fixture(scope="module")
-def served(
-    request: pytest.FixtureRequest,
-    redis_server: RedisServer,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Served]:
-    directory: Path = tmp_path_factory.mktemp("conformance-events")
-    with serve(
-        request,
-        redis_server.url,
-        directory,
-        lease_seconds=LEASE,
-        max_deliveries=MAX_DELIVERIES,
-    ) as served:
-        yield served
+served = module_worker("conformance-events", lease_seconds=LEASE, max_deliveries=MAX_DELIVERIES)
 
 
 def _fake_consumer_takes(served: Served, job: bytes, consumer: str = "ghost") -> str:

@@ -8,8 +8,7 @@ and a dead letter; one without a readable id gets only the dead letter.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import msgpack
 import pytest
@@ -19,10 +18,9 @@ from tests.protocol.conformance.harness import (
     check_dead_letter,
     check_log,
     check_rejected,
-    serve,
+    module_worker,
 )
 from tests.protocol.conformance.raw import pack, wait_for
-from worker.local_redis import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,15 +29,7 @@ MAX_MESSAGE = 1024 * 1024
 VOCAB = 4096  # the tiny model's vocabulary
 
 
-@pytest.fixture(scope="module")
-def served(
-    request: pytest.FixtureRequest,
-    redis_server: RedisServer,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Served]:
-    directory: Path = tmp_path_factory.mktemp("conformance-jobs")
-    with serve(request, redis_server.url, directory, lease_seconds=3.0) as served:
-        yield served
+served = module_worker("conformance-jobs", lease_seconds=3.0)
 
 
 def _duplicate_request_id(rid: str) -> bytes:

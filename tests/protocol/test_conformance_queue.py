@@ -8,8 +8,6 @@ job's arrival (its stream entry id), so they include the wait.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -19,10 +17,9 @@ from tests.protocol.conformance.harness import (
     Served,
     check_log,
     check_zero_usage,
-    serve,
+    module_worker,
 )
 from tests.protocol.conformance.raw import Wire, entry_ms, new_id, wait_for
-from worker.local_redis import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,22 +33,9 @@ def _queue_before_the_worker(wire: Wire) -> None:
     wire.submit(EARLY, prompt="hello", max_tokens=3, temperature=0)
 
 
-@pytest.fixture(scope="module")
-def served(
-    request: pytest.FixtureRequest,
-    redis_server: RedisServer,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Served]:
-    directory: Path = tmp_path_factory.mktemp("conformance-queue")
-    with serve(
-        request,
-        redis_server.url,
-        directory,
-        max_concurrency=1,
-        lease_seconds=3.0,
-        before_start=_queue_before_the_worker,
-    ) as served:
-        yield served
+served = module_worker(
+    "conformance-queue", max_concurrency=1, lease_seconds=3.0, before_start=_queue_before_the_worker
+)
 
 
 def test_the_worker_creates_the_group_at_0_and_serves_jobs_queued_before_it(

@@ -19,6 +19,7 @@ import pytest
 
 from tests.daemon.helpers import FAST_ENV, WorkerFactory, WorkerProcess, clean_environment
 from tests.protocol.conformance.raw import LogEntry, Wire, new_id
+from worker.local_redis import RedisServer
 
 # Long enough that a job is still generating when a test acts on it (the tiny model makes
 # tens of tokens a second here); every such test stops the job itself.
@@ -75,6 +76,23 @@ def serve(
         wire.close()
         if request.session.testsfailed > failed_before:
             print(factory.report())
+
+
+def module_worker(name: str, **start: Any) -> Any:
+    """The ``served`` fixture of one conformance module: one worker for all its tests, started
+    with ``start`` (WorkerFactory.start's settings, plus ``before_start``)."""
+
+    @pytest.fixture(scope="module")
+    def served(
+        request: pytest.FixtureRequest,
+        redis_server: RedisServer,
+        tmp_path_factory: pytest.TempPathFactory,
+    ) -> Iterator[Served]:
+        directory = tmp_path_factory.mktemp(name)
+        with serve(request, redis_server.url, directory, **start) as running:
+            yield running
+
+    return served
 
 
 def start_with_model(
