@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from collections.abc import Sequence
 
 import worker  # noqa: F401  (loads OpenBLAS before anything imports mlx)
@@ -13,7 +12,7 @@ from protocol.cli import COMMANDS as CLIENT_COMMANDS
 from protocol.cli import add_commands as add_client_commands
 from protocol.cli import run as run_client_command
 from worker.daemon.settings import WorkerSettings, load_settings
-from worker.logs import configure_logging
+from worker.logs import configure_logging, one_line, tell_operator
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,9 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         if _is_model_unavailable(exc):
-            return _usage_error(args, _one_line(exc), exc)
+            return _usage_error(args, one_line(exc), exc)
         print(
-            f"mlx-worker {args.command}: {type(exc).__name__}: {_one_line(exc)}",
+            f"mlx-worker {args.command}: {type(exc).__name__}: {one_line(exc)}",
             file=sys.stderr,
             flush=True,
         )
@@ -232,7 +231,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         try:
             settings = _worker_settings(args)
         except (ValueError, OSError) as exc:
-            return _usage_error(args, f"bad settings: {_one_line(exc)}", exc)
+            return _usage_error(args, f"bad settings: {one_line(exc)}", exc)
         from worker.daemon.service import check_health, serve
 
         if args.command == "run":
@@ -247,9 +246,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _usage_error(args: argparse.Namespace, message: str, exc: BaseException) -> int:
     """One line naming the problem (after its traceback with --debug); status 2."""
-    if args.debug:
-        traceback.print_exception(exc)
-    print(f"mlx-worker {args.command}: {message}", file=sys.stderr, flush=True)
+    tell_operator(f"mlx-worker {args.command}: {message}", exc, debug=args.debug)
     return 2
 
 
@@ -259,10 +256,6 @@ def _is_model_unavailable(exc: BaseException) -> bool:
     ctl never need."""
     loading = sys.modules.get("worker.models.loading")
     return loading is not None and isinstance(exc, loading.ModelUnavailable)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

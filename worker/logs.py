@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from typing import Literal
 
 import structlog
@@ -37,3 +38,16 @@ def configure_logging(log_format: LogFormat = "json", level: str = "INFO") -> No
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+def tell_operator(line: str, exc: BaseException, *, debug: bool) -> None:
+    """One line on stderr for a person at a terminal (after the traceback with ``debug``):
+    how every ``mlx-worker`` failure is reported, so no traceback reaches a user otherwise."""
+    if debug:
+        traceback.print_exception(exc)
+    print(line, file=sys.stderr, flush=True)
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message with its line breaks and runs of spaces folded."""
+    return " ".join(str(exc).split())

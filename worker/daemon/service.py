@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import sys
-import traceback
 
 import structlog
 
@@ -17,6 +16,7 @@ from worker.daemon.eviction import EvictingRedis
 from worker.daemon.permissions import MissingPermission
 from worker.daemon.settings import WorkerSettings
 from worker.daemon.worker import Worker
+from worker.logs import one_line, tell_operator
 from worker.models.loading import ModelUnavailable
 
 log = structlog.get_logger(__name__)
@@ -55,22 +55,16 @@ def serve(settings: WorkerSettings, *, debug: bool = False) -> int:
         return asyncio.run(main())
     except REDIS_REFUSED as exc:
         return _refused(
-            f"Redis refused us at {redact(settings.redis_url)}: {_one_line(exc)}", exc, debug
+            f"Redis refused us at {redact(settings.redis_url)}: {one_line(exc)}", exc, debug
         )
     except (EvictingRedis, UnsupportedRedis, MissingPermission, ModelUnavailable) as exc:
-        return _refused(_one_line(exc), exc, debug)
+        return _refused(one_line(exc), exc, debug)
 
 
 def _refused(line: str, exc: BaseException, debug: bool) -> int:
     """One line for the operator (after the traceback with ``debug``); the usage status."""
-    if debug:
-        traceback.print_exception(exc)
-    print(f"mlx-worker: {line}", file=sys.stderr, flush=True)
+    tell_operator(f"mlx-worker: {line}", exc, debug=debug)
     return EXIT_USAGE
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
 
 
 def check_health(settings: WorkerSettings) -> int:
