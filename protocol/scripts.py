@@ -129,7 +129,9 @@ return results
 # newest event is terminal (the job is finished: nothing may follow it, whatever queued
 # markers a re-submission appended), and -1 when a newer attempt has already begun (this
 # delivery is stale), or with ARGV[4] = "IFFREE" when any attempt has begun: a worker ending a
-# request that still waits (an abort) must not take it from the worker that started it. Both
+# request that still waits (an abort) must not take it from the worker that started it; or,
+# with ARGV[4] = "IFFENCE", when the fence is not exactly ARGV[5]: the abort of a job whose
+# worker died takes over from that run only, never from one that began meanwhile. Both
 # checks and the fence are one atomic step, so an older attempt's last event cannot land
 # between "not finished yet" and "fenced". Safe to repeat with the same token: it sets the
 # same fence and returns the same seq. The fence has no TTL while the request runs (a long
@@ -144,7 +146,11 @@ if ended then
   return -2
 end
 local fence = redis.call('GET', KEYS[2])
-if fence and (ARGV[4] == 'IFFREE'
+if ARGV[4] == 'IFFENCE' then
+  if fence ~= ARGV[5] then
+    return -1
+  end
+elseif fence and (ARGV[4] == 'IFFREE'
     or tonumber(string.match(fence, '^%d+') or '0') > tonumber(ARGV[1])) then
   return -1
 end
@@ -244,9 +250,35 @@ def publish_call(
     return script_keys, script_args
 
 
-def new_run() -> str:
-    """A token for one run of an attempt (``begin_attempt``, then ``publish_events``)."""
-    return secrets.token_hex(8)
+def new_run(worker_id: str | None = None) -> str:
+    """A token for one run of an attempt (``begin_attempt``, then ``publish_events``); it
+    names the worker that runs it, so others can tell a fence whose worker died."""
+    token = secrets.token_hex(8)
+    return f"{worker_id}/{token}" if worker_id else token
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """A request's attempt key: which attempt, which run, and the worker of that run (None
+    for a token that names none)."""
+
+    raw: bytes
+    attempt: int
+    worker_id: str | None
+
+
+def parse_fence(raw: bytes | str | None) -> Fence | None:
+    """The fence ``"ATTEMPT RUN"`` read from a request's attempt key; None when absent or
+    not of that shape."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        raw = raw.encode()
+    attempt, _, run = raw.decode(errors="replace").partition(" ")
+    if not attempt.isdigit() or not run:
+        return None
+    worker_id, slash, _ = run.rpartition("/")
+    return Fence(raw=raw, attempt=int(attempt), worker_id=worker_id if slash else None)
 
 
 async def begin_attempt(
@@ -258,15 +290,21 @@ async def begin_attempt(
     run: str,
     *,
     if_free: bool = False,
+    if_fence: bytes | None = None,
 ) -> int:
     """Fence the request for this run of ``attempt`` (a ``new_run()`` token) and return the
     log's last seq to continue from; or ``FINISHED`` when the log's newest event is terminal,
     or ``STALE_ATTEMPT`` when a newer attempt has already begun (with ``if_free``: when any
-    attempt has). Nothing is fenced in those two cases."""
+    attempt has; with ``if_fence``: when the fence is not exactly that value). Nothing is
+    fenced in those two cases."""
     if not run or run == NO_RUN or any(c.isspace() for c in run):
         raise ValueError(f"a run token must be a word, got {run!r}")
     log_key, fence_key = keys.log(request_id), keys.attempt(request_id)
-    mode = ("IFFREE",) if if_free else ()
+    mode: tuple[str | bytes, ...] = ()
+    if if_fence is not None:
+        mode = ("IFFENCE", if_fence)
+    elif if_free:
+        mode = ("IFFREE",)
     last: int = await redis.eval(
         BEGIN_ATTEMPT, 2, log_key, fence_key, attempt, ttl_seconds, run, *mode
     )

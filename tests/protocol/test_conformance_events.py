@@ -381,6 +381,67 @@ def test_a_job_whose_consumer_died_is_redelivered_and_continues_the_numbering(
     wait_for(lambda: wire.job_entry_gone(entry_id), 10, "the job acknowledged")
 
 
+def test_abort_command_ends_a_job_whose_worker_died(served: Served) -> None:
+    """A worker (a fake consumer here) began the job, wrote a delta and died: its fence names
+    it and it has no heartbeat. The abort command ends the request at once as a new attempt
+    (its reset, then done/abort), without waiting for the lease; the reclaimed entry is later
+    acknowledged without running."""
+    wire = served.wire
+    rid = served.rid("orphan")
+    wire.queued_marker(rid)
+    job = pack({"v": 1, "request_id": rid, "prompt": "hello", "max_tokens": 4, "temperature": 0})
+    entry_id = _fake_consumer_takes(served, job, "dead-worker")
+    wire.redis.set(wire.names.attempt(rid), b"1 dead-worker/0123abcd")
+    delta = {
+        "v": 1,
+        "type": "delta",
+        "request_id": rid,
+        "seq": 1,
+        "attempt": 1,
+        "new_text": "ghost",
+        "new_token_ids": [1],
+    }
+    wire.redis.xadd(wire.names.log(rid), {"seq": b"1", "e": pack(delta)})
+    started = time.monotonic()
+    reply = wire.command("abort", request_id=rid)
+    summary = check_log(wire.wait_for_end(rid, timeout=5), rid)
+    elapsed = time.monotonic() - started
+    assert reply.fields["result"] == {"aborted": True, "state": "queued"}, reply.fields
+    assert elapsed < 1.5, f"ended after {elapsed:.2f} s"
+    assert [(e["type"], e["seq"], e["attempt"]) for e in summary.events] == [
+        ("delta", 1, 1),
+        ("reset", 2, 2),
+        ("done", 3, 2),
+    ]
+    assert summary.terminal["finish_reason"] == "abort"
+    check_zero_usage(summary.terminal["usage"])
+    wait_for(lambda: wire.job_entry_gone(entry_id), LEASE + 15, "the reclaimed entry acknowledged")
+    assert len(wire.log(rid)) == len(summary.events) + 1  # nothing ran after the end
+
+
+def test_abort_command_leaves_a_job_whose_worker_lives_to_it(served: Served) -> None:
+    """The same, but the fence's worker has a heartbeat: it may still be running the job, so
+    the command must not take it over (that worker stops it, by this broadcast or the
+    marker): `elsewhere`, and nothing written."""
+    wire = served.wire
+    rid = served.rid("owned")
+    wire.queued_marker(rid)
+    job = pack({"v": 1, "request_id": rid, "prompt": "hello", "max_tokens": 4, "temperature": 0})
+    entry_id = _fake_consumer_takes(served, job, "live-worker")
+    wire.redis.set(wire.names.attempt(rid), b"1 live-worker/0123abcd")
+    wire.redis.set(wire.names.worker("live-worker"), b"{}", px=60_000)
+    try:
+        reply = wire.command("abort", request_id=rid)
+        assert reply.fields["result"] == {"aborted": False, "state": "elsewhere"}, reply.fields
+        assert [e.seq for e in wire.log(rid)] == [0]
+    finally:
+        wire.redis.delete(wire.names.worker("live-worker"))
+    # Its lease runs out: the worker reclaims it and the marker the command set ends it.
+    summary = check_log(wire.wait_for_end(rid, timeout=LEASE + 15), rid)
+    assert summary.terminal["finish_reason"] == "abort"
+    wait_for(lambda: wire.job_entry_gone(entry_id), 10, "the job acknowledged")
+
+
 def test_a_job_delivered_too_often_is_dead_lettered(served: Served) -> None:
     """Delivered to fake consumers max_deliveries times (XREADGROUP, then XCLAIM, each one
     delivery); the worker's reclaim is delivery 3 > 2: a reset opening attempt 3, an `error`

@@ -15,9 +15,12 @@ from protocol.scripts import (
     FINISHED,
     PUBLISH_EVENTS,
     STALE_ATTEMPT,
+    Fence,
     Outcome,
     begin_attempt,
     last_seq,
+    new_run,
+    parse_fence,
     publish_events,
     read_log,
 )
@@ -335,3 +338,29 @@ def test_begin_if_free_takes_only_a_request_nobody_began(redis_url: str, keys: K
     free, begun, ended, fence = run(scenario())
     assert (free, begun, ended) == (0, STALE_ATTEMPT, FINISHED)
     assert fence == f"1 {run_of(1)}".encode()  # the worker that began it keeps it
+
+
+def test_begin_if_fence_takes_over_from_that_run_only(redis_url: str, keys: Keys) -> None:
+    """The abort of a job whose worker died: the new attempt takes the fence only while it is
+    exactly the dead run's, not one that a reclaiming worker began meanwhile."""
+    dead = b"1 gone-worker/abc"
+
+    async def scenario() -> tuple[int, int, bytes | None]:
+        redis = Redis.from_url(redis_url)
+        try:
+            await emit(redis, keys, queued("r1"))
+            await redis.set(keys.attempt("r1"), dead)
+            taken = await begin_attempt(redis, keys, "r1", 2, 600, "me/1", if_fence=dead)
+            again = await begin_attempt(redis, keys, "r1", 3, 600, "me/2", if_fence=dead)
+            return taken, again, await redis.get(keys.attempt("r1"))
+        finally:
+            await redis.aclose()
+
+    taken, again, fence = run(scenario())
+    assert (taken, again) == (0, STALE_ATTEMPT)
+    assert fence == b"2 me/1"
+    parsed = parse_fence(dead)
+    assert parsed is not None and (parsed.attempt, parsed.worker_id) == (1, "gone-worker")
+    assert parse_fence(b"1 tokenwithoutworker") == Fence(b"1 tokenwithoutworker", 1, None)
+    assert parse_fence(b"garbage") is None and parse_fence(None) is None
+    assert new_run("w-1").startswith("w-1/")

@@ -22,7 +22,14 @@ from protocol.identifiers import stream_id_time
 from protocol.keys import Keys
 from protocol.limits import Limits
 from protocol.messages import SYSTEM_PREFIX, Job
-from protocol.scripts import FINISHED, STALE_ATTEMPT, Outcome, begin_attempt, new_run
+from protocol.scripts import (
+    FINISHED,
+    STALE_ATTEMPT,
+    Outcome,
+    begin_attempt,
+    new_run,
+    parse_fence,
+)
 from worker.daemon.backoff import retry_until_done
 from worker.daemon.job_queue import Delivery, JobQueue
 from worker.daemon.publisher import EventPublisher
@@ -43,8 +50,11 @@ class JobRunner:
         limits: Limits,
         max_deliveries: int,
         default_stream_interval: int,
+        *,
+        worker_id: str,
     ) -> None:
         self.engine = engine
+        self.worker_id = worker_id
         self.redis = redis
         self.keys = keys
         self.queue = queue
@@ -74,7 +84,7 @@ class JobRunner:
             log.warning("job_duplicate_in_flight")
             return
         attempt = delivery.times_delivered
-        run = new_run()
+        run = new_run(self.worker_id)
         last_seq = await self._begin_attempt(rid, attempt, run)
         if last_seq == FINISHED:  # its log already ends: a redelivery of a finished job
             await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
@@ -163,21 +173,46 @@ class JobRunner:
         return await self.engine.abort_request(request_id)
 
     async def end_waiting(self, request_id: str) -> str:
-        """End with ``done(abort)`` a request that no worker has begun (its job still waits in
-        the stream, or in some worker's backlog): "queued". Its job entry, when a worker takes
-        it, finds the request finished and is acknowledged without running. "finished" when it
-        had already ended; "elsewhere" when a worker has begun it (that worker stops it, by
-        the abort command or the marker)."""
-        run = new_run()
+        """End with ``done(abort)`` a request that waits: no worker has begun it (its job is in
+        the stream, or in some worker's backlog), or the worker that began it is dead (no
+        heartbeat: the job waits for its lease to run out). "queued": ended here; its job
+        entry, when a worker takes it, finds the request finished and is acknowledged without
+        running. "finished" when it had already ended; "elsewhere" when a live worker has
+        begun it (that worker stops it, by the abort command or the marker)."""
+        state = await self._end_as(request_id, 1, if_free=True)
+        if state != "elsewhere":
+            return state
+        fence = parse_fence(
+            await retry_until_done(lambda: self.redis.get(self.keys.attempt(request_id)), "read")
+        )
+        if fence is None or fence.worker_id in (None, self.worker_id):
+            return state
+        owner = fence.worker_id
+        if await retry_until_done(lambda: self.redis.exists(self.keys.worker(owner)), "read"):
+            return state
+        # Its worker died mid-run: take the request from that run only (a newer attempt,
+        # opening with its reset), never from one that began since.
+        return await self._end_as(request_id, fence.attempt + 1, if_fence=fence.raw)
+
+    async def _end_as(
+        self,
+        request_id: str,
+        attempt: int,
+        *,
+        if_free: bool = False,
+        if_fence: bytes | None = None,
+    ) -> str:
+        run = new_run(self.worker_id)
         last_seq = await retry_until_done(
             lambda: begin_attempt(
                 self.redis,
                 self.keys,
                 request_id,
-                1,
+                attempt,
                 self.publisher.log_ttl,
                 run,
-                if_free=True,
+                if_free=if_free,
+                if_fence=if_fence,
             ),
             "begin attempt",
         )
@@ -185,7 +220,9 @@ class JobRunner:
             return "finished"
         if last_seq == STALE_ATTEMPT:
             return "elsewhere"
-        written = self.publisher.open(request_id, 1, run, last_seq + 1, None)
+        written = self.publisher.open(request_id, attempt, run, last_seq + 1, None)
+        if attempt > 1:  # every new attempt opens with a reset
+            self.publisher.reset(request_id)
         self.publisher.done(request_id, "abort")
         try:
             await written
@@ -262,7 +299,7 @@ class JobRunner:
         log.warning("job_rejected", code=code, error=message, request_id=rid)
         written = None
         if rid is not None and rid not in self.in_flight:
-            run = new_run()
+            run = new_run(self.worker_id)
             last_seq = await self._begin_attempt(rid, delivery.times_delivered, run)
             if last_seq >= 0:
                 written = self.publisher.open(

@@ -176,6 +176,7 @@ class Worker:
             DEFAULT_LIMITS,
             settings.max_deliveries,
             settings.stream_interval,
+            worker_id=settings.worker_id,
         )
         self.control = ControlListener(
             self.redis,
