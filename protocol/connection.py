@@ -19,6 +19,7 @@ code that knows the command is safe to repeat.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
@@ -162,10 +163,10 @@ async def _hello(redis: Redis) -> tuple[str | None, tuple[int, ...] | None]:
         await redis.connection_pool.disconnect()
     if isinstance(reply, list):  # RESP2 servers answer with a flat list of pairs
         reply = dict(zip(reply[0::2], reply[1::2], strict=False))
-    fields = {_text(name): value for name, value in dict(reply).items()}
-    mode = _text(fields.get("mode", b"standalone"))
+    fields = {as_text(name): value for name, value in dict(reply).items()}
+    mode = as_text(fields.get("mode", b"standalone"))
     version = tuple(
-        int(part) for part in _text(fields.get("version", b"0")).split(".")[:2] if part.isdigit()
+        int(part) for part in as_text(fields.get("version", b"0")).split(".")[:2] if part.isdigit()
     )
     return mode, version
 
@@ -291,5 +292,18 @@ def redact(url: str) -> str:
     return urlunsplit(parts)
 
 
-def _text(value: object) -> str:
+def as_text(value: object) -> str:
+    """A reply value as text (clients here never decode responses: events are binary)."""
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def exists_each(redis: RedisClient, keys: Sequence[str]) -> list[bool]:
+    """Whether each key exists, in one round trip (one per node on a Cluster, where keys of
+    different slots cannot share an EXISTS)."""
+    if not keys:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.exists(key)
+        replies = await pipe.execute()
+    return [bool(reply) for reply in replies]

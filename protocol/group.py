@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from redis.exceptions import ResponseError
 
-from protocol.connection import RedisClient
+from protocol.connection import RedisClient, as_text, exists_each
 from protocol.identifiers import is_valid_id
 from protocol.keys import Keys
 
@@ -87,7 +87,7 @@ async def list_consumers(redis: RedisClient, keys: Keys) -> list[Consumer]:
                 f"{keys.prefix!r} ever started?)"
             ) from exc
         raise
-    infos = [{_text(k): v for k, v in row.items()} for row in rows]
+    infos = [{as_text(k): v for k, v in row.items()} for row in rows]
     names = [_raw(info.get("name", b"")) for info in infos]
     alive = await _heartbeats(redis, keys, names)
     return [
@@ -134,14 +134,9 @@ async def _heartbeats(redis: RedisClient, keys: Keys, names: list[bytes]) -> lis
     Cluster). A name that is not a valid worker id has no heartbeat key: not alive."""
     checked = [(i, keys.worker(name.decode())) for i, name in enumerate(names) if _is_id(name)]
     found = [False] * len(names)
-    if not checked:
-        return found
-    async with redis.pipeline(transaction=False) as pipe:
-        for _, key in checked:
-            pipe.exists(key)
-        replies = await pipe.execute()
-    for (index, _), reply in zip(checked, replies, strict=True):
-        found[index] = bool(reply)
+    alive = await exists_each(redis, [key for _, key in checked])
+    for (index, _), beating in zip(checked, alive, strict=True):
+        found[index] = beating
     return found
 
 
@@ -154,7 +149,3 @@ def _is_id(name: bytes) -> bool:
 
 def _raw(value: object) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -312,14 +312,17 @@ async def begin_attempt(
 
 
 async def last_seq(redis: RedisClient, keys: Keys, request_id: str) -> int:
-    """The highest seq in the request's log: 0 when only queued, or when there is no log.
-
-    A worker that picks up a redelivered job continues numbering from here.
-    """
-    newest = await redis.xrevrange(keys.log(request_id), "+", "-", count=1)
-    if not newest:
-        return 0
-    return _entry(newest[0]).seq
+    """The seq of the newest event a worker wrote to the request's log, skipping producers'
+    queued markers as the scripts do (``NEWEST_EVENT``): what a new attempt continues from;
+    0 when only queued, or when there is no log."""
+    before: bytes | str = "+"
+    while entries := await redis.xrevrange(keys.log(request_id), before, "-", count=16):
+        logged = [_entry(entry) for entry in entries]
+        for entry in logged:
+            if entry.seq > 0:
+                return entry.seq
+        before = b"(" + logged[-1].stream_id
+    return 0
 
 
 async def read_log(

@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _is_model_unavailable(exc):
             return _usage_error(args, one_line(exc), exc)
         print(
-            f"mlx-worker {args.command}: {type(exc).__name__}: {one_line(exc)}",
+            f"mlx-worker {args.command}: {one_line(exc, typed=True)}",
             file=sys.stderr,
             flush=True,
         )

@@ -48,6 +48,8 @@ def tell_operator(line: str, exc: BaseException, *, debug: bool) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def one_line(exc: BaseException) -> str:
-    """The exception's message with its line breaks and runs of spaces folded."""
-    return " ".join(str(exc).split())
+def one_line(exc: BaseException, *, typed: bool = False) -> str:
+    """The exception's message with its line breaks and runs of spaces folded (``typed``:
+    after its type's name, for a failure nobody anticipated)."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if typed else text

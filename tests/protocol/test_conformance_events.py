@@ -24,7 +24,7 @@ from tests.protocol.conformance.harness import (
     is_number,
     module_worker,
 )
-from tests.protocol.conformance.raw import LOG_TTL, Subscriber, pack, wait_for
+from tests.protocol.conformance.raw import LOG_TTL, Subscriber, Wire, pack, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -347,6 +347,21 @@ def test_a_finished_request_submitted_again_is_not_run_again(served: Served) -> 
     assert [e["seq"] for e in released] == list(range(len(finished.events) + 1))
 
 
+def _log_a_dead_workers_delta(wire: Wire, request_id: str, seq: int, text: str) -> None:
+    """A delta of attempt 1 in the log, as the worker that began the job wrote it before it
+    died (it published nothing live: nobody listens in these tests)."""
+    delta = {
+        "v": 1,
+        "type": "delta",
+        "request_id": request_id,
+        "seq": seq,
+        "attempt": 1,
+        "new_text": text,
+        "new_token_ids": [seq],
+    }
+    wire.redis.xadd(wire.names.log(request_id), {"seq": str(seq).encode(), "e": pack(delta)})
+
+
 def test_a_job_whose_consumer_died_is_redelivered_and_continues_the_numbering(
     served: Served,
 ) -> None:
@@ -359,16 +374,7 @@ def test_a_job_whose_consumer_died_is_redelivered_and_continues_the_numbering(
     job = pack({"v": 1, "request_id": rid, "prompt": "hello", "max_tokens": 4, "temperature": 0})
     entry_id = _fake_consumer_takes(served, job)
     for seq, text in ((1, "ghost "), (2, "words")):
-        delta = {
-            "v": 1,
-            "type": "delta",
-            "request_id": rid,
-            "seq": seq,
-            "attempt": 1,
-            "new_text": text,
-            "new_token_ids": [seq],
-        }
-        wire.redis.xadd(wire.names.log(rid), {"seq": str(seq).encode(), "e": pack(delta)})
+        _log_a_dead_workers_delta(wire, rid, seq, text)
     started = time.monotonic()
     summary = check_log(wire.wait_for_end(rid, timeout=LEASE + 15), rid)
     assert time.monotonic() - started > LEASE - 1.0  # not before the lease ran out
@@ -392,16 +398,7 @@ def test_abort_command_ends_a_job_whose_worker_died(served: Served) -> None:
     job = pack({"v": 1, "request_id": rid, "prompt": "hello", "max_tokens": 4, "temperature": 0})
     entry_id = _fake_consumer_takes(served, job, "dead-worker")
     wire.redis.set(wire.names.attempt(rid), b"1 dead-worker/0123abcd")
-    delta = {
-        "v": 1,
-        "type": "delta",
-        "request_id": rid,
-        "seq": 1,
-        "attempt": 1,
-        "new_text": "ghost",
-        "new_token_ids": [1],
-    }
-    wire.redis.xadd(wire.names.log(rid), {"seq": b"1", "e": pack(delta)})
+    _log_a_dead_workers_delta(wire, rid, 1, "ghost")
     started = time.monotonic()
     reply = wire.command("abort", request_id=rid)
     summary = check_log(wire.wait_for_end(rid, timeout=5), rid)

@@ -304,6 +304,7 @@ def test_queued_markers_after_the_end_neither_hide_it_nor_renumber(
             # Unfinished: markers after a worker's event (the job re-submitted while it runs).
             await emit(redis, keys, delta("r2", 1, "x"))
             await plain_marker(redis, "r2")
+            assert await last_seq(redis, keys, "r2") == 1
             continued = await begin(redis, keys, "r2", 2)
             outcomes = await emit(redis, keys, reset("r2", 2, 2), delta("r2", 3, "y", 2))
             seqs = [entry.seq for entry in await read_log(redis, keys, "r2")]

@@ -17,7 +17,7 @@ import structlog
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
-from protocol.connection import RedisClient
+from protocol.connection import RedisClient, as_text
 
 log = structlog.get_logger(__name__)
 
@@ -46,7 +46,7 @@ async def memory_policies(redis: RedisClient) -> dict[str, str]:
         )
         return {}
     return {
-        node: _text(info.get("maxmemory_policy", SAFE_POLICY)) for node, info in replies.items()
+        node: as_text(info.get("maxmemory_policy", SAFE_POLICY)) for node, info in replies.items()
     }
 
 
@@ -69,7 +69,3 @@ async def check_eviction_policy(redis: RedisClient, where: str, *, allow: bool) 
         f"maxmemory-policy {SAFE_POLICY}, or pass --allow-eviction (MLXW_ALLOW_EVICTION=1) "
         "to run anyway"
     )
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

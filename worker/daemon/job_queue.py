@@ -13,7 +13,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from protocol.connection import RedisClient
+from protocol.connection import RedisClient, as_text
 from protocol.constants import JOB_FIELD
 from protocol.group import remove_idle_consumer
 from protocol.keys import Keys
@@ -113,7 +113,7 @@ class JobQueue:
             count=count,
         )
         cursor, entries = reply[0], reply[1]
-        self._reclaim_cursor = _text(cursor)
+        self._reclaim_cursor = as_text(cursor)
         return await self._with_delivery_counts(entries)
 
     async def extend_leases(self, entry_ids: list[str]) -> list[str]:
@@ -123,7 +123,7 @@ class JobQueue:
         lost: Any = await self.redis.eval(
             EXTEND_LEASES, 1, self.keys.jobs, self.keys.group, self.consumer, *entry_ids
         )
-        return [_text(entry_id) for entry_id in lost]
+        return [as_text(entry_id) for entry_id in lost]
 
     async def ack(self, entry_id: str) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -170,9 +170,10 @@ class JobQueue:
         """Lag and pending count of our group (for stats)."""
         groups: Any = await self.redis.xinfo_groups(self.keys.jobs)
         for group in groups:
-            if _text(group.get("name", group.get(b"name", b""))) == self.keys.group:
+            if as_text(group.get("name", group.get(b"name", b""))) == self.keys.group:
                 return {
-                    _text(k): (_text(v) if isinstance(v, bytes) else v) for k, v in group.items()
+                    as_text(k): (as_text(v) if isinstance(v, bytes) else v)
+                    for k, v in group.items()
                 }
         return {}
 
@@ -192,7 +193,7 @@ class JobQueue:
         live = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
         if not live:
             return []
-        ids = [_text(entry_id) for entry_id, _ in live]
+        ids = [as_text(entry_id) for entry_id, _ in live]
         pending: Any = await self.redis.xpending_range(
             self.keys.jobs,
             self.keys.group,
@@ -201,7 +202,7 @@ class JobQueue:
             count=len(ids) + 64,
             consumername=self.consumer,
         )
-        counts = {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        counts = {as_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
         deliveries = []
         for entry_id, (_, fields) in zip(ids, live, strict=True):
             job = fields.get(JOB_FIELD.encode(), fields.get(JOB_FIELD))
@@ -213,7 +214,3 @@ class JobQueue:
                 )
             )
         return deliveries
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from itertools import takewhile
 from typing import Any
 
@@ -95,12 +96,7 @@ class JobRunner:
             self._count("stale_delivery")
             log.warning("job_stale_delivery", attempt=attempt)
             return
-        first_seq = last_seq + 1
-        written = self.publisher.open(
-            rid, attempt, run, first_seq, job.metadata, arrival=stream_id_time(delivery.entry_id)
-        )
-        if attempt > 1:
-            self.publisher.reset(rid)
+        written = self._open(rid, attempt, run, last_seq, job.metadata, delivery)
         if delivery.times_delivered > self.max_deliveries:
             message = f"delivered {delivery.times_delivered} times (limit {self.max_deliveries})"
             self.publisher.error(rid, "dead_lettered", message)
@@ -203,26 +199,14 @@ class JobRunner:
         if_fence: bytes | None = None,
     ) -> str:
         run = new_run(self.worker_id)
-        last_seq = await retry_until_done(
-            lambda: begin_attempt(
-                self.redis,
-                self.keys,
-                request_id,
-                attempt,
-                self.publisher.log_ttl,
-                run,
-                if_free=if_free,
-                if_fence=if_fence,
-            ),
-            "begin attempt",
+        last_seq = await self._begin_attempt(
+            request_id, attempt, run, if_free=if_free, if_fence=if_fence
         )
         if last_seq == FINISHED:
             return "finished"
         if last_seq == STALE_ATTEMPT:
             return "elsewhere"
-        written = self.publisher.open(request_id, attempt, run, last_seq + 1, None)
-        if attempt > 1:  # every new attempt opens with a reset
-            self.publisher.reset(request_id)
+        written = self._open(request_id, attempt, run, last_seq, None)
         self.publisher.done(request_id, "abort")
         try:
             await written
@@ -284,15 +268,50 @@ class JobRunner:
             boundary = shared_prefix_length(system_ids, token_ids)
         return token_ids, boundary
 
-    async def _begin_attempt(self, request_id: str, attempt: int, run: str) -> int:
+    async def _begin_attempt(
+        self,
+        request_id: str,
+        attempt: int,
+        run: str,
+        *,
+        if_free: bool = False,
+        if_fence: bytes | None = None,
+    ) -> int:
         """Fence the request for this run (one round trip, atomic with the "already
         finished?" check); the log's last seq, or ``STALE_ATTEMPT`` / ``FINISHED``."""
         return await retry_until_done(
             lambda: begin_attempt(
-                self.redis, self.keys, request_id, attempt, self.publisher.log_ttl, run
+                self.redis,
+                self.keys,
+                request_id,
+                attempt,
+                self.publisher.log_ttl,
+                run,
+                if_free=if_free,
+                if_fence=if_fence,
             ),
             "begin attempt",
         )
+
+    def _open(
+        self,
+        request_id: str,
+        attempt: int,
+        run: str,
+        last_seq: int,
+        metadata: Mapping[str, Any] | None,
+        delivery: Delivery | None = None,
+    ) -> asyncio.Future[None]:
+        """Start publishing a begun attempt after the log's ``last_seq``; every attempt after
+        the first opens with a reset. Usage timings count from the job's arrival (its
+        ``delivery``'s entry id) when there is one."""
+        arrival = stream_id_time(delivery.entry_id) if delivery is not None else None
+        written = self.publisher.open(
+            request_id, attempt, run, last_seq + 1, metadata, arrival=arrival
+        )
+        if attempt > 1:
+            self.publisher.reset(request_id)
+        return written
 
     async def _reject(self, delivery: Delivery, rid: str | None, code: str, message: str) -> None:
         """An undecodable job: dead-letter it, and tell its request when we know which one."""
@@ -302,16 +321,7 @@ class JobRunner:
             run = new_run(self.worker_id)
             last_seq = await self._begin_attempt(rid, delivery.times_delivered, run)
             if last_seq >= 0:
-                written = self.publisher.open(
-                    rid,
-                    delivery.times_delivered,
-                    run,
-                    last_seq + 1,
-                    None,
-                    arrival=stream_id_time(delivery.entry_id),
-                )
-                if delivery.times_delivered > 1:  # every new attempt opens with a reset
-                    self.publisher.reset(rid)
+                written = self._open(rid, delivery.times_delivered, run, last_seq, None, delivery)
                 self.publisher.error(rid, "invalid_job", f"{code}: {message}")
         await self._finish(delivery, written, "invalid", dead=(code, message), rid=rid)
 

@@ -138,7 +138,7 @@ class EventPublisher:
             run=run,
             next_seq=first_seq,
             metadata=metadata,
-            arrival=now if arrival is None else min(arrival, now),
+            arrival=now if arrival is None else arrival,
             opened=now,
             written=asyncio.get_running_loop().create_future(),
         )

@@ -24,7 +24,8 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 
 from protocol.channels import ChannelHub
 from protocol.codec_job import readable_request_id
-from protocol.connection import RedisClient, connect, redact
+from protocol.connection import RedisClient, connect, exists_each, redact
+from protocol.constants import DEFAULT_ABORT_TTL_SECONDS
 from protocol.keys import Keys
 from protocol.limits import DEFAULT_LIMITS
 from worker.daemon.backoff import (
@@ -54,8 +55,6 @@ BACKLOG_READ_LIMIT = 100_000
 # How often the abort markers of running jobs are checked: the marker alone stops a job
 # within this (the abort command is the faster path).
 ABORT_POLL_SECONDS = 0.5
-# The marker the abort command sets (as the protocol's producers do).
-ABORT_MARKER_SECONDS = 3600
 
 
 class Worker:
@@ -360,10 +359,11 @@ class Worker:
 
     async def _abort(self, request_id: str) -> dict[str, Any]:
         """The abort command: stop the request wherever it is, as far as this worker can."""
-        await self.redis.set(self.keys.abort(request_id), b"1", ex=ABORT_MARKER_SECONDS)
+        # The marker a producer sets (rule 5), so the command alone is enough.
+        await self.redis.set(self.keys.abort(request_id), b"1", ex=DEFAULT_ABORT_TTL_SECONDS)
         if self.runner.running(request_id):
             return {"aborted": await self.runner.abort(request_id), "state": "running"}
-        waiting = [d for d in self._backlog if _request_id(d) == request_id]
+        waiting = [d for d in self._backlog if readable_request_id(d.job_bytes) == request_id]
         if waiting:  # ours, waiting for a slot: it starts, sees its marker and ends at once
             self._backlog = [d for d in self._backlog if d not in waiting]
             self._start(waiting, now=True)
@@ -379,12 +379,7 @@ class Worker:
         ``ABORT_POLL_SECONDS``. Also catches a command that arrived while the job was between
         its start checks and the engine. One round trip for all of them."""
         running = list(self.runner.in_flight)
-        if not running:
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for request_id in running:
-                pipe.exists(self.keys.abort(request_id))
-            marked = await pipe.execute()
+        marked = await exists_each(self.redis, [self.keys.abort(rid) for rid in running])
         for request_id, is_marked in zip(running, marked, strict=True):
             if is_marked and await self.runner.abort(request_id):
                 log.info("job_aborted_by_marker", request_id=request_id)
@@ -465,10 +460,6 @@ class Worker:
                 mlx_peak_memory_bytes=peak,
             )
         return memory
-
-
-def _request_id(delivery: Delivery) -> str | None:
-    return readable_request_id(delivery.job_bytes)
 
 
 def _mlx_memory(_scheduler: object) -> tuple[int, int, int]:

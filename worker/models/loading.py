@@ -14,6 +14,7 @@ from typing import Any
 import mlx_lm
 from huggingface_hub.constants import HF_HUB_CACHE
 
+from worker.logs import one_line
 from worker.models.paths import FIXTURES, resolve_model
 
 
@@ -28,7 +29,7 @@ def load_model(name_or_path: str) -> tuple[Any, Any]:
         return mlx_lm.load(str(folder))  # type: ignore[no-any-return]
     except Exception as exc:  # whatever mlx-lm refuses: a missing config, an unknown model type
         raise ModelUnavailable(
-            f"model {name_or_path!r}: mlx-lm cannot load {folder}: {_one_line(exc)}"
+            f"model {name_or_path!r}: mlx-lm cannot load {folder}: {one_line(exc, typed=True)}"
         ) from exc
 
 
@@ -40,7 +41,7 @@ def locate_model(name_or_path: str) -> Path:
             return Path(resolve_model(name_or_path))
         except Exception as exc:  # building the fixture failed (a missing package, disk full)
             raise ModelUnavailable(
-                f"model fixture {name_or_path!r} could not be prepared: {_one_line(exc)}"
+                f"model fixture {name_or_path!r} could not be prepared: {one_line(exc, typed=True)}"
             ) from exc
     path = Path(name_or_path).expanduser()
     if path.exists():
@@ -72,7 +73,3 @@ def _in_hub_cache(repo_id: str) -> Path | None:
         return Path(hf_repo_to_path(repo_id))
     except Exception:  # not cached, or not a valid repo id (HFValidationError): not there
         return None
-
-
-def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
