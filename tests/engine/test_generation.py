@@ -8,20 +8,27 @@ from typing import Any
 
 import pytest
 
-from tests.engine.helpers import PROMPTS, collect, make_engine, reference_tokens, run
-from worker.engine import SamplingParams
+from tests.support.engines import (
+    PROMPTS,
+    MakeEngine,
+    collect,
+    detokenized,
+    reference_tokens,
+    stream_one,
+)
+from tests.support.waiting import run
+from worker.engine import EngineCore, SamplingParams
 
 MAX_TOKENS = 12
 
 
-def test_greedy_batch_equals_mlx_lm_generate_token_for_token(tiny_model: Any) -> None:
+def test_greedy_batch_equals_mlx_lm_generate_token_for_token(
+    tiny_model: Any, make_engine: MakeEngine
+) -> None:
     engine = make_engine(tiny_model, max_num_seqs=16, prefill_batch_size=16)
-    try:
-        outputs = engine.generate_batch_sync(
-            PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-        )
-    finally:
-        engine.close()
+    outputs = engine.generate_batch_sync(
+        PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    )
     assert len(outputs) == 16
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert output.finished
@@ -29,7 +36,9 @@ def test_greedy_batch_equals_mlx_lm_generate_token_for_token(tiny_model: Any) ->
         assert output.new_text == output.output_text  # the whole text, as from generate()
 
 
-def test_async_path_streams_the_same_tokens_as_mlx_lm(tiny_model: Any) -> None:
+def test_async_path_streams_the_same_tokens_as_mlx_lm(
+    tiny_model: Any, make_engine: MakeEngine
+) -> None:
     engine = make_engine(tiny_model, enable_prefix_cache=False)
 
     async def scenario() -> list[list[Any]]:
@@ -42,10 +51,7 @@ def test_async_path_streams_the_same_tokens_as_mlx_lm(tiny_model: Any) -> None:
         await engine.stop()
         return streams
 
-    try:
-        streams = run(scenario())
-    finally:
-        engine.close()
+    streams = run(scenario())
     for prompt, outputs in zip(PROMPTS[:8], streams, strict=True):
         final = outputs[-1]
         assert final.finished and [o.finished for o in outputs].count(True) == 1
@@ -60,7 +66,7 @@ def test_async_path_streams_the_same_tokens_as_mlx_lm(tiny_model: Any) -> None:
         assert final.ttft is not None and final.ttft > 0
 
 
-def test_per_request_sampling_in_one_batch(tiny_model: Any) -> None:
+def test_per_request_sampling_in_one_batch(tiny_model: Any, make_engine: MakeEngine) -> None:
     """Greedy, top-k=1 and hot sampling share a batch; each keeps its own behaviour."""
     prompt = PROMPTS[1]
     expected = reference_tokens(tiny_model, prompt, MAX_TOKENS)
@@ -79,28 +85,22 @@ def test_per_request_sampling_in_one_batch(tiny_model: Any) -> None:
         await engine.stop()
         return {rid: out.output_token_ids for rid, out in finals.items()}
 
-    try:
-        tokens = run(scenario())
-    finally:
-        engine.close()
+    tokens = run(scenario())
     assert tokens["greedy"] == expected
     assert tokens["top1"] == expected  # top-k 1 is argmax whatever the temperature
     assert tokens["hot-a"] != expected and tokens["hot-b"] != expected
     assert tokens["hot-a"] != tokens["hot-b"]  # different seeds, different samples
 
 
-def test_seed_reproduces_text_whatever_the_batch(tiny_model: Any) -> None:
+def test_seed_reproduces_text_whatever_the_batch(tiny_model: Any, make_engine: MakeEngine) -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.95, seed=1234)
     engine = make_engine(tiny_model, enable_prefix_cache=False)
-    try:
-        alone = engine.generate_batch_sync([PROMPTS[2]], params)[0]
-        crowded = engine.generate_batch_sync([PROMPTS[0], PROMPTS[2], PROMPTS[5]], params)[1]
-        other_seed = engine.generate_batch_sync(
-            [PROMPTS[2]],
-            SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.95, seed=99),
-        )[0]
-    finally:
-        engine.close()
+    alone = engine.generate_batch_sync([PROMPTS[2]], params)[0]
+    crowded = engine.generate_batch_sync([PROMPTS[0], PROMPTS[2], PROMPTS[5]], params)[1]
+    other_seed = engine.generate_batch_sync(
+        [PROMPTS[2]],
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.95, seed=99),
+    )[0]
     assert alone.output_text == crowded.output_text
     assert alone.output_token_ids == crowded.output_token_ids
     assert other_seed.output_token_ids != alone.output_token_ids
@@ -116,31 +116,15 @@ def _split_stop_string(tokenizer: Any, tokens: list[int]) -> str:
     raise AssertionError("no printable token pair to build a stop string from")
 
 
-def test_stop_string_split_across_tokens_never_leaks(tiny_model: Any) -> None:
+def test_stop_string_split_across_tokens_never_leaks(tiny_model: Any, engine: EngineCore) -> None:
     _, tokenizer = tiny_model
     prompt = PROMPTS[8]
     tokens = reference_tokens(tiny_model, prompt, 24)
     stop = _split_stop_string(tokenizer, tokens)
-    detokenizer = tokenizer.detokenizer
-    for token in tokens:
-        detokenizer.add_token(token)
-    detokenizer.finalize()
-    full_text = detokenizer.text
+    full_text = detokenized(tokenizer, tokens)
     assert stop in full_text
-    engine = make_engine(tiny_model)
-
-    async def scenario() -> list[Any]:
-        rid = await engine.add_request(
-            prompt, SamplingParams(max_tokens=24, temperature=0.0, stop=[stop, "never-there"])
-        )
-        outputs = await collect(engine, rid)
-        await engine.stop()
-        return outputs
-
-    try:
-        outputs = run(scenario())
-    finally:
-        engine.close()
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop=[stop, "never-there"])
+    outputs = run(stream_one(engine, prompt, params))
     final = outputs[-1]
     assert final.finish_reason == "stop"
     assert final.output_text == full_text[: full_text.index(stop)]
@@ -150,7 +134,7 @@ def test_stop_string_split_across_tokens_never_leaks(tiny_model: Any) -> None:
         assert stop not in output.output_text
 
 
-def test_stop_token_ids_are_per_request(tiny_model: Any) -> None:
+def test_stop_token_ids_are_per_request(tiny_model: Any, make_engine: MakeEngine) -> None:
     prompt = PROMPTS[1]
     tokens = reference_tokens(tiny_model, prompt, MAX_TOKENS)
     # The first token that is new in the continuation: stopping there cuts the output short.
@@ -169,27 +153,21 @@ def test_stop_token_ids_are_per_request(tiny_model: Any) -> None:
         await engine.stop()
         return result
 
-    try:
-        stopped, unaffected = run(scenario())
-    finally:
-        engine.close()
+    stopped, unaffected = run(scenario())
     assert stopped.finish_reason == "stop"
     assert stopped.output_token_ids == tokens[:stop_at]
     assert unaffected.finish_reason == "length"
     assert unaffected.output_token_ids == tokens
 
 
-def test_logprobs_with_top_alternatives(tiny_model: Any) -> None:
-    engine = make_engine(tiny_model)
-    try:
-        output = engine.generate_batch_sync(
-            [PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
-        )[0]
-        plain = engine.generate_batch_sync(
-            [PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0)
-        )[0]
-    finally:
-        engine.close()
+def test_logprobs_with_top_alternatives(engine: EngineCore) -> None:
+    output = engine.generate_batch_sync(
+        [PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+    )[0]
+    plain = engine.generate_batch_sync(
+        [PROMPTS[0]],
+        SamplingParams(max_tokens=6, temperature=0.0),
+    )[0]
     assert plain.logprobs is None
     assert output.logprobs is not None and len(output.logprobs) == 6
     for token, entry in zip(output.output_token_ids, output.logprobs, strict=True):
@@ -203,43 +181,34 @@ def test_logprobs_with_top_alternatives(tiny_model: Any) -> None:
         assert values == sorted(values, reverse=True)
 
 
-def test_penalties_change_a_repetitive_continuation(tiny_model: Any) -> None:
+def test_penalties_change_a_repetitive_continuation(
+    tiny_model: Any, make_engine: MakeEngine
+) -> None:
     prompt = PROMPTS[11]
     base = reference_tokens(tiny_model, prompt, 24)
     assert len(set(base)) < len(base)  # the random model repeats itself
     engine = make_engine(tiny_model, enable_prefix_cache=False)
-    try:
-        outputs = (
-            engine.generate_batch_sync(
-                [prompt], SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=5.0)
-            )
-            + engine.generate_batch_sync(
-                [prompt], SamplingParams(max_tokens=24, temperature=0.0, presence_penalty=50.0)
-            )
-            + engine.generate_batch_sync(
-                [prompt], SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=50.0)
-            )
+    outputs = (
+        engine.generate_batch_sync(
+            [prompt], SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=5.0)
         )
-    finally:
-        engine.close()
+        + engine.generate_batch_sync(
+            [prompt], SamplingParams(max_tokens=24, temperature=0.0, presence_penalty=50.0)
+        )
+        + engine.generate_batch_sync(
+            [prompt], SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=50.0)
+        )
+    )
     for output in outputs:
         assert output.output_token_ids != base
         assert len(set(output.output_token_ids)) > len(set(base))
 
 
-def test_stream_interval_coalesces_without_losing_tokens(tiny_model: Any) -> None:
+def test_stream_interval_coalesces_without_losing_tokens(
+    tiny_model: Any, make_engine: MakeEngine
+) -> None:
     engine = make_engine(tiny_model, stream_interval=3)
-
-    async def scenario() -> list[Any]:
-        rid = await engine.add_request(PROMPTS[4], SamplingParams(max_tokens=10, temperature=0.0))
-        outputs = await collect(engine, rid)
-        await engine.stop()
-        return outputs
-
-    try:
-        outputs = run(scenario())
-    finally:
-        engine.close()
+    outputs = run(stream_one(engine, PROMPTS[4], SamplingParams(max_tokens=10, temperature=0.0)))
     final = outputs[-1]
     assert final.output_token_ids == reference_tokens(tiny_model, PROMPTS[4], 10)
     assert [t for o in outputs for t in o.new_token_ids] == final.output_token_ids
@@ -252,7 +221,9 @@ def test_stream_interval_coalesces_without_losing_tokens(tiny_model: Any) -> Non
         assert output.output_text == "".join(o.new_text for o in outputs[: i + 1])
 
 
-def test_sixty_four_concurrent_requests_all_finish(tiny_model: Any) -> None:
+def test_sixty_four_concurrent_requests_all_finish(
+    tiny_model: Any, make_engine: MakeEngine
+) -> None:
     engine = make_engine(tiny_model, max_num_seqs=32, prefill_batch_size=16)
 
     async def scenario() -> list[Any]:
@@ -268,10 +239,7 @@ def test_sixty_four_concurrent_requests_all_finish(tiny_model: Any) -> None:
         await engine.stop()
         return [f[-1] for f in finals] + [stats]
 
-    try:
-        *finals, stats = run(scenario())
-    finally:
-        engine.close()
+    *finals, stats = run(scenario())
     assert len(finals) == 64
     for i, final in enumerate(finals):
         assert final.finished and final.finish_reason == "length"

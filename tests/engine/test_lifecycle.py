@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from tests.engine.helpers import PROMPTS, collect, make_engine, reference_tokens, run
+from tests.support.engines import (
+    PROMPTS,
+    ClosedAtTeardown,
+    MakeEngine,
+    collect,
+    reference_tokens,
+)
+from tests.support.waiting import run, until
 from worker.engine import (
     EngineCore,
     ModelOwnershipError,
@@ -20,7 +27,9 @@ from worker.engine import (
 LONG = SamplingParams(max_tokens=2000, temperature=0.0)
 
 
-def test_abort_running_and_waiting_requests_end_their_streams(tiny_model: Any) -> None:
+def test_abort_running_and_waiting_requests_end_their_streams(
+    tiny_model: Any, make_engine: MakeEngine
+) -> None:
     engine = make_engine(tiny_model, max_num_seqs=1)
 
     async def scenario() -> tuple[list[Any], list[Any], dict[str, Any]]:
@@ -40,10 +49,7 @@ def test_abort_running_and_waiting_requests_end_their_streams(tiny_model: Any) -
         await engine.stop()
         return results[0], results[1], stats
 
-    try:
-        running_outputs, waiting_outputs, stats = run(scenario())
-    finally:
-        engine.close()
+    running_outputs, waiting_outputs, stats = run(scenario())
     assert running_outputs[-1].finish_reason == "abort"
     assert 0 < running_outputs[-1].completion_tokens < 2000
     assert waiting_outputs == [waiting_outputs[-1]]
@@ -52,9 +58,7 @@ def test_abort_running_and_waiting_requests_end_their_streams(tiny_model: Any) -
     assert stats["active_requests"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
 
 
-def test_generate_returns_abort_when_aborted_meanwhile(tiny_model: Any) -> None:
-    engine = make_engine(tiny_model)
-
+def test_generate_returns_abort_when_aborted_meanwhile(engine: EngineCore) -> None:
     async def scenario() -> Any:
         task = asyncio.create_task(engine.generate(PROMPTS[2], LONG, request_id="to-abort"))
         while not engine.get_stats()["requests"]:
@@ -64,15 +68,12 @@ def test_generate_returns_abort_when_aborted_meanwhile(tiny_model: Any) -> None:
         await engine.stop()
         return result
 
-    try:
-        final = run(scenario())
-    finally:
-        engine.close()
+    final = run(scenario())
     assert final.finished and final.finish_reason == "abort"
     assert final.new_text == final.output_text  # generate() hands back the whole text
 
 
-def test_timeout_aborts_and_yields_a_final_output(tiny_model: Any) -> None:
+def test_timeout_aborts_and_yields_a_final_output(tiny_model: Any, make_engine: MakeEngine) -> None:
     engine = make_engine(tiny_model, max_num_seqs=1)
 
     async def scenario() -> list[Any]:
@@ -82,16 +83,11 @@ def test_timeout_aborts_and_yields_a_final_output(tiny_model: Any) -> None:
         await engine.stop()
         return outputs
 
-    try:
-        outputs = run(scenario())
-    finally:
-        engine.close()
+    outputs = run(scenario())
     assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
 
 
-def test_cancelled_consumer_aborts_its_request(tiny_model: Any) -> None:
-    engine = make_engine(tiny_model)
-
+def test_cancelled_consumer_aborts_its_request(engine: EngineCore) -> None:
     async def scenario() -> dict[str, Any]:
         rid = await engine.add_request(PROMPTS[3], LONG)
         consumer = asyncio.create_task(collect(engine, rid))
@@ -100,22 +96,20 @@ def test_cancelled_consumer_aborts_its_request(tiny_model: Any) -> None:
         consumer.cancel()
         with pytest.raises(asyncio.CancelledError):
             await consumer
-        for _ in range(500):
-            if not engine.get_stats()["requests"]:
-                break
-            await asyncio.sleep(0.01)
+
+        async def forgotten() -> bool:
+            return not engine.get_stats()["requests"]
+
+        await until(forgotten, 5, "the cancelled request to be forgotten", interval=0.01)
         stats = engine.get_stats()
         await engine.stop()
         return stats
 
-    try:
-        stats = run(scenario())
-    finally:
-        engine.close()
+    stats = run(scenario())
     assert stats["requests"] == [] and stats["active_requests"] == 0
 
 
-def test_stop_and_close_finish_every_open_request(tiny_model: Any) -> None:
+def test_stop_and_close_finish_every_open_request(tiny_model: Any, make_engine: MakeEngine) -> None:
     engine = make_engine(tiny_model, max_num_seqs=2)
 
     async def scenario() -> list[Any]:
@@ -134,9 +128,7 @@ def test_stop_and_close_finish_every_open_request(tiny_model: Any) -> None:
         run(engine.add_request("after close"))
 
 
-def test_engine_restarts_after_stop(tiny_model: Any) -> None:
-    engine = make_engine(tiny_model)
-
+def test_engine_restarts_after_stop(engine: EngineCore) -> None:
     cpu: list[float] = []
 
     def engine_cpu() -> None:
@@ -155,18 +147,13 @@ def test_engine_restarts_after_stop(tiny_model: Any) -> None:
         engine_cpu()
         return [first, second]
 
-    try:
-        first, second = run(twice())
-    finally:
-        engine.close()
+    first, second = run(twice())
     assert first.output_token_ids == second.output_token_ids
     # The engine thread's CPU time counts across restarts and never goes back.
     assert 0 < cpu[0] <= cpu[1] <= cpu[2] <= cpu[3], cpu
 
 
-def test_images_on_a_text_model_are_a_clear_error(tiny_model: Any) -> None:
-    engine = make_engine(tiny_model)
-
+def test_images_on_a_text_model_are_a_clear_error(tiny_model: Any, engine: EngineCore) -> None:
     async def scenario() -> Any:
         rid = await engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0))
         with pytest.raises(ValueError, match="text-only"):
@@ -177,10 +164,7 @@ def test_images_on_a_text_model_are_a_clear_error(tiny_model: Any) -> None:
         await engine.stop()
         return final
 
-    try:
-        final = run(scenario())
-    finally:
-        engine.close()
+    final = run(scenario())
     assert final.output_token_ids == reference_tokens(tiny_model, PROMPTS[0], 8)
 
 
@@ -195,18 +179,14 @@ def test_images_on_a_text_model_are_a_clear_error(tiny_model: Any) -> None:
     ],
 )
 def test_bad_prompts_are_value_errors(
-    tiny_model: Any, prompt: Any, params: Any, message: str
+    engine: EngineCore, prompt: Any, params: Any, message: str
 ) -> None:
-    engine = make_engine(tiny_model)
-    try:
-        with pytest.raises(ValueError, match=message):
-            run(engine.add_request(prompt, params))
-        assert engine.get_stats()["active_requests"] == 0
-    finally:
-        engine.close()
+    with pytest.raises(ValueError, match=message):
+        run(engine.add_request(prompt, params))
+    assert engine.get_stats()["active_requests"] == 0
 
 
-def test_waiting_queue_cap_is_a_clear_error(tiny_model: Any) -> None:
+def test_waiting_queue_cap_is_a_clear_error(tiny_model: Any, make_engine: MakeEngine) -> None:
     engine = make_engine(tiny_model, max_num_seqs=1, max_waiting_requests=2)
 
     async def scenario() -> None:
@@ -217,13 +197,12 @@ def test_waiting_queue_cap_is_a_clear_error(tiny_model: Any) -> None:
             await engine.abort_request(rid)
         await engine.stop()
 
-    try:
-        run(scenario())
-    finally:
-        engine.close()
+    run(scenario())
 
 
-def test_a_failing_request_does_not_fail_its_batch(tiny_model: Any) -> None:
+def test_a_failing_request_does_not_fail_its_batch(
+    tiny_model: Any, make_engine: MakeEngine
+) -> None:
     calls = {"n": 0}
 
     def explode_on_third_token(tokens: Any, logits: Any) -> Any:
@@ -251,10 +230,7 @@ def test_a_failing_request_does_not_fail_its_batch(tiny_model: Any) -> None:
         await engine.stop()
         return bad_final, good_finals, stats
 
-    try:
-        bad_final, good_finals, stats = run(scenario())
-    finally:
-        engine.close()
+    bad_final, good_finals, stats = run(scenario())
     assert bad_final.finish_reason == "error"
     assert bad_final.error is not None and "processor exploded" in bad_final.error
     for prompt, final in zip(PROMPTS[1:4], good_finals, strict=True):
@@ -280,10 +256,12 @@ class FlakyModel:
         return getattr(self._model, name)
 
 
-def test_a_failed_batch_step_fails_its_requests_and_the_engine_recovers(tiny_model: Any) -> None:
+def test_a_failed_batch_step_fails_its_requests_and_the_engine_recovers(
+    tiny_model: Any, closed_at_teardown: ClosedAtTeardown
+) -> None:
     model, tokenizer = tiny_model
     flaky = FlakyModel(model)
-    engine = EngineCore(flaky, tokenizer)
+    engine = closed_at_teardown(EngineCore(flaky, tokenizer))
 
     async def scenario() -> tuple[Any, Any, dict[str, Any]]:
         rid = await engine.add_request(PROMPTS[0], LONG)
@@ -297,37 +275,30 @@ def test_a_failed_batch_step_fails_its_requests_and_the_engine_recovers(tiny_mod
         await engine.stop()
         return failed, after, stats
 
-    try:
-        failed, after, stats = run(scenario())
-    finally:
-        engine.close()
+    failed, after, stats = run(scenario())
     assert failed.finish_reason == "error" and "device lost" in (failed.error or "")
     assert stats["batch_failures"] == 1
     assert after.finish_reason == "length"
     assert after.output_token_ids == reference_tokens(tiny_model, PROMPTS[0], 6)
 
 
-def test_model_ownership(tiny_model: Any) -> None:
+def test_model_ownership(tiny_model: Any, closed_at_teardown: ClosedAtTeardown) -> None:
     model, tokenizer = tiny_model
-    first = EngineCore(model, tokenizer, engine_id="first")
-    try:
-        with pytest.raises(ModelOwnershipError, match="first"):
-            EngineCore(model, tokenizer, engine_id="second", force_model_ownership=False)
-        assert get_registry().owner_of(model) == "first"
-        second = EngineCore(model, tokenizer, engine_id="second")  # force is the default
-        try:
-            assert get_registry().owner_of(model) == "second"
-            with pytest.raises(ModelOwnershipError, match="taken by engine second"):
-                run(first.add_request("hello"))
-            with pytest.raises(ModelOwnershipError):
-                first.generate_batch_sync(["hello"])
-            output = second.generate_batch_sync(["hello"], SamplingParams(max_tokens=3))[0]
-            assert output.completion_tokens == 3
-        finally:
-            second.close()
-        assert get_registry().owner_of(model) is None
-    finally:
-        first.close()
+    first = closed_at_teardown(EngineCore(model, tokenizer, engine_id="first"))
+    with pytest.raises(ModelOwnershipError, match="first"):
+        EngineCore(model, tokenizer, engine_id="second", force_model_ownership=False)
+    assert get_registry().owner_of(model) == "first"
+    # Without force_model_ownership=False, a new engine takes the model over.
+    second = closed_at_teardown(EngineCore(model, tokenizer, engine_id="second"))
+    assert get_registry().owner_of(model) == "second"
+    with pytest.raises(ModelOwnershipError, match="taken by engine second"):
+        run(first.add_request("hello"))
+    with pytest.raises(ModelOwnershipError):
+        first.generate_batch_sync(["hello"])
+    output = second.generate_batch_sync(["hello"], SamplingParams(max_tokens=3))[0]
+    assert output.completion_tokens == 3
+    second.close()
+    assert get_registry().owner_of(model) is None
 
 
 def test_ownership_registry_is_thread_safe() -> None:
@@ -378,10 +349,12 @@ class ThreadRecordingModel:
         return getattr(self._model, name)
 
 
-def test_all_model_work_runs_on_the_engine_thread(tiny_model: Any, tmp_path: Any) -> None:
+def test_all_model_work_runs_on_the_engine_thread(
+    tiny_model: Any, tmp_path: Any, closed_at_teardown: ClosedAtTeardown
+) -> None:
     model, tokenizer = tiny_model
     recording = ThreadRecordingModel(model)
-    engine = EngineCore(recording, tokenizer)
+    engine = closed_at_teardown(EngineCore(recording, tokenizer))
 
     async def scenario() -> None:
         ids = [
@@ -395,18 +368,15 @@ def test_all_model_work_runs_on_the_engine_thread(tiny_model: Any, tmp_path: Any
         engine.clear_runtime_caches()
         await engine.stop()
 
-    try:
-        run(scenario())
-        engine.generate_batch_sync(PROMPTS[:2], SamplingParams(max_tokens=3))
-    finally:
-        engine.close()
+    run(scenario())
+    engine.generate_batch_sync(PROMPTS[:2], SamplingParams(max_tokens=3))
+    engine.close()  # closing too: its cache work must run on the engine thread
     assert recording.threads == {"mlx-engine"}
 
 
 def test_step_listener_sees_each_step_once_and_uncollected_requests_leave_no_state(
-    tiny_model: Any,
+    engine: EngineCore,
 ) -> None:
-    engine = make_engine(tiny_model)
     batches: list[list[Any]] = []
     engine.set_step_listener(batches.append)
 
@@ -417,19 +387,16 @@ def test_step_listener_sees_each_step_once_and_uncollected_requests_leave_no_sta
             )
             for p in PROMPTS[:3]
         ]
-        for _ in range(500):
-            finished = {o.request_id for batch in batches for o in batch if o.finished}
-            if finished == set(ids):
-                break
-            await asyncio.sleep(0.01)
+
+        async def all_finished() -> bool:
+            return {o.request_id for batch in batches for o in batch if o.finished} == set(ids)
+
+        await until(all_finished, 5, "every request's final output", interval=0.01)
         stats = engine.get_stats()
         await engine.stop()
         return stats
 
-    try:
-        stats = run(scenario())
-    finally:
-        engine.close()
+    stats = run(scenario())
     assert stats["active_requests"] == 0
     per_request: dict[str, list[int]] = {}
     for batch in batches:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.engine.helpers import PROMPTS, make_engine
+from tests.support import engines
+from tests.support.engines import PROMPTS, MakeEngine
 from worker.engine import EngineCore, SamplingParams
 from worker.engine.fingerprint import model_fingerprint
 from worker.engine.prefix_cache import IncompatibleCacheError
@@ -24,22 +25,10 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 def saved(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache of two entries saved by the tiny llama."""
     target = tmp_path_factory.mktemp("saved") / "cache"
-    engine = make_engine(tiny_model)
-    try:
+    with closing(engines.make_engine(tiny_model)) as engine:
         engine.generate_batch_sync(PROMPTS[:2], GREEDY)
         assert engine.save_cache_to_disk(str(target))
-    finally:
-        engine.close()
     return target
-
-
-@pytest.fixture
-def engine(tiny_model: Any) -> Iterator[EngineCore]:
-    engine = make_engine(tiny_model)
-    try:
-        yield engine
-    finally:
-        engine.close()
 
 
 def _copy(saved: Path, tmp_path: Path) -> Path:
@@ -65,18 +54,15 @@ def test_the_saving_model_loads_it(engine: EngineCore, saved: Path) -> None:
     assert engine.load_cache_checked(str(saved)) == 0  # duplicates are not added twice
 
 
-def test_another_models_cache_names_both_fingerprints(tiny_model: Any, saved: Path) -> None:
+def test_another_models_cache_names_both_fingerprints(saved: Path, make_engine: MakeEngine) -> None:
     model, tokenizer = other = load_model("tiny-micro")
     other_fingerprint = model_fingerprint(model, tokenizer)
     saved_fingerprint = json.loads((saved / "manifest.json").read_text())["fingerprint"]
     engine = make_engine(other)
-    try:
-        with pytest.raises(IncompatibleCacheError) as refused:
-            engine.load_cache_checked(str(saved))
-        assert _entries(engine) == 0
-        assert engine.load_cache_from_disk(str(saved)) == 0  # the reference API's answer
-    finally:
-        engine.close()
+    with pytest.raises(IncompatibleCacheError) as refused:
+        engine.load_cache_checked(str(saved))
+    assert _entries(engine) == 0
+    assert engine.load_cache_from_disk(str(saved)) == 0  # the reference API's answer
     error = refused.value
     assert (error.saved_fingerprint, error.model_fingerprint) == (
         saved_fingerprint,

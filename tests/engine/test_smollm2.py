@@ -7,7 +7,8 @@ from typing import Any
 import mlx_lm
 import pytest
 
-from tests.engine.helpers import make_engine, run
+from tests.support.engines import MakeEngine
+from tests.support.waiting import run
 from worker.engine import SamplingParams
 
 pytestmark = pytest.mark.smollm2
@@ -28,7 +29,9 @@ def _chat(tokenizer: Any, question: str) -> str:
     return prompt
 
 
-def test_batched_chat_matches_mlx_lm_and_knows_paris(smollm2_model: Any) -> None:
+def test_batched_chat_matches_mlx_lm_and_knows_paris(
+    smollm2_model: Any, make_engine: MakeEngine
+) -> None:
     model, tokenizer = smollm2_model
     prompts = [_chat(tokenizer, q) for q in QUESTIONS]
     engine = make_engine(smollm2_model)
@@ -50,10 +53,7 @@ def test_batched_chat_matches_mlx_lm_and_knows_paris(smollm2_model: Any) -> None
         await engine.stop()
         return finals
 
-    try:
-        alone, *batched = run(scenario())
-    finally:
-        engine.close()
+    alone, *batched = run(scenario())
     assert "Paris" in alone.output_text
     assert alone.finish_reason == "stop"  # ended by <|im_end|>, which is not in the text
     assert "<|im_end|>" not in alone.output_text

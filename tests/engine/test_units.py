@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.engines import detokenized
 from worker.engine import (
     EngineConfig,
     RequestOutput,
@@ -119,11 +120,7 @@ def test_text_stream_cuts_at_the_first_stop_string(
     _, tokenizer = tiny_model
     text = "".join(pieces)
     tokens = tokenizer.encode(text, add_special_tokens=False)
-    reference = tokenizer.detokenizer
-    for token in tokens:
-        reference.add_token(token)
-    reference.finalize()
-    full = reference.text
+    full = detokenized(tokenizer, tokens)
     stream = TextStream(tokenizer.detokenizer, stops)
     emitted = ""
     for token in tokens:

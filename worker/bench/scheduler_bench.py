@@ -31,7 +31,7 @@ class ReplayGenerator:
         self._uids: list[int] = []
         self._step = 0
 
-    def insert(self, prompts: list[list[int]], **_: Any) -> list[int]:
+    def insert_segments(self, segments: list[list[list[int]]], **_: Any) -> list[int]:
         uid = len(self._uids)
         self._uids.append(uid)
         return [uid]
@@ -57,9 +57,7 @@ def run_scheduler(tokenizer: Any, tokens: list[list[int]], stream_interval: int)
     params = SamplingParams(max_tokens=len(tokens[0]), temperature=0.0)
     start = time.perf_counter()
     for i in range(len(tokens)):
-        scheduler.add_request(
-            Request(f"r{i}", [1], params, prompt_token_ids=[1], stream_interval=stream_interval)
-        )
+        scheduler.add_request(Request(f"r{i}", [1], params, stream_interval=stream_interval))
     outputs = 0
     while scheduler.has_requests():
         outputs += len(scheduler.step().outputs)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.engine.request import SamplingParams
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -12,7 +14,8 @@ class SchedulerConfig:
     ``max_num_seqs`` is the decode batch (sequences generating at once); requests beyond it wait
     in a FIFO queue capped at ``max_waiting_requests`` (a full queue is a clear error to the
     caller, never unbounded memory). ``prefill_batch_size`` prompts are prefilled together in
-    chunks of ``prefill_step_size`` tokens.
+    chunks of ``prefill_step_size`` tokens. A request over ``max_prompt_tokens`` or asking for
+    more than ``max_logprobs`` top log-probabilities per token is refused (``ValueError``).
     """
 
     max_num_seqs: int = 32
@@ -20,6 +23,7 @@ class SchedulerConfig:
     prefill_step_size: int = 2048
     max_waiting_requests: int = 1024
     max_prompt_tokens: int = 32768
+    max_logprobs: int = SamplingParams.MAX_LOGPROBS
     max_kv_size: int | None = None
     enable_prefix_cache: bool = True
     prefix_cache_max_entries: int = 64
@@ -38,6 +42,10 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting_requests < 0:
             raise ValueError("SchedulerConfig.max_waiting_requests must be >= 0")
+        if not 0 <= self.max_logprobs <= SamplingParams.MAX_LOGPROBS:
+            raise ValueError(
+                f"SchedulerConfig.max_logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}]"
+            )
         if self.max_kv_size is not None and self.max_kv_size < 1:
             raise ValueError("SchedulerConfig.max_kv_size must be >= 1 or None")
 
@@ -46,10 +54,12 @@ class SchedulerConfig:
 class EngineConfig:
     """Configuration for the engine (names and defaults match the reference API).
 
-    ``step_interval`` bounds how long the idle engine thread sleeps between checks (it wakes at
-    once on new work); ``stream_interval`` coalesces that many tokens per streamed output
-    (no token is lost); ``gpu_memory_utilization`` is the share of device memory above which
-    the engine thread frees MLX's buffer cache.
+    ``step_interval`` is accepted (>= 0) for the reference API and has no effect: the
+    reference polls for work every ``step_interval`` seconds, while this engine's idle thread
+    blocks until a request, command or stop arrives, and steps back to back while there is
+    work. ``stream_interval`` coalesces that many tokens per streamed output (no token is
+    lost); ``gpu_memory_utilization`` is the share of device memory above which the engine
+    thread frees MLX's buffer cache.
     """
 
     model_name: str = ""

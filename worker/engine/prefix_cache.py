@@ -1,8 +1,9 @@
 """Prefix cache: reuse the KV cache of earlier requests that share a prompt prefix.
 
-Built on mlx-lm's ``LRUPromptCache`` (a token trie with LRU order and a byte bound). This module
-adds honest statistics, our own eviction accounting, and atomic save/load to disk with a model
-fingerprint. Engine thread only: every method may touch MLX arrays.
+Built on mlx-lm's ``LRUPromptCache`` (a token trie with LRU order and a byte bound), through its
+public API only. This module adds honest statistics, our own eviction accounting, an index of
+the entries (``LRUPromptCache`` cannot list them, and saving needs to), and atomic save/load to
+disk with a model fingerprint. Engine thread only: every method may touch MLX arrays.
 """
 
 from __future__ import annotations
@@ -12,19 +13,21 @@ import json
 import os
 import shutil
 import tempfile
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
-    KVCache,
     LRUPromptCache,
     can_trim_prompt_cache,
     load_prompt_cache,
     save_prompt_cache,
     trim_prompt_cache,
 )
+
+from worker.engine.stats import PrefixCacheStats
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -60,12 +63,35 @@ class PrefixHit:
     cached_tokens: int
 
 
+@dataclass(slots=True)
+class Admission:
+    """How a new request is prefilled: ``cache`` holds the reused KV state of its first
+    ``cached_tokens`` prompt tokens; ``segments`` are the rest, in the pieces mlx-lm's
+    ``BatchGenerator.insert_segments`` takes. ``stores_prefix``: prefill stops at the end of
+    the first segment, the request's shared prefix, whose state is then stored."""
+
+    cache: list[Any] | None
+    cached_tokens: int
+    segments: list[list[int]]
+    stores_prefix: bool = False
+
+    @classmethod
+    def uncached(cls, prompt: list[int]) -> Admission:
+        return cls(None, 0, [prompt])
+
+
 class PrefixCache:
     def __init__(self, max_entries: int, max_bytes: int) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         # Bounds are enforced by ``_evict`` so evictions can be counted.
         self._lru = LRUPromptCache(max_size=1 << 62, max_bytes=1 << 62)
+        # The entries the LRU holds, per kind, least recently stored first: kept in step with
+        # every insert and eviction (``_insert``, ``_evict``).
+        self._index: dict[str, OrderedDict[tuple[int, ...], list[Any]]] = {
+            FULL: OrderedDict(),
+            SHARED_PREFIX: OrderedDict(),
+        }
         self.hits = 0
         self.misses = 0
         self.tokens_saved = 0
@@ -90,54 +116,74 @@ class PrefixCache:
         self.misses += 1
         return PrefixHit(None, 0)
 
+    def admit(self, prompt: list[int], prefix_boundary: int) -> Admission:
+        """Reuse what is cached of ``prompt``. A shared prefix (``prefix_boundary``) not
+        cached yet becomes a segment of its own, so it can be stored once prefilled; a cached
+        one is marked as used."""
+        hit = self.fetch(prompt)
+        cached = hit.cached_tokens
+        if cached < prefix_boundary < len(prompt):
+            segments = [prompt[cached:prefix_boundary], prompt[prefix_boundary:]]
+            return Admission(hit.cache, cached, segments, stores_prefix=True)
+        if 0 < prefix_boundary <= cached:
+            self.touch(prompt[:prefix_boundary])
+        return Admission(hit.cache, cached, [prompt[cached:]])
+
+    def store_finished(
+        self, prompt: list[int], prefix_boundary: int, tokens: list[int], cache: list[Any]
+    ) -> None:
+        """A finished sequence (``tokens``: its prompt and output) is stored whole, unless its
+        shared prefix is an entry of its own: that one entry serves every request behind it."""
+        if prefix_boundary > 0 and self.holds(prompt[:prefix_boundary]):
+            return
+        self.store(tokens, cache)
+
     def store(self, tokens: list[int], cache: list[Any], kind: str = FULL) -> None:
         """Keep ``cache`` (the KV state of ``tokens``); ``kind`` is FULL or SHARED_PREFIX."""
         if not tokens or not cache:
             return
         mx.eval([c.state for c in cache])
-        self._lru.insert_cache(_KEY, list(tokens), cache, cache_type=kind)
+        self._insert(tuple(tokens), cache, kind)
         self.stores += 1
         self._evict()
 
-    def store_prefix(self, tokens: list[int], boundary: int, cache: list[Any]) -> bool:
-        """Keep only the first ``boundary`` tokens of ``cache`` (a prefix many requests share).
+    def holds(self, tokens: list[int]) -> bool:
+        """True when an entry of exactly ``tokens`` is cached."""
+        key = tuple(tokens)
+        return any(key in entries for entries in self._index.values())
 
-        One compact entry then serves every request with that prefix, instead of one entry per
-        request holding its whole prompt and output. Returns False (stores nothing) when the
-        cache cannot be cut back (a rotating window, say).
-        """
-        if not 0 < boundary <= len(tokens) or not can_trim_prompt_cache(cache):
-            return False
-        trim_prompt_cache(cache, len(tokens) - boundary)
-        for layer in cache:
-            if type(layer) is KVCache and layer.keys is not None:
-                # The trimmed layer still holds the whole buffer; copy out what is kept.
-                kept = layer.offset
-                layer.keys = mx.contiguous(layer.keys[..., :kept, :])
-                layer.values = mx.contiguous(layer.values[..., :kept, :])
-        self.store(tokens[:boundary], cache, SHARED_PREFIX)
-        return True
+    def touch(self, tokens: list[int]) -> None:
+        """Mark the entry of exactly ``tokens``, if there is one, as just stored: eviction
+        takes it after the others of its kind (a shared prefix in use outlives idle ones)."""
+        key = tuple(tokens)
+        for kind, entries in self._index.items():
+            cache = entries.get(key)
+            if cache is not None:
+                self._insert(key, cache, kind)
+                return
 
     def clear(self) -> dict[str, int]:
         cleared = {"entries": len(self._lru), "bytes": int(self._lru.nbytes)}
         self._lru.trim_to(n_sequences=0)
+        for entries in self._index.values():
+            entries.clear()
         return cleared
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> PrefixCacheStats:
         lookups = self.hits + self.misses
-        return {
-            "enabled": True,
-            "entries": len(self._lru),
-            "memory_bytes": int(self._lru.nbytes),
-            "max_entries": self.max_entries,
-            "max_bytes": self.max_bytes,
-            "hits": self.hits,
-            "misses": self.misses,
-            "hit_rate": self.hits / lookups if lookups else 0.0,
-            "tokens_saved": self.tokens_saved,
-            "evictions": self.evictions,
-            "stores": self.stores,
-        }
+        return PrefixCacheStats(
+            enabled=True,
+            entries=len(self._lru),
+            memory_bytes=int(self._lru.nbytes),
+            max_entries=self.max_entries,
+            max_bytes=self.max_bytes,
+            hits=self.hits,
+            misses=self.misses,
+            hit_rate=self.hits / lookups if lookups else 0.0,
+            tokens_saved=self.tokens_saved,
+            evictions=self.evictions,
+            stores=self.stores,
+        )
 
     def save(self, directory: str | os.PathLike[str], fingerprint: str) -> int:
         """Write every entry to ``directory`` atomically; return how many were written."""
@@ -188,18 +234,32 @@ class PrefixCache:
         return len(read)
 
     def _entries(self) -> list[tuple[list[int], list[Any], str]]:
-        # LRUPromptCache has no iteration API; its order deques hold (namespace, tokens) pairs.
-        order = self._lru._lru
         return [
-            (list(tokens), self._lru._trie.get(key, tokens).prompt_cache, kind)
-            for kind in order._ordering
-            for key, tokens in order._lrus[kind]
+            (list(key), cache, kind)
+            for kind, entries in self._index.items()
+            for key, cache in entries.items()
         ]
+
+    def _insert(self, key: tuple[int, ...], cache: list[Any], kind: str) -> None:
+        self._lru.insert_cache(_KEY, list(key), cache, cache_type=kind)
+        for entries in self._index.values():
+            entries.pop(key, None)
+            if can_trim_prompt_cache(cache):
+                # The LRU drops the entries that are prefixes of a trimmable one: it serves
+                # them too (cut back on fetch).
+                for shorter in [k for k in entries if key[: len(k)] == k]:
+                    del entries[shorter]
+        self._index[kind][key] = cache
 
     def _evict(self) -> None:
         before = len(self._lru)
         self._lru.trim_to(n_sequences=self.max_entries, n_bytes=self.max_bytes)
         self.evictions += before - len(self._lru)
+        # Within a kind the LRU evicts the least recently stored entry first: drop as many.
+        for kind, held in self._lru.stats_by_type().items():
+            entries = self._index.get(kind)
+            while entries and len(entries) > held["n_sequences"]:
+                entries.popitem(last=False)
 
 
 def _manifest_entries(source: Path, fingerprint: str) -> list[dict[str, Any]]:

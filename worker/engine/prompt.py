@@ -1,8 +1,20 @@
-"""Text prompts to token ids, one rule for the engine and for the daemon's chat rendering."""
+"""Prompts to token ids: text, token ids and chat messages, one rule for every caller.
+
+The engine tokenizes and checks a request's prompt here, in the caller, so bad input is a
+``ValueError`` to whoever sent it. ``chat_prompt`` renders chat messages with the model's
+template and finds where the leading system turns end (the shared prefix many requests reuse).
+Nothing here knows of Redis or of the wire format.
+"""
 
 from __future__ import annotations
 
+from itertools import takewhile
 from typing import Any
+
+NO_CHAT_TEMPLATE = (
+    "job.messages: the model has no chat template; send a `prompt` instead "
+    "(mlx-worker submit --raw)"
+)
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
@@ -13,6 +25,63 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special))
 
 
+def prompt_token_ids(
+    tokenizer: Any, prompt: str | list[int], *, vocab_size: int, max_tokens: int
+) -> list[int]:
+    """The token ids of a request's ``prompt`` (text, or token ids checked against the
+    vocabulary); ``ValueError`` for a prompt of another type, an empty one, or one over
+    ``max_tokens``."""
+    if isinstance(prompt, str):
+        token_ids = encode_prompt(tokenizer, prompt)
+    elif isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        token_ids = list(prompt)
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
+    else:
+        raise ValueError("prompt must be a string or a list of integer token ids")
+    if not token_ids:
+        raise ValueError("prompt is empty")
+    if len(token_ids) > max_tokens:
+        raise ValueError(f"prompt has {len(token_ids)} tokens, over the limit of {max_tokens}")
+    return token_ids
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """mlx-lm's TokenizerWrapper says so itself (a template in tokenizer_config.json, one that
+    mlx-lm supplies, or a tokenizer with its own renderer); a bare Hugging Face tokenizer has
+    one when its ``chat_template`` is set."""
+    known = getattr(tokenizer, "has_chat_template", None)
+    if isinstance(known, bool):
+        return known
+    return getattr(tokenizer, "chat_template", None) is not None
+
+
+def chat_prompt(
+    tokenizer: Any, messages: list[dict[str, str]], *, system_prefix: bool
+) -> tuple[list[int], int]:
+    """The token ids of ``messages`` rendered with the model's chat template (generation
+    prompt included), and the shared-prefix boundary: where the leading system turns end in
+    those tokens when ``system_prefix``, else 0.
+
+    ``ValueError`` when the model has no chat template: transformers' own error (or, in older
+    versions, a default template the model never saw) would leave the sender guessing what to
+    send instead.
+    """
+    if not has_chat_template(tokenizer):
+        raise ValueError(NO_CHAT_TEMPLATE)
+    token_ids = encode_prompt(tokenizer, _render(tokenizer, messages, generation_prompt=True))
+    if not system_prefix:
+        return token_ids, 0
+    # The common prefix of the whole chat and its system turns rendered alone: exact even when
+    # the template renders a lone system turn a little differently.
+    system = list(takewhile(lambda m: m["role"] == "system", messages))
+    system_ids = encode_prompt(tokenizer, _render(tokenizer, system, generation_prompt=False))
+    return token_ids, shared_prefix_length(system_ids, token_ids)
+
+
 def shared_prefix_length(a: list[int], b: list[int]) -> int:
     length = 0
     for x, y in zip(a, b, strict=False):
@@ -20,3 +89,10 @@ def shared_prefix_length(a: list[int], b: list[int]) -> int:
             break
         length += 1
     return length
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
+    rendered: str = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tokenize=False
+    )
+    return rendered

@@ -174,10 +174,6 @@ class RequestOutput:
             return ""
         return "".join(self.transcript.text_parts[: self.text_parts])
 
-    @property
-    def text(self) -> str:
-        return self.output_text
-
     def merged_after(self, earlier: RequestOutput) -> RequestOutput:
         """This output with the deltas of an earlier, undelivered one prepended."""
         self.new_text = earlier.new_text + self.new_text
@@ -189,14 +185,15 @@ class RequestOutput:
 
 @dataclass(eq=False)
 class Request:
-    """A request and its progress. Mutated only by the engine thread once submitted."""
+    """A request and its progress. Mutated only by the engine thread once submitted.
+
+    The first ``prefix_boundary`` prompt tokens are a prefix that many requests share (a
+    system prompt): the prefix cache keeps their KV state as one entry of its own.
+    """
 
     request_id: str
-    prompt: str | list[int]
+    prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    prompt_token_ids: list[int] = field(default_factory=list)
-    images: list[Any] | None = None
-    videos: list[Any] | None = None
     prefix_boundary: int = 0
     stream_interval: int = 1
     arrival_time: float = field(default_factory=time.monotonic)

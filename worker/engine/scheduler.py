@@ -6,6 +6,11 @@ sequences plus a prefill chunk for new ones), and turns each sequence's token in
 every ``stream_interval`` tokens, a ``RequestOutput``. A failure in one sequence's processing
 finishes that sequence with ``finish_reason="error"``; a failure of the batch step itself fails
 the sequences in the batch and starts a fresh generator, leaving waiting requests untouched.
+
+Prefix cache: a request that declares a shared prefix (``prefix_boundary``) is prefilled in two
+segments, and the KV state at the end of the first is stored as the prefix's entry as soon as
+prefill gets there (whatever becomes of the request). A finished sequence is stored whole,
+unless its shared prefix is an entry of its own: that one entry serves every request behind it.
 """
 
 from __future__ import annotations
@@ -13,21 +18,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
-import mlx.core as mx
 import structlog
 from mlx_lm.generate import BatchGenerator
 
 from worker.engine.config import SchedulerConfig
 from worker.engine.output_collector import RequestStreamState
-from worker.engine.prefix_cache import PrefixCache, PrefixHit
-from worker.engine.request import (
-    Request,
-    RequestOutput,
-    RequestStatus,
-    TokenLogprob,
-)
+from worker.engine.prefix_cache import SHARED_PREFIX, Admission, PrefixCache
+from worker.engine.request import Request, RequestOutput, RequestStatus
 from worker.engine.sampling import (
     build_logits_processors,
     build_sampler,
@@ -35,6 +34,8 @@ from worker.engine.sampling import (
     guard_processor,
     guard_sampler,
 )
+from worker.engine.sequence import Sequence, token_logprob
+from worker.engine.stats import PrefixCacheStats, RequestProgress, SchedulerStats
 from worker.engine.text_stream import TextStream
 
 log = structlog.get_logger(__name__)
@@ -46,24 +47,9 @@ class QueueFullError(RuntimeError):
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """One step's outputs, at most one per request."""
+
     outputs: list[RequestOutput] = field(default_factory=list)
-    finished_request_ids: list[str] = field(default_factory=list)
-
-
-@dataclass(eq=False, slots=True)
-class _Sequence:
-    """A request in flight and what the engine needs to stream it."""
-
-    request: Request
-    text: TextStream
-    stream_state: RequestStreamState
-    uid: int | None = None
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    failure: BaseException | None = None
-
-    def fail(self, exc: BaseException) -> None:
-        if self.failure is None:
-            self.failure = exc
 
 
 class Scheduler:
@@ -71,9 +57,9 @@ class Scheduler:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or SchedulerConfig()
-        self.waiting: deque[_Sequence] = deque()
-        self.running: dict[int, _Sequence] = {}
-        self._requests: dict[str, _Sequence] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}
+        self._requests: dict[str, Sequence] = {}
         self._generator: BatchGenerator | None = None
         self._stream: Any = None
         self._finished: SchedulerOutput = SchedulerOutput()
@@ -101,7 +87,7 @@ class Scheduler:
             raise QueueFullError(
                 f"waiting queue full ({self.config.max_waiting_requests} requests); retry later"
             )
-        sequence = _Sequence(
+        sequence = Sequence(
             request=request,
             text=TextStream(self.tokenizer.detokenizer, request.sampling_params.stop),
             stream_state=RequestStreamState(request.stream_interval),
@@ -133,7 +119,6 @@ class Scheduler:
                 error=message,
             )
         )
-        self._finished.finished_request_ids.append(request.request_id)
 
     def abort_all(self, reason: str = "abort", message: str | None = None) -> SchedulerOutput:
         for sequence in list(self._requests.values()):
@@ -164,12 +149,13 @@ class Scheduler:
         if generator is not None and self.running:
             started = time.perf_counter()
             try:
-                _, responses = generator.next()
+                prefill, responses = generator.next()
             except Exception as exc:
                 self._fail_batch(exc)
                 return self._take_finished()
             finally:
                 self.model_seconds += time.perf_counter() - started
+            self._store_prefixes(generator, prefill)
             for response in responses:
                 sequence = self.running.get(response.uid)
                 if sequence is not None:
@@ -189,19 +175,24 @@ class Scheduler:
                 continue
             room -= 1
 
-    def _insert(self, sequence: _Sequence) -> None:
+    def _insert(self, sequence: Sequence) -> None:
         request = sequence.request
         params = request.sampling_params
         prompt = request.prompt_token_ids
-        hit = self.prefix_cache.fetch(prompt) if self.prefix_cache else PrefixHit(None, 0)
-        request.cached_tokens = hit.cached_tokens
+        admission = (
+            self.prefix_cache.admit(prompt, request.prefix_boundary)
+            if self.prefix_cache
+            else Admission.uncached(prompt)
+        )
+        request.cached_tokens = admission.cached_tokens
+        sequence.prefix_pending = admission.stores_prefix
         sampler = build_sampler(params)
         processors = build_logits_processors(params) + list(params.logits_processors or ())
-        (uid,) = self._ensure_generator().insert(
-            [prompt[hit.cached_tokens :]],
+        (uid,) = self._ensure_generator().insert_segments(
+            [admission.segments],
             max_tokens=[params.max_tokens],
-            caches=[hit.cache],
-            all_tokens=[prompt[: hit.cached_tokens]],
+            caches=[admission.cache],
+            all_tokens=[prompt[: admission.cached_tokens]],
             samplers=[guard_sampler(sampler, sequence.fail) if sampler else None],
             logits_processors=[[guard_processor(p, sequence.fail) for p in processors]],
             stop_sequences=[build_stop_sequences(self.eos_token_ids, params)],
@@ -210,7 +201,25 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running[uid] = sequence
 
-    def _on_token(self, sequence: _Sequence, response: Any) -> None:
+    def _store_prefixes(self, generator: BatchGenerator, prefill: list[Any]) -> None:
+        """Store the KV state of each shared prefix that this step's prefill completed. The
+        generator reports the end of a prompt segment without a token: nothing to stream."""
+        uids = [
+            r.uid
+            for r in prefill
+            if r.end_of_segment and r.uid in self.running and self.running[r.uid].prefix_pending
+        ]
+        if not uids or self.prefix_cache is None:
+            return
+        for uid, (cache, tokens) in generator.extract_cache(uids).items():
+            sequence = self.running[uid]
+            sequence.prefix_pending = False
+            try:
+                self.prefix_cache.store(list(tokens), cache, SHARED_PREFIX)
+            except Exception as exc:
+                sequence.fail(exc)
+
+    def _on_token(self, sequence: Sequence, response: Any) -> None:
         # Runs for every token of every sequence: kept to the few operations each token needs.
         request = sequence.request
         if request.first_token_time is None:
@@ -225,7 +234,7 @@ class Scheduler:
                 transcript.token_ids.append(token)
                 if request.sampling_params.logprobs is not None:
                     sequence.pending_logprobs.append(
-                        _token_logprob(response.logprobs, token, request.sampling_params.logprobs)
+                        token_logprob(response.logprobs, token, request.sampling_params.logprobs)
                     )
                 text = sequence.text.add_token(token)
                 if text:
@@ -250,7 +259,7 @@ class Scheduler:
 
     def _finish(
         self,
-        sequence: _Sequence,
+        sequence: Sequence,
         reason: str,
         error: str | None = None,
         in_generator: bool = True,
@@ -280,9 +289,8 @@ class Scheduler:
         if error is not None:
             log.warning("request_failed", request_id=request.request_id, error=error)
         self._emit(sequence, finished=True)
-        self._finished.finished_request_ids.append(request.request_id)
 
-    def _release_from_generator(self, sequence: _Sequence, keep_cache: bool) -> None:
+    def _release_from_generator(self, sequence: Sequence, keep_cache: bool) -> None:
         assert self._generator is not None and sequence.uid is not None
         store = keep_cache and self.prefix_cache is not None
         caches = self._generator.remove([sequence.uid], return_prompt_caches=store)
@@ -291,14 +299,10 @@ class Scheduler:
             self._remember(sequence.request, list(tokens), cache)
 
     def _remember(self, request: Request, tokens: list[int], cache: list[Any]) -> None:
-        """Offer a finished sequence's cache to the prefix cache: only the shared prefix the
-        request declared (``prefix_boundary``), or else the whole sequence."""
-        if self.prefix_cache is None:
-            return
-        boundary = request.prefix_boundary
-        if boundary > 0 and self.prefix_cache.store_prefix(tokens, boundary, cache):
-            return
-        self.prefix_cache.store(tokens, cache)
+        if self.prefix_cache is not None:
+            self.prefix_cache.store_finished(
+                request.prompt_token_ids, request.prefix_boundary, tokens, cache
+            )
 
     def _fail_batch(self, exc: BaseException) -> None:
         """The batch step itself failed: fail what was in it and start over with a fresh one."""
@@ -312,38 +316,8 @@ class Scheduler:
         if generator is not None:
             generator.close()
 
-    def _emit(self, sequence: _Sequence, finished: bool = False) -> None:
-        request = sequence.request
-        transcript = request.transcript
-        state = sequence.stream_state
-        completion = len(transcript.token_ids)
-        parts = len(transcript.text_parts)
-        first = request.first_token_time
-        decode_seconds = time.monotonic() - first if first is not None else 0.0
-        logprobs = None
-        if request.sampling_params.logprobs is not None:
-            logprobs, sequence.pending_logprobs = sequence.pending_logprobs, []
-        self._finished.outputs.append(
-            RequestOutput(
-                request_id=request.request_id,
-                new_text="".join(transcript.text_parts[state.sent_text_parts : parts]),
-                new_token_ids=transcript.token_ids[state.sent_tokens : completion],
-                finished=finished,
-                finish_reason=request.finish_reason if finished else None,
-                prompt_tokens=request.num_prompt_tokens,
-                completion_tokens=completion,
-                cached_tokens=request.cached_tokens,
-                ttft=first - request.arrival_time if first is not None else None,
-                tokens_per_second=(
-                    max(completion - 1, 0) / decode_seconds if decode_seconds > 0 else 0.0
-                ),
-                logprobs=logprobs,
-                error=request.error if finished else None,
-                transcript=transcript,
-                text_parts=parts,
-            )
-        )
-        state.mark_sent(completion, parts)
+    def _emit(self, sequence: Sequence, finished: bool = False) -> None:
+        self._finished.outputs.append(sequence.output(finished))
 
     def _take_finished(self) -> SchedulerOutput:
         finished, self._finished = self._finished, SchedulerOutput()
@@ -366,51 +340,31 @@ class Scheduler:
     def clear_prefix_cache(self) -> dict[str, int]:
         return self.prefix_cache.clear() if self.prefix_cache else {"entries": 0, "bytes": 0}
 
-    def get_cache_stats(self) -> dict[str, Any] | None:
+    def cache_stats(self) -> PrefixCacheStats | None:
         return self.prefix_cache.stats() if self.prefix_cache else None
 
-    def get_stats(self) -> dict[str, Any]:
-        return {
-            "num_waiting": self.num_waiting,
-            "num_running": self.num_running,
-            "num_requests_processed": self.num_requests_processed,
-            "num_requests_failed": self.num_requests_failed,
-            "total_prompt_tokens": self.total_prompt_tokens,
-            "total_completion_tokens": self.total_completion_tokens,
-            "batch_failures": self.batch_failures,
-            "model_seconds": self.model_seconds,
-        }
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_waiting=self.num_waiting,
+            num_running=self.num_running,
+            num_requests_processed=self.num_requests_processed,
+            num_requests_failed=self.num_requests_failed,
+            total_prompt_tokens=self.total_prompt_tokens,
+            total_completion_tokens=self.total_completion_tokens,
+            batch_failures=self.batch_failures,
+            model_seconds=self.model_seconds,
+        )
 
-    def get_running_requests_info(self) -> list[dict[str, Any]]:
+    def open_requests(self) -> tuple[RequestProgress, ...]:
+        """Waiting and running requests (any thread: reads a copy of the table)."""
         now = time.monotonic()
-        return [
-            {
-                "request_id": s.request.request_id,
-                "status": s.request.status.value,
-                "prompt_tokens": s.request.num_prompt_tokens,
-                "completion_tokens": s.request.num_output_tokens,
-                "cached_tokens": s.request.cached_tokens,
-                "age_seconds": now - s.request.arrival_time,
-            }
-            for s in list(self._requests.values())
-        ]
+        return tuple(s.progress(now) for s in list(self._requests.values()))
 
     def close(self) -> None:
         """Drop the generator (engine thread); requests must have been finished first."""
         generator, self._generator = self._generator, None
         if generator is not None:
             generator.close()
-
-
-def _token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
-    entry = TokenLogprob(token_id=token, logprob=cast(float, logprobs[token].item()))
-    if top > 0:
-        top = min(top, logprobs.shape[-1])
-        indices = mx.argpartition(-logprobs, kth=top - 1)[:top]
-        ids = cast(list[int], indices.tolist())
-        values = cast(list[float], logprobs[indices].tolist())
-        entry.top_logprobs = sorted(zip(ids, values, strict=True), key=lambda pair: -pair[1])
-    return entry
 
 
 def _describe(exc: BaseException | None) -> str:

@@ -3,9 +3,9 @@
 It owns an MLX stream made on itself (MLX streams are per thread), the scheduler and the
 BatchGenerator. Other threads talk to it through ``call`` (a command run between steps, with a
 ``concurrent.futures.Future`` for the result); it hands each step's outputs to ``deliver``.
-It sleeps on a condition variable when idle and wakes at once on new work. On stop, or if it
-dies, every open request is finished (``abort``, or ``error`` with the cause) so no caller waits
-forever.
+Idle, it blocks on a condition variable (no polling) and wakes at once on a command or stop. On
+stop, or if it dies, every open request is finished (``abort``, or ``error`` with the cause) so
+no caller waits forever.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import mlx.core as mx
 import structlog
 
 from worker.engine.config import EngineConfig
 from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.stats import EngineHealth
 
 log = structlog.get_logger(__name__)
 
@@ -35,7 +36,7 @@ class EngineStoppedError(RuntimeError):
     """The engine thread is not running (never started, stopped, or died)."""
 
 
-class EngineLoop:
+class EngineThread:
     def __init__(
         self,
         scheduler: Scheduler,
@@ -44,7 +45,6 @@ class EngineLoop:
     ) -> None:
         self._scheduler = scheduler
         self._deliver = deliver
-        self._config = config
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -126,15 +126,15 @@ class EngineLoop:
                 total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
         return total
 
-    def health(self) -> dict[str, Any]:
-        return {
-            "healthy": self.fatal_error is None and self.consecutive_failures == 0,
-            "thread_alive": self.is_alive(),
-            "consecutive_failures": self.consecutive_failures,
-            "batch_failures": self._scheduler.batch_failures,
-            "last_error": self.last_error,
-            "fatal_error": self.fatal_error,
-        }
+    def health(self) -> EngineHealth:
+        return EngineHealth(
+            healthy=self.fatal_error is None and self.consecutive_failures == 0,
+            thread_alive=self.is_alive(),
+            consecutive_failures=self.consecutive_failures,
+            batch_failures=self._scheduler.batch_failures,
+            last_error=self.last_error,
+            fatal_error=self.fatal_error,
+        )
 
     # -- the thread --------------------------------------------------------------------------
 
@@ -172,11 +172,13 @@ class EngineLoop:
             self._step()
 
     def _take_commands(self) -> list[Callable[[], None]]:
+        """The commands sent since the last step; idle, blocks until one arrives or stop. Only
+        commands (run on this thread) add work, and ``call``/``stop`` notify under the lock."""
         with self._wake:
             while not self._commands and self._stop_reason is None:
                 if self._scheduler.has_requests():
                     break
-                self._wake.wait(timeout=max(self._config.step_interval, 0.5))
+                self._wake.wait()
             commands = list(self._commands)
             self._commands.clear()
             return commands

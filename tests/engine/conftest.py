@@ -1,0 +1,41 @@
+"""Engines that a test builds are closed at its teardown, whatever the test did."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.support import engines
+from worker.engine import EngineCore
+
+
+@pytest.fixture
+def closed_at_teardown() -> Iterator[Callable[[EngineCore], EngineCore]]:
+    """Hands an engine back and closes it when the test ends (closing twice is harmless)."""
+    with contextlib.ExitStack() as stack:
+
+        def track(engine: EngineCore) -> EngineCore:
+            return stack.enter_context(contextlib.closing(engine))
+
+        yield track
+
+
+@pytest.fixture
+def make_engine(
+    closed_at_teardown: Callable[[EngineCore], EngineCore],
+) -> Callable[..., EngineCore]:
+    """``make_engine(model_and_tokenizer, **scheduler)``: see ``tests.support.engines``."""
+
+    def build(model_and_tokenizer: tuple[Any, Any], **scheduler: Any) -> EngineCore:
+        return closed_at_teardown(engines.make_engine(model_and_tokenizer, **scheduler))
+
+    return build
+
+
+@pytest.fixture
+def engine(tiny_model: Any, make_engine: Callable[..., EngineCore]) -> EngineCore:
+    """An engine over the tiny llama with the default scheduler."""
+    return make_engine(tiny_model)

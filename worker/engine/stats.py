@@ -1,0 +1,114 @@
+"""What the engine reports about itself: typed, frozen snapshots.
+
+``EngineCore.stats()``, ``cache_stats()`` and ``memory_stats()`` return these; the reference
+API's ``get_stats()`` / ``get_cache_stats()`` dicts are built from them (``as_dict``), so both
+views always agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True, slots=True)
+class RequestProgress:
+    """One open request (waiting or running)."""
+
+    request_id: str
+    status: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    age_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """``healthy`` is False after a failed step (until one succeeds) or once the engine thread
+    died; ``batch_failures`` counts batch steps that failed and were started over."""
+
+    healthy: bool
+    thread_alive: bool
+    consecutive_failures: int
+    batch_failures: int
+    last_error: str | None
+    fatal_error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """The scheduler's counters since the engine was made."""
+
+    num_waiting: int
+    num_running: int
+    num_requests_processed: int
+    num_requests_failed: int
+    total_prompt_tokens: int
+    total_completion_tokens: int
+    batch_failures: int
+    # Wall time inside mlx-lm's BatchGenerator.next (model, sampling, waiting on the device).
+    model_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    engine_id: str
+    model_name: str
+    running: bool
+    uptime_seconds: float
+    steps_executed: int
+    engine_thread_cpu_seconds: float
+    # Of step_seconds, scheduler.model_seconds went to mlx-lm's BatchGenerator; the rest is
+    # the engine's own per-step and per-token host work.
+    step_seconds: float
+    active_requests: int
+    stream_interval: int
+    requests: tuple[RequestProgress, ...]
+    health: EngineHealth
+    scheduler: SchedulerStats
+
+    def as_dict(self) -> dict[str, Any]:
+        """The reference API's flat dict: the scheduler's counters beside the engine's."""
+        view = asdict(self)
+        scheduler = view.pop("scheduler")
+        view["requests"] = list(view["requests"])
+        return {**view, **scheduler}
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    enabled: bool
+    entries: int
+    memory_bytes: int
+    max_entries: int
+    max_bytes: int
+    hits: int
+    misses: int
+    hit_rate: float
+    tokens_saved: int
+    evictions: int
+    stores: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class MlxMemory:
+    """MLX's allocator figures, in bytes: arrays alive, the buffer cache, the peak so far."""
+
+    active_bytes: int
+    cache_bytes: int
+    peak_bytes: int
+
+
+def read_mlx_memory() -> MlxMemory:
+    """Engine thread: the one thread that touches MLX."""
+    return MlxMemory(
+        active_bytes=int(mx.get_active_memory()),
+        cache_bytes=int(mx.get_cache_memory()),
+        peak_bytes=int(mx.get_peak_memory()),
+    )
