@@ -4,16 +4,9 @@ The specification is protocol/README.md. Nothing here imports from `worker`.
 """
 
 from protocol.client import Client
-from protocol.codec import (
-    decode_command,
-    decode_event,
-    decode_job,
-    decode_reply,
-    encode_command,
-    encode_event,
-    encode_job,
-    encode_reply,
-)
+from protocol.codec_control import decode_command, decode_reply, encode_command, encode_reply
+from protocol.codec_events import decode_event, encode_event
+from protocol.codec_job import decode_job, encode_job
 from protocol.constants import PROTOCOL_VERSION
 from protocol.errors import (
     ERROR_CODES,
@@ -43,7 +36,7 @@ from protocol.messages import (
     UnknownEvent,
     Usage,
 )
-from protocol.scripts import last_seq, publish_events
+from protocol.replay_log import last_seq, publish_events
 from protocol.sync_client import SyncClient
 
 __all__ = [

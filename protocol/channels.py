@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from typing import Any, Final
 
@@ -24,7 +25,7 @@ from redis.asyncio.cluster import ClusterPubSub, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from protocol.connection import RedisClient, retry_delay
+from protocol.connection import RedisClient, retry_forever
 
 # Put in an inbox after its connection came back: messages may have been lost meanwhile.
 MISSED: Final = None
@@ -33,6 +34,9 @@ Inbox = asyncio.Queue[bytes | None]
 SUBSCRIBE_CONFIRM_TIMEOUT: Final = 10.0
 # How long one read waits before the reader looks at its bookkeeping again.
 _READ_WAIT: Final = 1.0
+# A reader waits out a lost connection (redis-py's PubSub reconnects on the next read, and
+# subscribes its channels again) for as long as the hub is open.
+_READ_RETRY: Final = retry_forever((RedisError, OSError))
 _SUBSCRIBED: Final = frozenset({"subscribe", "ssubscribe"})
 _MESSAGES: Final = frozenset({"message", "smessage"})
 
@@ -159,22 +163,23 @@ class ChannelHub:
                 )
 
     async def _read(self, node_name: str) -> None:
-        failures = 0
+        reconnected = False
+
+        async def connection_lost(exc: Exception) -> None:
+            nonlocal reconnected
+            reconnected = True
+            # A subscription sent on this connection may never be confirmed now: tell whoever
+            # waits for one (they subscribe again), instead of letting them wait.
+            self._fail_pending(exc)
+
+        read = functools.partial(self._next_message, node_name)
         while not self._closed:
             try:
-                message = await self._next_message(node_name)
+                message = await _READ_RETRY.call_with_retry(read, connection_lost)
             except _NodeGone:
                 return
-            except (RedisError, OSError) as exc:
-                # A subscription sent on this connection may never be confirmed now: tell
-                # whoever waits for one (they subscribe again), instead of letting them wait.
-                self._fail_pending(exc)
-                delay = retry_delay(failures)
-                failures += 1
-                await asyncio.sleep(delay)
-                continue
-            if failures:
-                failures = 0
+            if reconnected:
+                reconnected = False
                 self._notify_missed()
             if message is not None:
                 self._dispatch(message)

@@ -1,7 +1,8 @@
-"""The ``submit``, ``stream`` and ``ctl`` commands of ``mlx-worker``.
+"""The ``submit``, ``stream``, ``ctl`` and ``group`` commands of ``mlx-worker``.
 
-`add_commands` registers them on the main parser's subcommands and `run` executes one;
-`main` is a standalone parser with the same commands (``python -m protocol.cli``).
+`add_commands` registers them on the main parser's subcommands (each with ``func=run``) and
+`run` executes one; `main` is a standalone parser with the same commands
+(``python -m protocol.cli``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,15 @@ from typing import Any, Final, TextIO
 import redis.exceptions
 
 from protocol.cli_group import add_group_command, run_group
+from protocol.cli_output import (
+    EXIT_CODES_HELP,
+    ExitCode,
+    describe_reply,
+    event_as_dict,
+    exit_code_for,
+    json_line,
+    reply_as_dict,
+)
 from protocol.client import Client
 from protocol.connection import TOPOLOGIES, redact
 from protocol.constants import DEFAULT_CONTROL_TIMEOUT_SECONDS, DEFAULT_PREFIX, DEFAULT_REDIS_URL
@@ -29,22 +39,12 @@ from protocol.errors import (
     StreamTimeout,
 )
 from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, Event, ResetEvent
-from protocol.rendering import (
-    EXIT_CODES_HELP,
-    ExitCode,
-    describe_reply,
-    event_as_dict,
-    exit_code_for,
-    json_line,
-    reply_as_dict,
-)
 
-COMMANDS: Final = frozenset({"submit", "stream", "ctl", "group"})
 CTL_COMMANDS: Final = ("stats", "ping", "abort", "cache-save", "cache-load", "cache-clear")
 
 
 def add_commands(subparsers: Any) -> None:
-    """Register submit, stream and ctl on an argparse ``add_subparsers()`` object."""
+    """Register submit, stream, ctl and group on an argparse ``add_subparsers()`` object."""
     connection = _connection_options()
     formatter = argparse.RawDescriptionHelpFormatter
 
@@ -111,11 +111,13 @@ def add_commands(subparsers: Any) -> None:
         command.add_argument("--timeout", type=float, default=DEFAULT_CONTROL_TIMEOUT_SECONDS)
         command.add_argument("--json", action="store_true", help="one JSON object per reply")
 
-    add_group_command(subparsers, connection, EXIT_CODES_HELP)
+    group = add_group_command(subparsers, connection, EXIT_CODES_HELP)
+    for command in (submit, stream, ctl, group):
+        command.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
-    """Execute a parsed submit / stream / ctl command; returns the exit status."""
+    """Execute a parsed submit / stream / ctl / group command; returns the exit status."""
     out = stdout or sys.stdout
     url = args.redis_url
     try:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
+from protocol.cli_output import ExitCode, json_line
 from protocol.connection import connect
 from protocol.group import DEFAULT_PRUNE_IDLE_SECONDS, Consumer, list_consumers, prune
 from protocol.keys import Keys
-from protocol.rendering import ExitCode, json_line
 
 # Short: the verb runs a handful of commands and must not hang on a stalled Redis.
 _SOCKET_TIMEOUT = 10.0
@@ -20,9 +20,12 @@ _SOCKET_TIMEOUT = 10.0
 
 def add_group_command(
     subparsers: Any, connection: argparse.ArgumentParser, epilog: str | None = None
-) -> None:
-    """Register ``group list`` and ``group prune`` (``connection``: the shared options)."""
-    group = subparsers.add_parser("group", help="consumers of the job group: list, prune")
+) -> argparse.ArgumentParser:
+    """Register ``group list`` and ``group prune`` (``connection``: the shared options);
+    returns the ``group`` parser."""
+    group: argparse.ArgumentParser = subparsers.add_parser(
+        "group", help="consumers of the job group: list, prune"
+    )
     commands = group.add_subparsers(dest="group_command", required=True, metavar="COMMAND")
     formatter = argparse.RawDescriptionHelpFormatter
     listing = commands.add_parser(
@@ -49,6 +52,7 @@ def add_group_command(
     )
     pruning.add_argument("--dry-run", action="store_true", help="show, remove nothing")
     pruning.add_argument("--json", action="store_true", help="one JSON object per consumer")
+    return group
 
 
 async def run_group(args: argparse.Namespace, out: TextIO) -> int:

@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from protocol.channels import ChannelHub
-from protocol.codec import decode_job, encode_job
+from protocol.codec_job import decode_job, encode_job
 from protocol.connection import RedisClient, connect, is_unavailable, redact
 from protocol.constants import (
     DEFAULT_ABORT_TTL_SECONDS,
@@ -31,7 +31,7 @@ from protocol.identifiers import new_request_id
 from protocol.keys import Keys
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import ChatMessage, ControlReply, Event, Job, QueuedEvent, TerminalEvent
-from protocol.scripts import publish_events
+from protocol.replay_log import publish_events
 from protocol.subscription import follow_events
 
 if TYPE_CHECKING:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Final
+from collections.abc import Callable
+from typing import Any, Final, NamedTuple
 
 from protocol.fields import FieldReader, is_integer, json_like_problem
 from protocol.identifiers import ID_RULE, is_valid_id
@@ -67,57 +68,84 @@ def decode_event(data: object, limits: Limits = DEFAULT_LIMITS) -> Event:
     event_type = reader.required_string("type", non_empty=True, max_len=MAX_CODE_LEN)
     seq = reader.required_integer("seq", minimum=0)
     attempt = reader.required_integer("attempt", minimum=0)
-    if event_type == "queued":
-        if seq != 0:
-            raise reader.error("invalid_field", "seq", "of a queued event must be 0")
-        return QueuedEvent(request_id=request_id, seq=0, attempt=attempt)
-    if seq < 1:
+    if event_type == "queued" and seq != 0:
+        raise reader.error("invalid_field", "seq", "of a queued event must be 0")
+    if event_type != "queued" and seq < 1:
         raise reader.error("invalid_field", "seq", f"of a {event_type} event must be >= 1")
-    if event_type == "delta":
-        return DeltaEvent(
-            request_id=request_id,
-            seq=seq,
-            attempt=attempt,
-            new_text=reader.required_string("new_text", max_len=limits.max_str_len),
-            new_token_ids=_new_token_ids(reader),
-            logprobs=_logprobs(reader),
-        )
-    if event_type == "done":
-        finish_reason = reader.required_string("finish_reason")
-        if finish_reason not in FINISH_REASONS:
-            raise reader.error("invalid_field", "finish_reason", f"must be one of {FINISH_REASONS}")
-        return DoneEvent(
-            request_id=request_id,
-            seq=seq,
-            attempt=attempt,
-            finish_reason=FINISH_REASONS[FINISH_REASONS.index(finish_reason)],
-            output_text=reader.required_string("output_text", max_len=limits.max_str_len),
-            usage=_usage(reader),
-            metadata=reader.metadata("metadata"),
-        )
-    if event_type == "error":
-        return ErrorEvent(
-            request_id=request_id,
-            seq=seq,
-            attempt=attempt,
-            code=reader.required_string("code", non_empty=True, max_len=MAX_CODE_LEN),
-            message=reader.required_string("message", max_len=limits.max_str_len),
-            metadata=reader.metadata("metadata"),
-        )
-    if event_type == "reset":
-        if attempt < 1:
-            raise reader.error("invalid_field", "attempt", "of a reset event must be >= 1")
-        return ResetEvent(request_id=request_id, seq=seq, attempt=attempt)
+    common = _Common(request_id, seq, attempt)
+    decode = _DECODERS.get(event_type)
+    if decode is None:
+        return _unknown_event(reader, common, event_type)
+    return decode(reader, common)
+
+
+class _Common(NamedTuple):
+    """The fields every event has, already checked."""
+
+    request_id: str
+    seq: int
+    attempt: int
+
+
+def _queued_event(reader: FieldReader, common: _Common) -> Event:
+    return QueuedEvent(**common._asdict())
+
+
+def _delta_event(reader: FieldReader, common: _Common) -> Event:
+    return DeltaEvent(
+        **common._asdict(),
+        new_text=reader.required_string("new_text", max_len=reader.limits.max_str_len),
+        new_token_ids=_new_token_ids(reader),
+        logprobs=_logprobs(reader),
+    )
+
+
+def _done_event(reader: FieldReader, common: _Common) -> Event:
+    finish_reason = reader.required_string("finish_reason")
+    if finish_reason not in FINISH_REASONS:
+        raise reader.error("invalid_field", "finish_reason", f"must be one of {FINISH_REASONS}")
+    return DoneEvent(
+        **common._asdict(),
+        finish_reason=FINISH_REASONS[FINISH_REASONS.index(finish_reason)],
+        output_text=reader.required_string("output_text", max_len=reader.limits.max_str_len),
+        usage=_usage(reader),
+        metadata=reader.metadata("metadata"),
+    )
+
+
+def _error_event(reader: FieldReader, common: _Common) -> Event:
+    return ErrorEvent(
+        **common._asdict(),
+        code=reader.required_string("code", non_empty=True, max_len=MAX_CODE_LEN),
+        message=reader.required_string("message", max_len=reader.limits.max_str_len),
+        metadata=reader.metadata("metadata"),
+    )
+
+
+def _reset_event(reader: FieldReader, common: _Common) -> Event:
+    if common.attempt < 1:
+        raise reader.error("invalid_field", "attempt", "of a reset event must be >= 1")
+    return ResetEvent(**common._asdict())
+
+
+def _unknown_event(reader: FieldReader, common: _Common, event_type: str) -> Event:
     # Kept for display only, so only what any consumer can print (and recurse into) stays.
-    depth = limits.max_metadata_depth
+    depth = reader.limits.max_metadata_depth
     extra = {
         key: value
         for key, value in reader.message.items()
         if key not in COMMON_FIELDS and json_like_problem(value, depth) is None
     }
-    return UnknownEvent(
-        request_id=request_id, seq=seq, attempt=attempt, event_type=event_type, fields=extra
-    )
+    return UnknownEvent(**common._asdict(), event_type=event_type, fields=extra)
+
+
+_DECODERS: Final[dict[str, Callable[[FieldReader, _Common], Event]]] = {
+    "queued": _queued_event,
+    "delta": _delta_event,
+    "done": _done_event,
+    "error": _error_event,
+    "reset": _reset_event,
+}
 
 
 def _new_token_ids(reader: FieldReader) -> tuple[int, ...]:

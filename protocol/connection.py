@@ -14,11 +14,12 @@ and a multi-key script may only carry keys of one hash slot.
 
 No client made here retries a command by itself: redis-py would send a command again after a
 timeout, and a timed-out command may have run. Every retry in this project is explicit, in
-code that knows the command is safe to repeat.
+code that knows the command is safe to repeat (``retry_forever``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
@@ -28,7 +29,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
-from redis.backoff import NoBackoff
+from redis.backoff import AbstractBackoff, EqualJitterBackoff, NoBackoff
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
@@ -68,8 +69,10 @@ _UNAVAILABLE: Final = (
 # Redis answering "no" to who we are: waiting does not help (the first two are
 # ConnectionErrors in redis-py, so they must be told apart from an outage).
 REFUSED: Final = (AuthenticationError, AuthorizationError, NoPermissionError)
-# Waits between tries while Redis is unreachable: quick at first, then every 2 s.
-_RETRY_DELAYS: Final = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+# Waits between tries while Redis is unreachable: 0.05-0.1 s at first, doubling up to 1-2 s.
+# Equal jitter (half fixed, half random): clients that lost Redis together do not all come
+# back in the same instant, and no wait is near zero.
+RECONNECT_BACKOFF: Final = EqualJitterBackoff(cap=2.0, base=0.05)
 
 
 def is_unavailable(exc: BaseException) -> bool:
@@ -80,14 +83,19 @@ def is_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, _UNAVAILABLE)
 
 
-def retry_delay(failures: int) -> float:
-    """Seconds to wait before the next try, after ``failures`` failed ones in a row."""
-    return _RETRY_DELAYS[min(failures, len(_RETRY_DELAYS) - 1)]
-
-
 def no_retries() -> Retry:
     """A retry policy that never sends a command twice (see the module docstring)."""
     return Retry(NoBackoff(), 0)
+
+
+def retry_forever(
+    errors: tuple[type[Exception], ...], backoff: AbstractBackoff = RECONNECT_BACKOFF
+) -> Retry:
+    """redis-py's Retry trying again without end on ``errors``, waiting ``backoff`` between
+    tries (``call_with_retry``); only for operations safe to repeat. Cancel the caller to stop."""
+    # redis-py annotates the errors as RedisErrors; it catches whatever it is given (OSError,
+    # RedisClusterException: a Cluster reshuffling its slots).
+    return Retry(backoff, retries=-1, supported_errors=errors)  # type: ignore[arg-type]
 
 
 async def publish(redis: RedisClient, channel: str, message: bytes) -> int:
@@ -307,3 +315,17 @@ async def exists_each(redis: RedisClient, keys: Sequence[str]) -> list[bool]:
             pipe.exists(key)
         replies = await pipe.execute()
     return [bool(reply) for reply in replies]
+
+
+def raise_if_cancelled() -> None:
+    """Raise CancelledError if the current task was asked to cancel and is still running.
+
+    On Python 3.11, ``asyncio.wait_for`` returns normally if its inner future finishes in the
+    same loop step as a cancel arrives, dropping the cancellation (fixed in 3.12). redis-py
+    sends every command through ``wait_for`` when a socket timeout is set (its default since
+    6.x), so a cancelled stream could keep waiting. The task still counts the request
+    (``cancelling()``), so long waits call this once per round to honour it.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -13,9 +13,8 @@ from typing import Final
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protocol.cancellation import raise_if_cancelled
-from protocol.codec import decode_reply, encode_command
-from protocol.connection import RedisClient, publish
+from protocol.codec_control import decode_reply, encode_command
+from protocol.connection import RedisClient, publish, raise_if_cancelled
 from protocol.errors import ControlTimeout
 from protocol.keys import Keys
 from protocol.limits import Limits

@@ -19,6 +19,7 @@ from redis.exceptions import ResponseError
 from protocol.connection import RedisClient, as_text, exists_each
 from protocol.identifiers import is_valid_id
 from protocol.keys import Keys
+from protocol.lua import run_script
 
 # KEYS[1] the job stream; ARGV[1] the group, ARGV[2] the consumer. Deletes the consumer unless
 # it holds pending entries, atomically: between a separate check and the delete, the consumer
@@ -72,7 +73,7 @@ class Pruned:
 async def remove_idle_consumer(redis: RedisClient, keys: Keys, consumer: str | bytes) -> bool:
     """Delete ``consumer`` from the group unless it holds pending entries (one atomic step);
     True when it is gone."""
-    removed = await redis.eval(REMOVE_IDLE_CONSUMER, 1, keys.jobs, keys.group, consumer)
+    removed = await run_script(redis, REMOVE_IDLE_CONSUMER, [keys.jobs], [keys.group, consumer])
     return bool(removed)
 
 

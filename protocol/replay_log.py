@@ -16,10 +16,11 @@ from typing import Final
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from protocol.codec import encode_event
+from protocol.codec_events import encode_event
 from protocol.connection import RedisClient
 from protocol.constants import DEFAULT_LOG_TTL_SECONDS, LOG_EVENT_FIELD, LOG_SEQ_FIELD
 from protocol.keys import Keys
+from protocol.lua import run_script, run_script_each
 from protocol.messages import Event
 
 # The newest event a worker wrote to a log: its seq and whether it ends the request; seq -1
@@ -208,18 +209,16 @@ async def publish_events(
         return []
     if not isinstance(redis, RedisCluster):
         script_keys, script_args = publish_call(keys, events, ttl_seconds, runs, sharded=False)
-        replies = await redis.eval(PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args)
+        replies = await run_script(redis, PUBLISH_EVENTS, script_keys, script_args)
         return [Outcome(reply) for reply in replies]
     by_slot: dict[int, list[int]] = {}
     for index, event in enumerate(events):
         by_slot.setdefault(key_slot(keys.log(event.request_id).encode()), []).append(index)
-    async with redis.pipeline(transaction=False) as pipe:
-        for indexes in by_slot.values():
-            script_keys, script_args = publish_call(
-                keys, [events[i] for i in indexes], ttl_seconds, runs, sharded=True
-            )
-            pipe.eval(PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args)
-        per_slot = await pipe.execute()
+    calls = [
+        publish_call(keys, [events[i] for i in indexes], ttl_seconds, runs, sharded=True)
+        for indexes in by_slot.values()
+    ]
+    per_slot = await run_script_each(redis, PUBLISH_EVENTS, calls)
     outcomes: list[Outcome] = [Outcome.FENCED] * len(events)
     for indexes, replies in zip(by_slot.values(), per_slot, strict=True):
         for index, reply in zip(indexes, replies, strict=True):
@@ -305,8 +304,8 @@ async def begin_attempt(
         mode = ("IFFENCE", if_fence)
     elif if_free:
         mode = ("IFFREE",)
-    last: int = await redis.eval(
-        BEGIN_ATTEMPT, 2, log_key, fence_key, attempt, ttl_seconds, run, *mode
+    last: int = await run_script(
+        redis, BEGIN_ATTEMPT, [log_key, fence_key], [attempt, ttl_seconds, run, *mode]
     )
     return last
 

@@ -20,10 +20,9 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator
 
-from protocol.cancellation import raise_if_cancelled
 from protocol.channels import MISSED, SUBSCRIBE_CONFIRM_TIMEOUT, ChannelHub, Inbox
-from protocol.codec import decode_event
-from protocol.connection import RedisClient, is_unavailable, retry_delay
+from protocol.codec_events import decode_event
+from protocol.connection import RECONNECT_BACKOFF, RedisClient, is_unavailable, raise_if_cancelled
 from protocol.errors import (
     ProtocolError,
     RedisUnavailable,
@@ -34,7 +33,7 @@ from protocol.keys import Keys
 from protocol.limits import Limits
 from protocol.messages import Event
 from protocol.ordering import EventOrdering
-from protocol.scripts import read_log
+from protocol.replay_log import read_log
 
 
 async def follow_events(
@@ -59,6 +58,9 @@ async def follow_events(
     last_event_at = time.monotonic()
     failures = 0
     unavailable_since: float | None = None
+    # The retry loop is written out, not redis-py's Retry.call_with_retry: what is retried
+    # yields events to the caller (a generator cannot run inside a callback), and each wait is
+    # cut short by the stream's own timeout.
     while True:
         confirm_timeout = SUBSCRIBE_CONFIRM_TIMEOUT
         if timeout is not None:  # the wait for the subscription counts against the stream's
@@ -101,8 +103,8 @@ async def follow_events(
                     f"Redis unreachable for {unavailable_timeout:g} s while following "
                     f"{request_id!r}: {exc}"
                 ) from exc
-            delay = retry_delay(failures)
             failures += 1
+            delay = RECONNECT_BACKOFF.compute(failures)
             if timeout is not None:
                 delay = min(delay, max(timeout - (now - last_event_at), 0.0))
             await asyncio.sleep(delay)

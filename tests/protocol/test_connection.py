@@ -28,7 +28,7 @@ from protocol.connection import (
     redact,
 )
 from protocol.errors import RedisUnavailable, RequestNotFound, StreamTimeout
-from tests.protocol.helpers import run
+from tests.support.waiting import run
 from worker.local_redis import free_port
 
 

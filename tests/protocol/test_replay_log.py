@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from protocol import scripts
-from protocol.codec import decode_event, encode_event
+from protocol import replay_log
+from protocol.codec_events import decode_event, encode_event
 from protocol.keys import Keys
-from protocol.scripts import (
+from protocol.replay_log import (
     FINISHED,
     PUBLISH_EVENTS,
     STALE_ATTEMPT,
@@ -31,10 +31,10 @@ from tests.protocol.helpers import (
     emit,
     queued,
     reset,
-    run,
     run_of,
     text_events,
 )
+from tests.support.waiting import run
 
 
 def test_events_are_logged_and_published_in_order(redis_url: str, keys: Keys) -> None:
@@ -276,7 +276,7 @@ def test_one_call_writes_many_requests_and_fences_each_on_its_own(
 def test_the_spec_lists_the_script_the_code_runs() -> None:
     """protocol/README.md shows PUBLISH_EVENTS for implementers in other languages: it must
     be the script itself, not a paraphrase that drifted."""
-    readme = (Path(scripts.__file__).parent / "README.md").read_text()
+    readme = (Path(replay_log.__file__).parent / "README.md").read_text()
     listing = readme.split("```lua\n", 1)[1].split("```", 1)[0]
     assert textwrap.dedent(listing) == PUBLISH_EVENTS.lstrip("\n")
 
