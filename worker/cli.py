@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import worker  # noqa: F401  (loads OpenBLAS before anything imports mlx)
-from protocol.cli import COMMANDS as CLIENT_COMMANDS
 from protocol.cli import add_commands as add_client_commands
-from protocol.cli import run as run_client_command
 from worker.daemon.settings import WorkerSettings, load_settings
 from worker.logs import configure_logging, one_line, tell_operator
 
+Command = Callable[[argparse.Namespace], int]
+
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; each subcommand names the function that runs it (``func``)."""
     parser = argparse.ArgumentParser(prog="mlx-worker", description=__doc__)
     parser.add_argument(
         "--log-format",
@@ -33,7 +36,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="show the Python traceback of a failure, not only its one line (env MLXW_DEBUG=1)",
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_model_commands(commands)
+    _add_bench_commands(commands)
+    _add_daemon_commands(commands)
+    add_client_commands(commands)  # submit, stream, ctl, group: the protocol's own client CLI
+    _add_demo_command(commands)
+    return parser
 
+
+def _lazy(module: str, function: str) -> Command:
+    """A command whose module is imported only when it runs: most import mlx (a second),
+    which submit, stream and ctl never need."""
+
+    def command(args: argparse.Namespace) -> int:
+        run: Command = getattr(importlib.import_module(module), function)
+        return run(args)
+
+    return command
+
+
+def _add_model_commands(commands: Any) -> None:
     model = commands.add_parser("model", help="prepare offline model fixtures")
     model_commands = model.add_subparsers(dest="model_command", required=True)
     prepare = model_commands.add_parser("prepare", help="build an mlx-lm model folder")
@@ -45,14 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-dir", default=None, help="default: ~/.cache/mlx-redis-worker/models"
     )
     prepare.add_argument("--force", action="store_true", help="rebuild even when present")
+    prepare.set_defaults(func=_lazy("worker.models.prepare", "run_prepare"))
 
+
+def _add_bench_commands(commands: Any) -> None:
     bench = commands.add_parser("bench", help="benchmarks with same-run baselines")
-    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    engine = bench_commands.add_parser("engine", help="engine vs mlx-lm, same load")
-    engine.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
-    engine.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
-    engine.add_argument("--prompt-tokens", type=int, default=32)
-    engine.add_argument("--max-tokens", type=int, default=64)
+    benches = bench.add_subparsers(dest="bench_command", required=True)
+
+    engine = benches.add_parser("engine", help="engine vs mlx-lm, same load")
+    _add_load_flags(engine)
     engine.add_argument(
         "--sequential-max",
         type=int,
@@ -60,32 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the sequential baseline above this concurrency",
     )
     engine.add_argument("--skip", default="", help="paths to skip: sequential,batch,sync,async")
-    engine.add_argument("--repeat", type=int, default=3, help="rotations of all paths per level")
+    engine.set_defaults(func=_lazy("worker.bench.engine_bench", "run_bench"))
 
-    run = commands.add_parser("run", help="run the worker daemon")
-    _add_worker_flags(run)
-    health = commands.add_parser("health", help="exit 0 when the worker's heartbeat is alive")
-    _add_worker_flags(
-        health,
-        only=("redis_url", "redis_url_file", "redis_topology", "prefix", "worker_id", "config"),
-    )
-
-    add_client_commands(commands)  # submit, stream, ctl: the protocol's own client CLI
-
-    e2e = bench_commands.add_parser("e2e", help="Redis + worker + client vs engine alone")
-    e2e.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
-    e2e.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
-    e2e.add_argument("--prompt-tokens", type=int, default=32)
-    e2e.add_argument("--max-tokens", type=int, default=64)
-    e2e.add_argument("--repeat", type=int, default=3, help="rotations of all paths per level")
+    e2e = benches.add_parser("e2e", help="Redis + worker + client vs engine alone")
+    _add_load_flags(e2e)
     e2e.add_argument("--redis-url", default=None, help="default: MLXW_REDIS_URL or a private one")
     e2e.add_argument(
         "--cluster",
         action="store_true",
         help="also run end to end on a private 3-master Redis Cluster (a second worker)",
     )
+    e2e.set_defaults(func=_lazy("worker.bench.e2e_bench", "run_e2e_bench"))
 
-    prefix = bench_commands.add_parser(
+    prefix = benches.add_parser(
         "prefix", help="TTFT with a shared system prompt: cold, warm, after a restart"
     )
     prefix.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
@@ -95,23 +105,49 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.add_argument("--rounds", type=int, default=2, help="distinct system prompts")
     prefix.add_argument("--max-tokens", type=int, default=8)
     prefix.add_argument("--restored-from", default=None, help=argparse.SUPPRESS)
+    prefix.set_defaults(func=_lazy("worker.bench.prefix_bench", "run_prefix_bench"))
 
-    publish = bench_commands.add_parser(
+    publish = benches.add_parser(
         "publish", help="worker CPU per published delta: one script call per step vs per event"
     )
     publish.add_argument("--batch", default="1,8,32,128", help="streams, comma-separated")
     publish.add_argument("--events", type=int, default=4096, help="events per measurement")
     publish.add_argument("--repeat", type=int, default=5, help="rotations of both paths")
     publish.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    publish.set_defaults(func=_lazy("worker.bench.publish_bench", "run_publish_bench"))
 
-    scheduler = bench_commands.add_parser(
+    scheduler = benches.add_parser(
         "scheduler", help="the engine's own host work per token, model replayed"
     )
     scheduler.add_argument("--model", default="tiny", help="whose tokenizer: tiny | smollm2 | …")
     scheduler.add_argument("--sequences", type=int, default=128)
     scheduler.add_argument("--tokens", type=int, default=256)
     scheduler.add_argument("--repeat", type=int, default=7, help="rotations of all paths")
+    scheduler.set_defaults(func=_lazy("worker.bench.scheduler_bench", "run_scheduler_bench"))
 
+
+def _add_load_flags(bench: argparse.ArgumentParser) -> None:
+    """The generation load of the engine and end-to-end benches."""
+    bench.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
+    bench.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
+    bench.add_argument("--prompt-tokens", type=int, default=32)
+    bench.add_argument("--max-tokens", type=int, default=64)
+    bench.add_argument("--repeat", type=int, default=3, help="rotations of all paths per level")
+
+
+def _add_daemon_commands(commands: Any) -> None:
+    run = commands.add_parser("run", help="run the worker daemon")
+    _add_worker_flags(run)
+    run.set_defaults(func=_run_worker)
+    health = commands.add_parser("health", help="exit 0 when the worker's heartbeat is alive")
+    _add_worker_flags(
+        health,
+        only=("redis_url", "redis_url_file", "redis_topology", "prefix", "worker_id", "config"),
+    )
+    health.set_defaults(func=_check_health)
+
+
+def _add_demo_command(commands: Any) -> None:
     demo = commands.add_parser("demo", help="stream a few concurrent generations")
     demo.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
     demo.add_argument("--max-tokens", type=int, default=48)
@@ -120,8 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="use the embedded Redis even when a real one is available",
     )
-
-    return parser
+    demo.set_defaults(func=_lazy("worker.demo", "run_demo"))
 
 
 WORKER_FLAGS: dict[str, tuple[type, str]] = {
@@ -184,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         return _usage_error(args, str(exc), exc)
     try:
-        return _dispatch(args)
+        command: Command = args.func
+        return command(args)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
@@ -200,48 +236,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _dispatch(args: argparse.Namespace) -> int:
-    if args.command == "model":
-        from worker.models.prepare import run_prepare
+def _run_worker(args: argparse.Namespace) -> int:
+    from worker.daemon.service import serve
 
-        return run_prepare(args)
-    if args.command == "bench" and args.bench_command == "e2e":
-        from worker.bench.e2e_bench import run_e2e_bench
+    return _with_settings(args, lambda settings: serve(settings, debug=args.debug))
 
-        return run_e2e_bench(args)
-    if args.command == "bench" and args.bench_command == "publish":
-        from worker.bench.publish_bench import run_publish_bench
 
-        return run_publish_bench(args)
-    if args.command == "bench" and args.bench_command == "scheduler":
-        from worker.bench.scheduler_bench import run_scheduler_bench
+def _check_health(args: argparse.Namespace) -> int:
+    from worker.daemon.service import check_health
 
-        return run_scheduler_bench(args)
-    if args.command == "bench" and args.bench_command == "prefix":
-        from worker.bench.prefix_bench import run_prefix_bench
+    return _with_settings(args, check_health)
 
-        return run_prefix_bench(args)
-    if args.command == "bench":
-        from worker.bench.engine_bench import run_bench
 
-        return run_bench(args)
-    if args.command in CLIENT_COMMANDS:
-        return run_client_command(args)
-    if args.command in ("run", "health"):
-        try:
-            settings = _worker_settings(args)
-        except (ValueError, OSError) as exc:
-            return _usage_error(args, f"bad settings: {one_line(exc)}", exc)
-        from worker.daemon.service import check_health, serve
-
-        if args.command == "run":
-            return serve(settings, debug=args.debug)
-        return check_health(settings)
-    if args.command == "demo":
-        from worker.demo import run_demo
-
-        return run_demo(args)
-    raise AssertionError(f"unhandled command {args.command}")
+def _with_settings(args: argparse.Namespace, use: Callable[[WorkerSettings], int]) -> int:
+    """``use`` the settings of flags, env and TOML; bad settings are a usage error."""
+    try:
+        settings = _worker_settings(args)
+    except (ValueError, OSError) as exc:
+        return _usage_error(args, f"bad settings: {one_line(exc)}", exc)
+    return use(settings)
 
 
 def _usage_error(args: argparse.Namespace, message: str, exc: BaseException) -> int:

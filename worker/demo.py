@@ -126,7 +126,7 @@ def run_demo(args: argparse.Namespace) -> int:
         )
 
         async def main() -> int:
-            worker = Worker(settings, model_and_tokenizer)
+            worker = Worker(settings, model_and_tokenizer=model_and_tokenizer)
             serving = asyncio.create_task(worker.run())
             await worker.ready.wait()
             print("worker ready; submitting:")

@@ -4,7 +4,7 @@
 For each shape: bf16 weights; decode tokens/s at each batch size for raw ``BatchGenerator``, for
 ``EngineCore.generate_batch_sync`` (which also detokenizes every token) and for the daemon's
 streamed path (``add_request`` + ``stream_outputs``, one output per token); the engine's own host
-time per token (its step time outside ``BatchGenerator.next``, from ``get_stats``), which is
+time per token (its step time outside ``BatchGenerator.next``, from ``stats()``), which is
 what separates it from raw when a step is host-bound; and the batch-1 step time against the
 memory-bandwidth floor (weight bytes / measured copy bandwidth).
 Run by ops/gpu/run.sh on the lent machine; prints a markdown table.
@@ -141,9 +141,9 @@ def own_host_time(
     path: Any, engine: EngineCore, batch: list[list[int]], max_tokens: int
 ) -> tuple[float, float]:
     """``path``'s tokens/s and the engine's own host µs per generated token meanwhile."""
-    before = engine.get_stats()
+    before = engine.stats()
     rate: float = path(engine, batch, max_tokens)
-    return rate, engine_host_us(before, engine.get_stats())
+    return rate, engine_host_us(before, engine.stats())
 
 
 def engine_decode(engine: EngineCore, batch: list[list[int]], max_tokens: int) -> float:

@@ -21,28 +21,15 @@ from protocol.connection import connect
 from protocol.group import list_consumers, remove_idle_consumer
 from protocol.keys import Keys
 from protocol.messages import DoneEvent
-from tests.daemon.helpers import (
-    WORKER_COMMAND,
-    WorkerFactory,
-    check_stream,
-    clean_environment,
-    collect,
-    run,
-    wait_until,
-)
+from tests.daemon.helpers import check_stream, collect
+from tests.support.processes import WorkerFactory, mlx_worker
+from tests.support.waiting import run, wait_until
 from worker.daemon.job_queue import JobQueue
 from worker.local_redis import LocalCluster
 
 
 def mlx_worker_group(redis_url: str, prefix: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*WORKER_COMMAND, "group", *args, "--redis-url", redis_url, "--prefix", prefix],
-        capture_output=True,
-        text=True,
-        env=clean_environment({}),
-        timeout=60,
-        check=False,
-    )
+    return mlx_worker("group", *args, "--redis-url", redis_url, "--prefix", prefix, timeout=60)
 
 
 def json_rows(completed: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
@@ -194,7 +181,9 @@ def test_the_dead_letter_stream_is_trimmed_to_about_maxlen(
     async def main() -> None:
         client = await connect(redis_url)
         try:
-            queue = JobQueue(client, keys, "dlq", lease_ms=60_000, dead_letter_maxlen=maxlen)
+            queue = JobQueue(
+                redis=client, keys=keys, consumer="dlq", lease_ms=60_000, dead_letter_maxlen=maxlen
+            )
             await queue.ensure_group()
             for i in range(letters):
                 await client.xadd(keys.jobs, {"job": f"bad {i}".encode()})
@@ -222,7 +211,9 @@ def test_dead_letter_maxlen_must_be_positive(redis_url: str) -> None:
         client = await connect(redis_url)
         try:
             with pytest.raises(ValueError, match="dead_letter_maxlen must be > 0"):
-                JobQueue(client, Keys("x"), "c", 1000, dead_letter_maxlen=0)
+                JobQueue(
+                    redis=client, keys=Keys("x"), consumer="c", lease_ms=1000, dead_letter_maxlen=0
+                )
         finally:
             await client.aclose()
 

@@ -23,14 +23,10 @@ from protocol.client import Client
 from protocol.connection import connect
 from protocol.keys import Keys
 from protocol.messages import DoneEvent
-from tests.daemon.helpers import (
-    WORKER_COMMAND,
-    WorkerFactory,
-    check_stream,
-    clean_environment,
-    collect,
-    run,
-)
+from tests.daemon.helpers import check_stream, collect
+from tests.support.environment import clean_environment
+from tests.support.processes import WORKER_COMMAND, WorkerFactory
+from tests.support.waiting import run
 from worker.daemon.permissions import check_permissions, probes, redis_user
 from worker.local_redis import LocalCluster, RedisServer
 
@@ -135,6 +131,13 @@ def the_line(completed: subprocess.CompletedProcess[str]) -> str:
         ("-xgroup|delconsumer", "XGROUP DELCONSUMER", "leave the consumer group when stopping"),
         ("-pexpire", "PEXPIRE", "keep the heartbeat alive while Redis is full"),
         ("-subscribe", "SUBSCRIBE", "receive control commands"),
+        # Scripts go by SHA1, and are loaded where a server lacks them.
+        ("-evalsha", "EVALSHA", "run the worker's Lua scripts"),
+        (
+            "-script|load",
+            "SCRIPT LOAD",
+            "load the worker's Lua scripts into a server that lacks them",
+        ),
     ],
 )
 def test_a_missing_command_is_named_before_the_model_loads(

@@ -11,24 +11,25 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from protocol.messages import Usage
-from worker.daemon.metrics import Metrics
+from worker.daemon.metrics import Metrics, MetricSources
 
 
 class FakeEngine:
-    def __init__(self, cache: dict[str, Any] | None) -> None:
-        self.cache = cache
+    """The engine's typed stats, the only part of it the metrics read."""
 
-    def get_stats(self) -> dict[str, Any]:
-        return {
-            "steps_executed": 42,
-            "total_completion_tokens": 300,
-            "engine_thread_cpu_seconds": 1.5,
-            "step_seconds": 2.0,
-            "model_seconds": 1.75,
-        }
+    def __init__(self, hit_rate: float | None) -> None:
+        self.hit_rate = hit_rate
 
-    def get_cache_stats(self) -> dict[str, Any] | None:
-        return self.cache
+    def stats(self) -> SimpleNamespace:
+        return SimpleNamespace(
+            steps_executed=42,
+            engine_thread_cpu_seconds=1.5,
+            step_seconds=2.0,
+            scheduler=SimpleNamespace(total_completion_tokens=300, model_seconds=1.75),
+        )
+
+    def cache_stats(self) -> SimpleNamespace | None:
+        return None if self.hit_rate is None else SimpleNamespace(hit_rate=self.hit_rate)
 
 
 class FakeQueue:
@@ -41,10 +42,27 @@ class FakeQueue:
         return self.group
 
 
-def metrics(group: dict[str, Any] | None, cache: dict[str, Any] | None) -> Metrics:
+class Sourced(Metrics):
+    """Metrics with the fake sources a refresh reads."""
+
+    def __init__(self, sources: MetricSources) -> None:
+        super().__init__(0)
+        self.sources = sources
+
+    async def refresh_now(self) -> None:
+        await self.refresh(self.sources)
+
+
+def metrics(group: dict[str, Any] | None, hit_rate: float | None) -> Sourced:
     runner = SimpleNamespace(in_flight={"r1": "1-0", "r2": "2-0"}, outcomes={"completed": 5})
     publisher = SimpleNamespace(round_trips=17)
-    return Metrics(0, FakeEngine(cache), runner, publisher, FakeQueue(group))  # type: ignore[arg-type]
+    sources = MetricSources(
+        engine=FakeEngine(hit_rate),  # type: ignore[arg-type]
+        runner=runner,  # type: ignore[arg-type]
+        publisher=publisher,  # type: ignore[arg-type]
+        queue=FakeQueue(group),  # type: ignore[arg-type]
+    )
+    return Sourced(sources)
 
 
 def samples(m: Metrics) -> dict[str, float]:
@@ -58,9 +76,9 @@ def samples(m: Metrics) -> dict[str, float]:
 
 
 def test_refresh_copies_the_sources() -> None:
-    m = metrics({"name": "g", "lag": 3, "pending": 2}, {"hit_rate": 0.25})
+    m = metrics({"name": "g", "lag": 3, "pending": 2}, 0.25)
     assert samples(m)["mlxw_requests_in_flight"] == 0  # nothing before the first refresh
-    asyncio.run(m.refresh())
+    asyncio.run(m.refresh_now())
     found = samples(m)
     assert found["mlxw_requests_in_flight"] == 2
     assert found["mlxw_jobs_total{outcome=completed}"] == 5
@@ -79,14 +97,14 @@ def test_refresh_copies_the_sources() -> None:
 def test_unknown_values_are_gaps_not_zeros() -> None:
     """Redis down (no lag/pending) and no prefix cache: those series vanish, the rest stays."""
     m = metrics(None, None)
-    asyncio.run(m.refresh())
+    asyncio.run(m.refresh_now())
     found = samples(m)
     assert "mlxw_group_lag" not in found
     assert "mlxw_group_pending" not in found
     assert "mlxw_prefix_cache_hit_rate" not in found
     assert found["mlxw_requests_in_flight"] == 2
     m = metrics({"lag": None, "pending": 0}, None)  # Redis may not know the lag
-    asyncio.run(m.refresh())
+    asyncio.run(m.refresh_now())
     assert "mlxw_group_lag" not in samples(m)
     assert samples(m)["mlxw_group_pending"] == 0
 

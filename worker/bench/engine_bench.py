@@ -26,7 +26,7 @@ import mlx_lm
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 
-from worker.engine import EngineConfig, EngineCore, SamplingParams, SchedulerConfig
+from worker.engine import EngineConfig, EngineCore, EngineStats, SamplingParams, SchedulerConfig
 from worker.models import load_model
 
 
@@ -118,16 +118,16 @@ def run_batch_generator(
     )
 
 
-def engine_host_us(before: dict[str, Any], after: dict[str, Any]) -> float:
-    """The engine's own host µs per generated token between two ``get_stats()`` snapshots."""
-    tokens = after["total_completion_tokens"] - before["total_completion_tokens"]
-    model = after["model_seconds"] - before["model_seconds"]
-    steps = after["step_seconds"] - before["step_seconds"]
-    return float(steps - model) / max(int(tokens), 1) * 1e6
+def engine_host_us(before: EngineStats, after: EngineStats) -> float:
+    """The engine's own host µs per generated token between two ``stats()`` snapshots."""
+    tokens = after.scheduler.total_completion_tokens - before.scheduler.total_completion_tokens
+    model = after.scheduler.model_seconds - before.scheduler.model_seconds
+    steps = after.step_seconds - before.step_seconds
+    return (steps - model) / max(tokens, 1) * 1e6
 
 
 def run_engine_sync(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> PathResult:
-    before = engine.get_stats()
+    before = engine.stats()
     start = time.perf_counter()
     outputs = engine.generate_batch_sync(
         list(prompts), SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -141,14 +141,14 @@ def run_engine_sync(engine: EngineCore, prompts: list[list[int]], max_tokens: in
         tokens,
         seconds,
         ttfts,
-        engine_host_us(before, engine.get_stats()),
+        engine_host_us(before, engine.stats()),
     )
 
 
 def run_engine_async(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> PathResult:
     async def scenario() -> PathResult:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        before = engine.get_stats()
+        before = engine.stats()
         start = time.perf_counter()
         first_token: list[float] = []
         tokens = 0
@@ -172,7 +172,7 @@ def run_engine_async(engine: EngineCore, prompts: list[list[int]], max_tokens: i
             tokens,
             seconds,
             first_token,
-            engine_host_us(before, engine.get_stats()),
+            engine_host_us(before, engine.stats()),
         )
 
     return asyncio.run(scenario())

@@ -125,9 +125,9 @@ def serve(
 
     try:
         timed = asyncio.run(scenario())
-        stats = engine.get_cache_stats()
+        stats = engine.cache_stats()
         if stats is not None:
-            facts["entries"], facts["memory_bytes"] = stats["entries"], stats["memory_bytes"]
+            facts["entries"], facts["memory_bytes"] = stats.entries, stats.memory_bytes
         if save_to is not None:
             started = time.perf_counter()
             assert engine.save_cache_to_disk(save_to), "saving the prefix cache failed"

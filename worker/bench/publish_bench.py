@@ -26,8 +26,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from redis.asyncio import Redis
 
 from protocol.keys import Keys
+from protocol.lua import run_script_each
 from protocol.messages import Event
-from protocol.scripts import PUBLISH_EVENTS, Outcome, begin_attempt, new_run, publish_call
+from protocol.replay_log import PUBLISH_EVENTS, Outcome, begin_attempt, new_run, publish_call
 from worker.daemon.publisher import EventPublisher
 from worker.engine import RequestOutput
 from worker.local_redis import local_redis
@@ -40,13 +41,10 @@ class PerEventPublisher(EventPublisher):
     """The publisher as it was: the same bookkeeping, one script call per event (pipelined)."""
 
     async def _send(self, events: list[Event], runs: Mapping[str, str]) -> list[Outcome]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for event in events:
-                script_keys, script_args = publish_call(
-                    self.keys, [event], self.log_ttl, runs, sharded=False
-                )
-                pipe.eval(PUBLISH_EVENTS, len(script_keys), *script_keys, *script_args)
-            replies: list[list[int]] = await pipe.execute()
+        calls = [
+            publish_call(self.keys, [event], self.log_ttl, runs, sharded=False) for event in events
+        ]
+        replies = await run_script_each(self.redis, PUBLISH_EVENTS, calls)
         return [Outcome(reply[0]) for reply in replies]
 
 
@@ -101,10 +99,16 @@ async def bench(url: str, batches: list[int], steps: int, repeat: int) -> list[s
         for batch in batches:
             paths = {
                 "shipped (one script call per step)": publishing(
-                    EventPublisher(redis, keys, LOG_TTL), batch, f"shipped{batch}", flushers
+                    EventPublisher(redis=redis, keys=keys, log_ttl=LOG_TTL),
+                    batch,
+                    f"shipped{batch}",
+                    flushers,
                 ),
                 "baseline (one script call per event)": publishing(
-                    PerEventPublisher(redis, keys, LOG_TTL), batch, f"baseline{batch}", flushers
+                    PerEventPublisher(redis=redis, keys=keys, log_ttl=LOG_TTL),
+                    batch,
+                    f"baseline{batch}",
+                    flushers,
                 ),
             }
             for step in paths.values():  # warm up: connections, script cache

@@ -10,6 +10,7 @@ refused, so no command reads or writes outside that directory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -18,8 +19,7 @@ from typing import Any
 import structlog
 
 from protocol.channels import MISSED, ChannelHub
-from protocol.codec import decode_command, encode_reply
-from protocol.codec_control import MAX_KIND_LEN, MAX_REPLY_TO_LEN
+from protocol.codec_control import MAX_KIND_LEN, MAX_REPLY_TO_LEN, decode_command, encode_reply
 from protocol.connection import RedisClient
 from protocol.errors import ProtocolError
 from protocol.identifiers import CACHE_NAME_RULE, is_valid_cache_name, is_valid_id
@@ -27,7 +27,7 @@ from protocol.keys import Keys
 from protocol.limits import Limits
 from protocol.messages import ControlCommand, ControlReply, ErrorInfo
 from protocol.wire import top_level_strings
-from worker.daemon.backoff import REDIS_FAILURES, Retrier, describe
+from worker.daemon.redis_retry import REDIS_FAILURES, describe, retry_until_done
 from worker.engine import EngineCore
 from worker.engine.prefix_cache import IncompatibleCacheError
 
@@ -58,6 +58,7 @@ def cache_path(cache_dir: Path, name: str | None) -> Path:
 class ControlListener:
     def __init__(
         self,
+        *,
         redis: RedisClient,
         hub: ChannelHub,
         keys: Keys,
@@ -69,6 +70,9 @@ class ControlListener:
         abort_job: Callable[[str], Awaitable[dict[str, Any]]],
         extra_stats: Callable[[], Awaitable[dict[str, Any]]],
     ) -> None:
+        """``abort_job`` runs the abort command (the worker knows where a request is: running,
+        in its backlog, or only in the stream); ``extra_stats`` adds the worker's own figures
+        to the stats reply."""
         self.redis = redis
         self.hub = hub
         self.keys = keys
@@ -86,20 +90,19 @@ class ControlListener:
         """Serve until cancelled. The hub re-subscribes after Redis comes back; commands sent
         while the connection was down are lost (their senders time out), so MISSED is
         ignored."""
-        retrier = Retrier("control channel")
         channels = (self.keys.control, self.keys.control_for(self.worker_id))
-        while True:
-            try:
-                async with self.hub.listen(*channels) as inbox:
-                    retrier.succeeded()
-                    while True:
-                        data = await inbox.get()
-                        if data is not MISSED:
-                            task = asyncio.create_task(self.handle(data))
-                            self._tasks.add(task)
-                            task.add_done_callback(self._tasks.discard)
-            except REDIS_FAILURES as exc:
-                await retrier.failed(exc)
+        async with contextlib.AsyncExitStack() as subscribed:
+            # Only subscribing can fail: once subscribed, the hub waits out lost connections.
+            inbox = await retry_until_done(
+                lambda: subscribed.enter_async_context(self.hub.listen(*channels)),
+                "control channel",
+            )
+            while True:
+                data = await inbox.get()
+                if data is not MISSED:
+                    task = asyncio.create_task(self.handle(data))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
 
     async def handle(self, data: object) -> None:
         try:
@@ -161,9 +164,10 @@ class ControlListener:
                 raise CommandRefused("missing_field", "abort needs request_id")
             return await self.abort_job(command.request_id)
         if kind == "stats":
+            cache = self.engine.cache_stats()
             return {
-                "engine": self.engine.get_stats(),
-                "prefix_cache": self.engine.get_cache_stats(),
+                "engine": self.engine.stats().as_dict(),
+                "prefix_cache": cache.as_dict() if cache is not None else None,
                 **(await self.extra_stats()),
             }
         if kind == "cache_save":
@@ -172,7 +176,8 @@ class ControlListener:
             saved = await asyncio.to_thread(self.engine.save_cache_to_disk, str(path))
             if not saved:
                 raise CommandRefused("internal", "the prefix cache could not be saved (see logs)")
-            entries = (self.engine.get_cache_stats() or {}).get("entries", 0)
+            cache = self.engine.cache_stats()
+            entries = cache.entries if cache is not None else 0
             return {"saved": True, "name": command.name, "entries": entries}
         if kind == "cache_load":
             path = cache_path(self.cache_dir, command.name)

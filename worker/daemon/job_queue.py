@@ -17,6 +17,7 @@ from protocol.connection import RedisClient, as_text
 from protocol.constants import JOB_FIELD
 from protocol.group import remove_idle_consumer
 from protocol.keys import Keys
+from protocol.lua import run_script
 
 # KEYS[1] job stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids. Re-claiming only
 # what is still ours, atomically: a plain XCLAIM would take back a job that another worker
@@ -70,6 +71,7 @@ DEFAULT_DEAD_LETTER_MAXLEN = 10_000
 class JobQueue:
     def __init__(
         self,
+        *,
         redis: RedisClient,
         keys: Keys,
         consumer: str,
@@ -120,8 +122,11 @@ class JobQueue:
         """Refresh the lease of entries we still own; return those another worker took."""
         if not entry_ids:
             return []
-        lost: Any = await self.redis.eval(
-            EXTEND_LEASES, 1, self.keys.jobs, self.keys.group, self.consumer, *entry_ids
+        lost: Any = await run_script(
+            self.redis,
+            EXTEND_LEASES,
+            [self.keys.jobs],
+            [self.keys.group, self.consumer, *entry_ids],
         )
         return [as_text(entry_id) for entry_id in lost]
 
@@ -147,16 +152,11 @@ class JobQueue:
         if request_id is not None:
             fields["request_id"] = request_id
         pairs = [item for field in fields.items() for item in field]
-        moved = await self.redis.eval(
+        moved = await run_script(
+            self.redis,
             DEAD_LETTER,
-            2,
-            self.keys.jobs,
-            self.keys.dead,
-            self.keys.group,
-            self.consumer,
-            delivery.entry_id,
-            self.dead_letter_maxlen,
-            *pairs,
+            [self.keys.jobs, self.keys.dead],
+            [self.keys.group, self.consumer, delivery.entry_id, self.dead_letter_maxlen, *pairs],
         )
         return bool(moved)
 

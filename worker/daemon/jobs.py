@@ -10,20 +10,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from itertools import takewhile
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 from structlog.contextvars import bound_contextvars
 
-from protocol.codec import decode_job
+from protocol.codec_job import decode_job
 from protocol.connection import RedisClient
 from protocol.errors import ProtocolError
 from protocol.identifiers import stream_id_time
 from protocol.keys import Keys
 from protocol.limits import Limits
 from protocol.messages import SYSTEM_PREFIX, Job
-from protocol.scripts import (
+from protocol.replay_log import (
     FINISHED,
     STALE_ATTEMPT,
     Outcome,
@@ -31,18 +31,46 @@ from protocol.scripts import (
     new_run,
     parse_fence,
 )
-from worker.daemon.backoff import retry_until_done
 from worker.daemon.job_queue import Delivery, JobQueue
-from worker.daemon.publisher import EventPublisher
+from worker.daemon.publisher import AttemptLost, EventPublisher
+from worker.daemon.redis_retry import retry_until_done
 from worker.engine import EngineCore, QueueFullError, SamplingParams
-from worker.engine.prompt import encode_prompt, shared_prefix_length
+from worker.engine.prompt import chat_prompt
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyEnd:
+    """How a job ends before (or instead of) generating: the terminal event it gets (an
+    ``error`` when ``error`` is set, else ``done`` with ``finish_reason``), and where its entry
+    goes: acknowledged, dead-lettered (``dead = (code, message)``) or, with ``requeue``, left
+    pending for a retry after its lease (no terminal event)."""
+
+    outcome: str
+    finish_reason: str = ""
+    error: tuple[str, str] | None = None
+    dead: tuple[str, str] | None = None
+    requeue: bool = False
+
+    @classmethod
+    def invalid(cls, code: str, message: str, *, event_code: str = "invalid_job") -> EarlyEnd:
+        return cls("invalid", error=(event_code, f"{code}: {message}"), dead=(code, message))
+
+
+REQUEUED = EarlyEnd("requeued", requeue=True)
+
+
+@dataclass(frozen=True, slots=True)
+class JobStats:
+    in_flight: list[str]  # request ids running in the engine
+    outcomes: dict[str, int]  # jobs handled, by outcome (completed, expired, lost_lease, ...)
 
 
 class JobRunner:
     def __init__(
         self,
+        *,
         engine: EngineCore,
         redis: RedisClient,
         keys: Keys,
@@ -51,7 +79,6 @@ class JobRunner:
         limits: Limits,
         max_deliveries: int,
         default_stream_interval: int,
-        *,
         worker_id: str,
     ) -> None:
         self.engine = engine
@@ -66,9 +93,6 @@ class JobRunner:
         self.in_flight: dict[str, str] = {}  # request_id -> entry id
         self.outcomes: dict[str, int] = {}
         self.draining = False
-        # request id -> outcome counted when its task sees the loss (see ``lose``)
-        self._lost: dict[str, str] = {}
-        self._background: set[asyncio.Task[bool]] = set()
 
     async def run(self, delivery: Delivery) -> None:
         try:
@@ -80,10 +104,30 @@ class JobRunner:
             await self._run_job(delivery, job)
 
     async def _run_job(self, delivery: Delivery, job: Job) -> None:
+        """Begin an attempt, end the job early when its checks say so, else generate and wait
+        for the terminal event; acknowledge only once that event is in the log."""
         rid = job.request_id
         if rid in self.in_flight:  # the same request twice at once: let the first one finish
             log.warning("job_duplicate_in_flight")
             return
+        written = await self._begin(delivery, rid, job.metadata)
+        if written is None:
+            return
+        started = time.monotonic()
+        early = await self._precheck(delivery, job) or await self._start(delivery, job)
+        if early is not None:
+            await self._end_early(delivery, rid, written, early)
+            return
+        if await self._outcome_of(rid, written) is None:
+            await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
+            self._count("completed")
+            log.info("job_finished", seconds=round(time.monotonic() - started, 3))
+
+    async def _begin(
+        self, delivery: Delivery, rid: str, metadata: Mapping[str, Any] | None
+    ) -> asyncio.Future[None] | None:
+        """Fence the request for this delivery's attempt and open its events; None when it is
+        not ours to run (already finished: acknowledged; a newer attempt runs elsewhere)."""
         attempt = delivery.times_delivered
         run = new_run(self.worker_id)
         last_seq = await self._begin_attempt(rid, attempt, run)
@@ -91,33 +135,37 @@ class JobRunner:
             await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
             self._count("already_done")
             log.info("job_already_done")
-            return
+            return None
         if last_seq == STALE_ATTEMPT:  # a newer attempt runs elsewhere: that worker owns it now
             self._count("stale_delivery")
             log.warning("job_stale_delivery", attempt=attempt)
-            return
-        written = self._open(rid, attempt, run, last_seq, job.metadata, delivery)
+            return None
+        return self._open(rid, attempt, run, last_seq, metadata, delivery)
+
+    async def _precheck(self, delivery: Delivery, job: Job) -> EarlyEnd | None:
+        """The checks a job passes before the engine sees it; how it ends when one fails."""
         if delivery.times_delivered > self.max_deliveries:
             message = f"delivered {delivery.times_delivered} times (limit {self.max_deliveries})"
-            self.publisher.error(rid, "dead_lettered", message)
-            await self._finish(
-                delivery, written, "dead_lettered", dead=("dead_lettered", message), rid=rid
+            return EarlyEnd(
+                "dead_lettered",
+                error=("dead_lettered", message),
+                dead=("dead_lettered", message),
             )
-            return
+        rid = job.request_id
         if await retry_until_done(lambda: self.redis.exists(self.keys.abort(rid)), "abort check"):
-            self.publisher.done(rid, "abort")
-            await self._finish(delivery, written, "aborted_before_start")
-            return
+            return EarlyEnd("aborted_before_start", finish_reason="abort")
         if job.is_expired(time.time()):
-            self.publisher.done(rid, "expired")
-            await self._finish(delivery, written, "expired")
-            return
+            return EarlyEnd("expired", finish_reason="expired")
+        return None
+
+    async def _start(self, delivery: Delivery, job: Job) -> EarlyEnd | None:
+        """Hand the job to the engine; how it ends instead when the engine refuses it."""
+        rid = job.request_id
         try:
             prompt, prefix_boundary = self._prompt(job)
             params = SamplingParams(**job.sampling_kwargs())
             self.in_flight[rid] = delivery.entry_id
-            started = time.monotonic()
-            log.info("job_started", attempt=attempt, prompt_kind=_prompt_kind(job))
+            log.info("job_started", attempt=delivery.times_delivered, prompt_kind=_prompt_kind(job))
             await self.engine.add_request(
                 prompt,
                 params,
@@ -130,34 +178,33 @@ class JobRunner:
             # Checks that need the model (a prompt's token count, the chat template): the
             # decoder's kind of verdict, stated the same way.
             self.in_flight.pop(rid, None)
-            self.publisher.error(rid, "invalid_job", f"invalid_field: {exc}")
-            await self._finish(
-                delivery, written, "invalid", dead=("invalid_field", str(exc)), rid=rid
-            )
-            return
+            return EarlyEnd.invalid("invalid_field", str(exc))
         except QueueFullError:
             self.in_flight.pop(rid, None)
-            self.publisher.abandon(rid)  # left pending: retried after the lease
-            self._count("requeued")
-            return
+            return REQUEUED
+        return None
+
+    async def _outcome_of(self, rid: str, written: asyncio.Future[None]) -> str | None:
+        """Wait for the running request's terminal event to be written (None); or the outcome
+        (counted) when the attempt ended without it: lost to another attempt, or abandoned at
+        shutdown."""
         try:
             await written
+        except AttemptLost as lost:
+            # Another worker runs (or will run) it: stop here, publish nothing, keep pending.
+            outcome = self._count_lost(lost)
+            await self.engine.abort_request(rid)
+            return outcome
         except asyncio.CancelledError:
+            if not self.draining:
+                raise
+            # Abandoned at shutdown: not acknowledged, another worker re-runs it.
+            self._count("abandoned")
+            log.info("job_abandoned")
+            return "abandoned"
+        finally:
             self.in_flight.pop(rid, None)
-            lost = self._lost.pop(rid, None)
-            if lost is not None:  # not ours to finish: another worker runs (or will run) it
-                self._count(lost)
-                log.warning("job_attempt_lost", outcome=lost)
-                return
-            if self.draining:  # abandoned at shutdown: not acknowledged, another worker re-runs it
-                self._count("abandoned")
-                log.info("job_abandoned")
-                return
-            raise
-        self.in_flight.pop(rid, None)
-        await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
-        self._count("completed")
-        log.info("job_finished", seconds=round(time.monotonic() - started, 3))
+        return None
 
     def running(self, request_id: str) -> bool:
         return request_id in self.in_flight
@@ -210,31 +257,17 @@ class JobRunner:
         self.publisher.done(request_id, "abort")
         try:
             await written
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise
+        except AttemptLost:
             return "elsewhere"  # a worker began it meanwhile, and its fence refused our event
         return "queued"
 
-    def lose(self, request_id: str, why: Outcome = Outcome.FENCED) -> None:
-        """This attempt is over: another worker now owns the job (we stalled past the lease:
-        FENCED), or Redis lost events it wrote (a failover: LOG_GAP). Stop it here, publish
-        nothing more, do not acknowledge: once its lease runs out the job is reclaimed and
-        runs again as a new attempt, which starts with a reset."""
-        if request_id not in self.in_flight:
-            return
-        self._lost[request_id] = "log_gap" if why is Outcome.LOG_GAP else "lost_lease"
-        self.publisher.abandon(request_id)
-        task = asyncio.get_running_loop().create_task(self.engine.abort_request(request_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     def lose_entries(self, entry_ids: list[str]) -> None:
+        """Our leases on these entries are gone (another worker claimed them): their running
+        attempts are over (``AttemptLost``)."""
         lost = set(entry_ids)
         for request_id, entry_id in list(self.in_flight.items()):
             if entry_id in lost:
-                self.lose(request_id)
+                self.publisher.abandon(request_id, lost=Outcome.FENCED)
 
     async def abandon_all(self) -> None:
         """Shutdown after the drain timeout: stop what runs, publish no terminal, keep pending."""
@@ -250,23 +283,11 @@ class JobRunner:
             return job.prompt, boundary
         if job.prompt_token_ids is not None:
             return list(job.prompt_token_ids), boundary
-        tokenizer = self.engine.tokenizer
-        if not _has_chat_template(tokenizer):
-            # Else transformers' own error (or, in older versions, a default template the
-            # model never saw) would leave the producer guessing what to send instead.
-            raise ValueError(
-                "job.messages: the model has no chat template; send a `prompt` instead "
-                "(mlx-worker submit --raw)"
-            )
-        messages = job.chat_messages() or []
-        token_ids = encode_prompt(tokenizer, _render(tokenizer, messages, True))
-        if job.prefix_boundary == SYSTEM_PREFIX:
-            # Where the system turns end in tokens; the common prefix is exact even when the
-            # template renders a lone system turn a little differently.
-            system = list(takewhile(lambda m: m["role"] == "system", messages))
-            system_ids = encode_prompt(tokenizer, _render(tokenizer, system, False))
-            boundary = shared_prefix_length(system_ids, token_ids)
-        return token_ids, boundary
+        system_prefix = job.prefix_boundary == SYSTEM_PREFIX
+        token_ids, system_end = chat_prompt(
+            self.engine.tokenizer, job.chat_messages() or [], system_prefix=system_prefix
+        )
+        return token_ids, system_end if system_prefix else boundary
 
     async def _begin_attempt(
         self,
@@ -316,29 +337,49 @@ class JobRunner:
     async def _reject(self, delivery: Delivery, rid: str | None, code: str, message: str) -> None:
         """An undecodable job: dead-letter it, and tell its request when we know which one."""
         log.warning("job_rejected", code=code, error=message, request_id=rid)
+        end = EarlyEnd.invalid(code, message)
         written = None
         if rid is not None and rid not in self.in_flight:
-            run = new_run(self.worker_id)
-            last_seq = await self._begin_attempt(rid, delivery.times_delivered, run)
-            if last_seq >= 0:
-                written = self._open(rid, delivery.times_delivered, run, last_seq, None, delivery)
-                self.publisher.error(rid, "invalid_job", f"{code}: {message}")
-        await self._finish(delivery, written, "invalid", dead=(code, message), rid=rid)
+            attempt, run = delivery.times_delivered, new_run(self.worker_id)
+            last_seq = await self._begin_attempt(rid, attempt, run)
+            if last_seq >= 0:  # else finished, or begun elsewhere: dead-lettered all the same
+                written = self._open(rid, attempt, run, last_seq, None, delivery)
+                self._publish_end(rid, end)
+        await self._settle(delivery, written, end, rid)
 
-    async def _finish(
+    async def _end_early(
+        self, delivery: Delivery, rid: str, written: asyncio.Future[None], end: EarlyEnd
+    ) -> None:
+        """Publish the early end's terminal event, then settle its entry."""
+        if end.requeue:
+            self.publisher.abandon(rid)  # left pending: retried after the lease
+            self._count(end.outcome)
+            return
+        self._publish_end(rid, end)
+        await self._settle(delivery, written, end, rid)
+
+    def _publish_end(self, rid: str, end: EarlyEnd) -> None:
+        if end.error is not None:
+            self.publisher.error(rid, *end.error)
+        else:
+            self.publisher.done(rid, end.finish_reason)
+
+    async def _settle(
         self,
         delivery: Delivery,
         written: asyncio.Future[None] | None,
-        outcome: str,
-        dead: tuple[str, str] | None = None,
-        rid: str | None = None,
+        end: EarlyEnd,
+        rid: str | None,
     ) -> None:
-        """Acknowledge (or dead-letter, with ``dead = (code, message)``) once the terminal
-        event is written."""
+        """Acknowledge (or dead-letter) once the terminal event is written."""
         if written is not None:
-            await written
-        if dead is not None:
-            code, message = dead
+            try:
+                await written
+            except AttemptLost as lost:  # another attempt owns the request: not ours to settle
+                self._count_lost(lost)
+                return
+        if end.dead is not None:
+            code, message = end.dead
             moved = await retry_until_done(
                 lambda: self.queue.dead_letter(delivery, code, message, rid), "dead-letter"
             )
@@ -346,31 +387,20 @@ class JobRunner:
                 log.warning("dead_letter_not_ours", code=code)
         else:
             await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
+        self._count(end.outcome)
+        log.info("job_finished_early", outcome=end.outcome)
+
+    def _count_lost(self, lost: AttemptLost) -> str:
+        outcome = "log_gap" if lost.outcome is Outcome.LOG_GAP else "lost_lease"
         self._count(outcome)
-        log.info("job_finished_early", outcome=outcome)
+        log.warning("job_attempt_lost", outcome=outcome)
+        return outcome
 
     def _count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
-    def stats(self) -> dict[str, Any]:
-        return {"in_flight": sorted(self.in_flight), "outcomes": dict(self.outcomes)}
-
-
-def _has_chat_template(tokenizer: Any) -> bool:
-    """mlx-lm's TokenizerWrapper says so itself (a template in tokenizer_config.json, one that
-    mlx-lm supplies, or a tokenizer with its own renderer); a bare Hugging Face tokenizer has
-    one when its ``chat_template`` is set."""
-    known = getattr(tokenizer, "has_chat_template", None)
-    if isinstance(known, bool):
-        return known
-    return getattr(tokenizer, "chat_template", None) is not None
-
-
-def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-    rendered: str = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=generation_prompt, tokenize=False
-    )
-    return rendered
+    def stats(self) -> JobStats:
+        return JobStats(in_flight=sorted(self.in_flight), outcomes=dict(self.outcomes))
 
 
 def _prompt_kind(job: Job) -> str:

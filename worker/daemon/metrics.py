@@ -27,10 +27,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from protocol.messages import Usage
-from worker.daemon.backoff import REDIS_FAILURES, describe
 from worker.daemon.job_queue import JobQueue
 from worker.daemon.jobs import JobRunner
 from worker.daemon.publisher import EventPublisher
+from worker.daemon.redis_retry import REDIS_FAILURES, describe
 from worker.engine import EngineCore
 
 log = structlog.get_logger(__name__)
@@ -64,20 +64,19 @@ class Snapshot:
     taken_at: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class MetricSources:
+    """Where a refresh reads its figures: the worker's own counters, not copies of them."""
+
+    engine: EngineCore
+    runner: JobRunner
+    publisher: EventPublisher
+    queue: JobQueue
+
+
 class Metrics:
-    def __init__(
-        self,
-        port: int,
-        engine: EngineCore,
-        runner: JobRunner,
-        publisher: EventPublisher,
-        queue: JobQueue,
-    ) -> None:
+    def __init__(self, port: int) -> None:
         self.port = port
-        self.engine = engine
-        self.runner = runner
-        self.publisher = publisher
-        self.queue = queue
         self.registry = CollectorRegistry()
         self.collector = SnapshotCollector()
         self.registry.register(self.collector)
@@ -118,29 +117,29 @@ class Metrics:
         self.ttft.observe(usage.ttft_ms / 1000)
         self.duration.observe(usage.duration_ms / 1000)
 
-    async def refresh(self) -> None:
+    async def refresh(self, sources: MetricSources) -> None:
         """Take a new snapshot (event loop; called periodically by the worker)."""
         lag = pending = None
         try:
-            group = await self.queue.group_info()
+            group = await sources.queue.group_info()
             lag, pending = _int_or_none(group.get("lag")), _int_or_none(group.get("pending"))
         except REDIS_FAILURES as exc:
             # The other counters matter most exactly when Redis is down: publish them anyway.
             log.debug("metrics_group_info_failed", error=describe(exc))
-        engine = self.engine.get_stats()
-        cache = self.engine.get_cache_stats()
+        engine = sources.engine.stats()
+        cache = sources.engine.cache_stats()
         self.collector.snapshot = Snapshot(
-            in_flight=len(self.runner.in_flight),
-            outcomes=dict(self.runner.outcomes),
-            tokens_generated=int(engine.get("total_completion_tokens", 0)),
-            engine_steps=int(engine.get("steps_executed", 0)),
-            engine_thread_cpu_seconds=float(engine.get("engine_thread_cpu_seconds", 0.0)),
-            engine_step_seconds=float(engine.get("step_seconds", 0.0)),
-            engine_model_seconds=float(engine.get("model_seconds", 0.0)),
-            redis_round_trips=self.publisher.round_trips,
+            in_flight=len(sources.runner.in_flight),
+            outcomes=dict(sources.runner.outcomes),
+            tokens_generated=engine.scheduler.total_completion_tokens,
+            engine_steps=engine.steps_executed,
+            engine_thread_cpu_seconds=engine.engine_thread_cpu_seconds,
+            engine_step_seconds=engine.step_seconds,
+            engine_model_seconds=engine.scheduler.model_seconds,
+            redis_round_trips=sources.publisher.round_trips,
             group_lag=lag,
             group_pending=pending,
-            prefix_cache_hit_rate=float(cache["hit_rate"]) if cache else None,
+            prefix_cache_hit_rate=cache.hit_rate if cache is not None else None,
             taken_at=time.time(),
         )
 

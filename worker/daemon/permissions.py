@@ -15,6 +15,7 @@ rely on that (``XADD … 0-0`` is always refused as an ID, never appended).
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 from collections.abc import Awaitable, Callable
@@ -39,6 +40,10 @@ _NO_SUCH_ENTRY = "0-1"
 # Longer than any entry can have been idle: XCLAIM / XAUTOCLAIM take nothing.
 _NEVER_IDLE_MS = 2**62
 _COMMAND_REFUSED = re.compile(r"run the '([^']+)' command")
+# The Lua probe: it touches nothing. Loading it first makes the EVALSHA probe run it rather
+# than answer NOSCRIPT (on a Cluster, SCRIPT LOAD reaches every master).
+_PROBE_SCRIPT = "return 1"
+_PROBE_SHA = hashlib.sha1(_PROBE_SCRIPT.encode()).hexdigest()
 
 
 class MissingPermission(Exception):
@@ -233,7 +238,13 @@ def probes(redis: RedisClient, keys: Keys, consumer: str, dead_letter_maxlen: in
             keys.out(token),
             publish,
         ),
-        Probe("EVAL", "run the worker's Lua scripts", "", lambda: redis.eval("return 1", 0)),
+        Probe(
+            "SCRIPT LOAD",
+            "load the worker's Lua scripts into a server that lacks them",
+            "",
+            lambda: redis.script_load(_PROBE_SCRIPT),
+        ),
+        Probe("EVALSHA", "run the worker's Lua scripts", "", lambda: redis.evalsha(_PROBE_SHA, 0)),
         Probe("RPUSH", "answer control commands", reply, answer),
         Probe(
             "SSUBSCRIBE" if sharded else "SUBSCRIBE",

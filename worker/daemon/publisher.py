@@ -34,8 +34,8 @@ from protocol.messages import (
     TokenLogprob,
     Usage,
 )
-from protocol.scripts import Outcome, publish_events
-from worker.daemon.backoff import REDIS_FAILURES, Retrier
+from protocol.replay_log import Outcome, publish_events
+from worker.daemon.redis_retry import retry_until_done
 from worker.engine import RequestOutput
 
 log = structlog.get_logger(__name__)
@@ -92,11 +92,46 @@ class _Draft:
         return ErrorEvent(**common, metadata=self.stream.metadata, **self.fields)
 
 
+@dataclass(frozen=True, slots=True)
+class PublisherStats:
+    steps: int  # engine steps whose outputs were handed over
+    round_trips: int  # flushes (one script call per hash slot each)
+    events_published: int
+    redis_failures: int  # flushes that failed and were sent again
+    fenced: int  # requests whose events a newer attempt refused
+    log_gaps: int  # requests whose log lost events this attempt wrote
+    pending_events: int
+    open_streams: int
+
+
+class AttemptLost(Exception):
+    """Raised by a request's ``written`` future when its attempt is over without a terminal
+    event of ours: a newer attempt took the request over (``Outcome.FENCED``: we stalled past
+    the lease, or the lease was lost) or its log lost events this attempt wrote
+    (``Outcome.LOG_GAP``: a failover). Publish nothing more, do not acknowledge: the job is
+    reclaimed after its lease and runs again as a new attempt, which starts with a reset."""
+
+    def __init__(self, request_id: str, outcome: Outcome) -> None:
+        super().__init__(f"attempt of {request_id} lost: {outcome.name}")
+        self.request_id = request_id
+        self.outcome = outcome
+
+
 class EventPublisher:
-    def __init__(self, redis: RedisClient, keys: Keys, log_ttl: int) -> None:
+    def __init__(
+        self,
+        *,
+        redis: RedisClient,
+        keys: Keys,
+        log_ttl: int,
+        on_done: Callable[[str, Usage], None] | None = None,
+    ) -> None:
+        """``on_done`` observes each done event's usage (metrics); a plain hook, so the
+        publisher knows nothing of who listens."""
         self.redis = redis
         self.keys = keys
         self.log_ttl = log_ttl
+        self.on_done = on_done
         self._streams: dict[str, _Stream] = {}
         self._drafts: list[_Draft] = []
         self._unsent_delta: dict[str, _Draft] = {}
@@ -108,12 +143,6 @@ class EventPublisher:
         self.round_trips = 0
         self.events_published = 0
         self.redis_failures = 0
-        # Observer of each done event's usage (metrics); kept a plain hook so the publisher
-        # knows nothing of who listens.
-        self.on_done: Callable[[str, Usage], None] | None = None
-        # Told when a request's events were refused: a newer attempt took it over (FENCED) or
-        # its log lost events this attempt wrote (LOG_GAP); either way this attempt is over.
-        self.on_lost: Callable[[str, Outcome], None] | None = None
         self.fenced = 0
         self.log_gaps = 0
 
@@ -130,7 +159,9 @@ class EventPublisher:
         arrival: float | None = None,
     ) -> asyncio.Future[None]:
         """Start publishing a request (its attempt begun with ``run``; ``arrival`` when its job
-        was queued, default now); the future resolves once its terminal event is in Redis."""
+        was queued, default now). The future resolves once its terminal event is in Redis,
+        raises ``AttemptLost`` when Redis refused the attempt's events, and is cancelled when
+        the request is abandoned."""
         now = time.time()
         stream = _Stream(
             request_id=request_id,
@@ -174,15 +205,20 @@ class EventPublisher:
             except Exception:
                 log.exception("on_done_observer_failed")
 
-    def abandon(self, request_id: str) -> None:
-        """Stop publishing a request without a terminal event (shutdown: it will be re-run)."""
+    def abandon(self, request_id: str, lost: Outcome | None = None) -> None:
+        """Stop publishing a request without a terminal event: at shutdown (it will be re-run;
+        its future is cancelled), or because its attempt was ``lost`` (see ``AttemptLost``)."""
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
         self._drafts = [d for d in self._drafts if d.stream is not stream]
         self._unsent_delta.pop(request_id, None)
-        if not stream.written.done():
+        if stream.written.done():
+            return
+        if lost is None:
             stream.written.cancel()
+        else:
+            stream.written.set_exception(AttemptLost(request_id, lost))
 
     def on_step(self, outputs: list[RequestOutput]) -> None:
         """Engine step listener (event loop thread)."""
@@ -202,19 +238,20 @@ class EventPublisher:
 
     async def run(self) -> None:
         """Flush forever; cancel to stop (``drain`` first to send what is pending)."""
-        retrier = Retrier("publish")
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._failed or self._drafts:
-                try:
-                    await self._flush_once()
-                except REDIS_FAILURES as exc:
-                    self.redis_failures += 1
-                    await retrier.failed(exc, pending=len(self._failed) + len(self._drafts))
-                else:
-                    retrier.succeeded()
+                await retry_until_done(
+                    self._flush_once,
+                    "publish",
+                    on_failure=self._count_failure,
+                    pending=len(self._failed) + len(self._drafts),
+                )
             self._idle.set()
+
+    async def _count_failure(self, exc: Exception) -> None:
+        self.redis_failures += 1
 
     async def drain(self, timeout: float) -> bool:
         """Wait until everything queued so far is in Redis; False on timeout."""
@@ -222,17 +259,17 @@ class EventPublisher:
             await asyncio.wait_for(self._idle.wait(), timeout)
         return self._idle.is_set() and not self._drafts and not self._failed
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "round_trips": self.round_trips,
-            "events_published": self.events_published,
-            "redis_failures": self.redis_failures,
-            "fenced": self.fenced,
-            "log_gaps": self.log_gaps,
-            "pending_events": len(self._drafts) + len(self._failed),
-            "open_streams": len(self._streams),
-        }
+    def stats(self) -> PublisherStats:
+        return PublisherStats(
+            steps=self.steps,
+            round_trips=self.round_trips,
+            events_published=self.events_published,
+            redis_failures=self.redis_failures,
+            fenced=self.fenced,
+            log_gaps=self.log_gaps,
+            pending_events=len(self._drafts) + len(self._failed),
+            open_streams=len(self._streams),
+        )
 
     async def _flush_once(self) -> None:
         batch = self._failed or self._number(self._take_drafts())
@@ -255,9 +292,7 @@ class EventPublisher:
             else:  # Redis lost events of this attempt (a failover): it must start over
                 self.log_gaps += 1
                 log.warning("log_lost_events", request_id=request_id)
-            self.abandon(request_id)
-            if self.on_lost is not None:
-                self.on_lost(request_id, outcome)
+            self.abandon(request_id, lost=outcome)
 
     async def _send(self, events: list[Event], runs: Mapping[str, str]) -> list[Outcome]:
         """One round trip (one script call per hash slot on a Cluster, pipelined)."""
@@ -326,9 +361,6 @@ def _usage(stream: _Stream, output: RequestOutput) -> Usage:
         completion_tokens=output.completion_tokens,
         cached_tokens=output.cached_tokens,
         ttft_ms=(waited + output.ttft) * 1000 if output.ttft is not None else None,
-        # The engine reports (n - 1) / decode time, negative when the first token already
-        # ended the request (EOS or a stop token: 0 completion tokens); the protocol wants
-        # >= 0, and an event its decoder refuses would be unreadable for every subscriber.
-        tokens_per_second=max(output.tokens_per_second, 0.0),
+        tokens_per_second=output.tokens_per_second,
         duration_ms=max(time.time() - stream.arrival, 0.0) * 1000,
     )

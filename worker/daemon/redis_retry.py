@@ -1,4 +1,5 @@
-"""Waiting out Redis trouble: capped exponential backoff with jitter, logged once per burst.
+"""Waiting out Redis trouble: redis-py's Retry with capped exponential backoff and jitter,
+failures logged once per burst.
 
 A Redis outage (or an out-of-memory spell) makes every retry fail the same way; one warning
 when the burst starts, a reminder each minute while it lasts and one line when it ends say
@@ -8,27 +9,29 @@ arguments: redis-py quotes a failing pipeline command, and those hold job bytes 
 
 from __future__ import annotations
 
-import asyncio
-import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 import structlog
+from redis.backoff import EqualJitterBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
-from protocol.connection import REFUSED
+from protocol.connection import REFUSED, retry_forever
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
-REDIS_DOWN = (ConnectionError, TimeoutError, OSError)
-# Everything a Redis call can fail with that waiting may fix (a Cluster reshuffling its
-# slots raises RedisClusterException, which is not a RedisError).
-REDIS_FAILURES = (RedisError, RedisClusterException, *REDIS_DOWN)
+# Everything a Redis call can fail with that waiting may fix: redis-py's errors, a Cluster
+# reshuffling its slots (RedisClusterException, which is not a RedisError), and the socket's
+# own (OSError, which includes the builtin ConnectionError and TimeoutError).
+REDIS_FAILURES = (RedisError, RedisClusterException, OSError)
 # Waiting does not fix these: fail fast with the server's message.
 REDIS_REFUSED = REFUSED
+
+# Waits between tries: 0.1-0.2 s after the first failure, doubling up to 2.5-5 s.
+_RETRY: Final = retry_forever(REDIS_FAILURES, EqualJitterBackoff(cap=5.0, base=0.1))
 
 REMIND_EVERY: Final = 60.0
 _MAX_ERROR_TEXT: Final = 300
@@ -41,20 +44,6 @@ def describe(exc: BaseException) -> str:
     if quoted:
         text = after
     return f"{type(exc).__name__}: {text[:_MAX_ERROR_TEXT]}"
-
-
-@dataclass(slots=True)
-class Backoff:
-    initial: float = 0.1
-    cap: float = 5.0
-    _next: float = 0.0
-
-    def next_delay(self) -> float:
-        self._next = min(self.cap, self._next * 2 if self._next else self.initial)
-        return self._next * random.uniform(0.8, 1.2)
-
-    def reset(self) -> None:
-        self._next = 0.0
 
 
 @dataclass(slots=True)
@@ -94,34 +83,26 @@ class Outage:
             self.failures = 0
 
 
-class Retrier:
-    """Backoff and burst logging for one operation retried until it succeeds."""
+async def retry_until_done(
+    operation: Callable[[], Awaitable[T]],
+    what: str,
+    *,
+    on_failure: Callable[[Exception], Awaitable[None]] | None = None,
+    **context: Any,
+) -> T:
+    """Run a Redis operation until it succeeds, backing off while Redis fails; a refusal
+    (REDIS_REFUSED) is raised at once. Only for operations that are safe to repeat: a failed
+    try may have run on the server. ``on_failure`` runs after each failed try, before the
+    wait; ``context`` goes into the burst's log lines."""
+    outage = Outage(what)
 
-    def __init__(self, operation: str) -> None:
-        self.backoff = Backoff()
-        self.outage = Outage(operation)
+    async def failed(exc: Exception) -> None:
+        if on_failure is not None:
+            await on_failure(exc)
+        outage.failed(exc, **context)
 
-    async def failed(self, exc: BaseException, **context: Any) -> None:
-        """Log (once per burst) and sleep before the next try."""
-        self.outage.failed(exc, **context)
-        await asyncio.sleep(self.backoff.next_delay())
-
-    def succeeded(self) -> None:
-        self.outage.recovered()
-        self.backoff.reset()
-
-
-async def retry_until_done(operation: Callable[[], Awaitable[T]], what: str) -> T:
-    """Run a Redis operation until it succeeds, backing off while Redis fails. Only for
-    operations that are safe to repeat: a failed try may have run on the server."""
-    retrier = Retrier(what)
-    while True:
-        try:
-            result = await operation()
-        except REDIS_REFUSED:
-            raise
-        except REDIS_FAILURES as exc:
-            await retrier.failed(exc)
-            continue
-        retrier.succeeded()
-        return result
+    result = await _RETRY.call_with_retry(
+        operation, failed, is_retryable=lambda exc: not isinstance(exc, REDIS_REFUSED)
+    )
+    outage.recovered()
+    return result

@@ -11,13 +11,13 @@ import structlog
 
 from protocol.connection import UnsupportedRedis, connect, redact
 from protocol.keys import Keys
-from worker.daemon.backoff import REDIS_FAILURES, REDIS_REFUSED, describe
 from worker.daemon.eviction import EvictingRedis
 from worker.daemon.permissions import MissingPermission
+from worker.daemon.redis_retry import REDIS_FAILURES, REDIS_REFUSED, describe
 from worker.daemon.settings import WorkerSettings
 from worker.daemon.worker import Worker
 from worker.logs import one_line, tell_operator
-from worker.models.loading import ModelUnavailable
+from worker.models import ModelUnavailable
 
 log = structlog.get_logger(__name__)
 

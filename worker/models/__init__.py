@@ -1,11 +1,12 @@
 """Offline model fixtures (SmolLM2 from a PyPI GGUF, random tiny models) and model loading."""
 
-from worker.models.loading import load_model
+from worker.models.loading import ModelUnavailable, load_model
 from worker.models.paths import default_cache_dir, resolve_model
 from worker.models.smollm2 import prepare_smollm2
 from worker.models.tiny import prepare_tiny
 
 __all__ = [
+    "ModelUnavailable",
     "default_cache_dir",
     "load_model",
     "prepare_smollm2",
