@@ -1,16 +1,20 @@
-"""Shared model fixtures: prepared once into the default cache, loaded once per session."""
+"""Shared fixtures: models prepared once into the default cache and loaded once per session,
+private Redis servers, a key prefix per test, and the worker processes of a test."""
 
 from __future__ import annotations
 
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
 import worker  # noqa: F401  # isort: skip
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.processes import WorkerFactory
+from tests.support.references import GreedyReference, tiny_reference
 from worker.local_redis import LocalCluster, LocalSentinel, RedisServer
 from worker.models import load_model, prepare_smollm2, prepare_tiny
 
@@ -37,6 +41,12 @@ def tiny_model(tiny_model_path: Path) -> tuple[Any, Any]:
 def smollm2_model(smollm2_model_path: Path) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of SmolLM2-135M-Instruct (float32)."""
     return load_model(str(smollm2_model_path))
+
+
+@pytest.fixture(scope="session")
+def reference() -> GreedyReference:
+    """Greedy texts of the tiny model from an engine in this process."""
+    return tiny_reference()
 
 
 @pytest.fixture(scope="session")
@@ -68,3 +78,21 @@ def redis_sentinel() -> Iterator[LocalSentinel]:
     """A fresh master + replica + Sentinel per test: a failover leaves the set changed."""
     with LocalSentinel() as sentinel:
         yield sentinel
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix of this test's own, so tests sharing a server never see each other's keys."""
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def workers(tmp_path: Path, redis_url: str, prefix: str) -> Iterator[WorkerFactory]:
+    """Start ``mlx-worker run`` subprocesses; all are SIGKILLed at the end and their logs
+    printed (pytest shows them when the test failed)."""
+    factory = WorkerFactory(tmp_path, redis_url, prefix)
+    try:
+        yield factory
+    finally:
+        factory.kill_all()
+        print(factory.report())

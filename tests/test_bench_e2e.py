@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
-import sys
 
+from tests.support.processes import mlx_worker
 from worker.bench.e2e_bench import CLUSTER, SINGLE, Level, Run, format_e2e
 
 
@@ -29,16 +27,9 @@ def test_the_cluster_ratio_is_the_median_of_per_rotation_ratios() -> None:
 
 def test_cli_measures_both_topologies() -> None:
     # A process of its own: the CLI configures logging for the whole process, and the bench
-    # starts a worker process per topology.
-    env = {k: v for k, v in os.environ.items() if k != "MLXW_REDIS_URL"}
+    # starts a worker process per topology (its own Redis: no MLXW_REDIS_URL is passed on).
     args = ["bench", "e2e", "--model", "tiny", "--concurrency", "2", "--repeat", "1"]
-    done = subprocess.run(
-        [sys.executable, "-m", "worker.cli", *args, "--max-tokens", "8", "--cluster"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    done = mlx_worker(*args, "--max-tokens", "8", "--cluster")
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
 

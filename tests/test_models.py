@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +14,7 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
+from tests.support.processes import mlx_worker
 from worker.models import (
     default_cache_dir,
     load_model,
@@ -205,15 +203,13 @@ def test_default_cache_dir_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 
 def test_cli_prepares_tiny(tmp_path: Path) -> None:
-    script = Path(sys.executable).with_name("mlx-worker")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "worker.cli"]
-    result = subprocess.run(
-        [*command, "model", "prepare", "tiny", "--cache-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "MLXW_MODEL_CACHE": str(tmp_path / "unused")},
-        check=False,
+    result = mlx_worker(
+        "model",
+        "prepare",
+        "tiny",
+        "--cache-dir",
+        str(tmp_path),
+        env={"MLXW_MODEL_CACHE": str(tmp_path / "unused")},
     )
     assert result.returncode == 0, result.stderr
     folder = tmp_path / "tiny-llama-small"

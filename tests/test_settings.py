@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.processes import mlx_worker
 from worker.daemon.settings import WorkerSettings, default_worker_id, load_settings
 
 
@@ -44,13 +43,7 @@ def test_default_worker_id_is_stable_and_valid() -> None:
 
 
 def test_cli_reports_bad_settings_in_one_line() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "health", "--worker-id", "a{b}"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = mlx_worker("health", "--worker-id", "a{b}", timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "mlx-worker health: bad settings: worker_id must be 1-128 characters of "

@@ -10,8 +10,11 @@ from redis.asyncio import Redis
 
 from protocol.client import Client
 from protocol.messages import DoneEvent
-from tests.daemon.conftest import Reference
-from tests.daemon.helpers import WorkerFactory, check_stream, collect, prompts, run
+from tests.daemon.helpers import check_stream, collect
+from tests.support.processes import WorkerFactory
+from tests.support.prompts import random_prompts
+from tests.support.references import GreedyReference
+from tests.support.waiting import run
 
 STREAMS = 1000
 MAX_IN_FLIGHT = 64
@@ -19,13 +22,13 @@ MAX_IN_FLIGHT = 64
 
 @pytest.mark.timeout(300)
 def test_one_client_follows_a_thousand_streams_over_a_bounded_pool(
-    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: GreedyReference
 ) -> None:
     """1,000 jobs submitted and followed concurrently through one Client: every stream is
     complete and correct, while the client never holds more than ``max_in_flight + 2``
     connections, one of them the pub/sub connection that carries all the channels."""
     workers.start("scale-1", max_concurrency=32)
-    texts = prompts(20, seed=7)
+    texts = random_prompts(20, seed=7)
     chosen = [texts[i % len(texts)] for i in range(STREAMS)]
     name = f"{prefix}-client"
 

@@ -12,16 +12,10 @@ import pytest
 from protocol.cli import main as cli_main
 from protocol.client import Client
 from protocol.messages import DoneEvent, ErrorEvent
-from tests.daemon.helpers import (
-    FAST_ENV,
-    WorkerFactory,
-    WorkerProcess,
-    clean_environment,
-    prompts,
-    run,
-    settled,
-    until,
-)
+from tests.daemon.helpers import settled
+from tests.support.processes import WorkerFactory
+from tests.support.prompts import random_prompts
+from tests.support.waiting import run, until
 from worker.engine.fingerprint import model_fingerprint
 from worker.models import load_model
 
@@ -43,7 +37,7 @@ def test_cache_save_and_load_through_control(
     cache_dir = tmp_path / "caches"
     outside_before = _files_under(tmp_path)
     first = workers.start("c1", cache_dir=cache_dir)
-    texts = prompts(4, seed=71)
+    texts = random_prompts(4, seed=71)
 
     async def warm_up_and_save() -> None:
         async with Client(redis_url, prefix=prefix) as client:
@@ -137,12 +131,13 @@ def test_chat_jobs_share_their_system_prompt_through_prefix_boundary(
     """Chat jobs marked ``prefix_boundary="system"`` reuse one cache entry of their common
     system turn; a boundary past the prompt is that job's error, and the worker goes on."""
     workers.start("p1")
-    system = {"role": "system", "content": " ".join(prompts(12, seed=5))}
+    system = {"role": "system", "content": " ".join(random_prompts(12, seed=5))}
 
     async def scenario() -> None:
         async with Client(redis_url, prefix=prefix) as client:
             done = []
-            for question in prompts(3, seed=9):  # one at a time: each finds the previous entry
+            # One at a time: each finds the previous entry.
+            for question in random_prompts(3, seed=9):
                 chat = [system, {"role": "user", "content": question}]
                 done.append(
                     await client.generate(
@@ -162,24 +157,6 @@ def test_chat_jobs_share_their_system_prompt_through_prefix_boundary(
             assert isinstance(after, DoneEvent)
 
     run(scenario())
-
-
-def _start_with_model(
-    workers: WorkerFactory, worker_id: str, model: str, cache_dir: Path
-) -> WorkerProcess:
-    """A worker serving ``model`` (the factory's workers all serve ``tiny``)."""
-    flags = ["--model", model, "--cache-dir", str(cache_dir)]  # the later --model wins
-    flags += ["--heartbeat-interval", FAST_ENV["MLXW_HEARTBEAT_INTERVAL"]]
-    process = WorkerProcess(
-        worker_id,
-        workers.redis_url,
-        workers.prefix,
-        workers.directory / f"worker-{worker_id}.log",
-        flags,
-        clean_environment(FAST_ENV),
-    )
-    workers.started.append(process)
-    return process.start().wait_ready()
 
 
 def _cli(redis_url: str, prefix: str, *args: str) -> int:
@@ -204,7 +181,7 @@ def test_cache_of_another_model_is_refused_with_both_fingerprints(
 
     async def warm_up_and_save() -> None:
         async with Client(redis_url, prefix=prefix) as client:
-            for text in prompts(2, seed=13):
+            for text in random_prompts(2, seed=13):
                 done = await client.generate(text, max_tokens=MAX_TOKENS, temperature=0.0)
                 assert isinstance(done, DoneEvent), done
             (reply,) = await client.cache_save("warm", worker_id="same")
@@ -216,7 +193,10 @@ def test_cache_of_another_model_is_refused_with_both_fingerprints(
     ]
     other_fingerprint = model_fingerprint(*load_model("tiny-micro"))
     assert saved_fingerprint != other_fingerprint
-    _start_with_model(workers, "other", "tiny-micro", cache_dir)
+    # Another model, with the worker's own concurrency and lease.
+    workers.start(
+        "other", model="tiny-micro", cache_dir=cache_dir, max_concurrency=None, lease_seconds=None
+    )
     broken = cache_dir / "broken"
     broken.mkdir()
     (broken / "manifest.json").write_text("{not json")

@@ -8,22 +8,16 @@ from typing import Any
 import pytest
 
 from protocol.client import Client
-from protocol.codec import encode_job
+from protocol.codec_job import encode_job
 from protocol.constants import JOB_FIELD
 from protocol.messages import DoneEvent, ErrorEvent, Job, QueuedEvent, ResetEvent, Usage
-from protocol.scripts import publish_events
+from protocol.replay_log import publish_events
 from protocol.wire import pack
-from tests.daemon.helpers import (
-    WorkerFactory,
-    check_stream,
-    collect,
-    log_length,
-    prompts,
-    run,
-    settled,
-    until,
-)
+from tests.daemon.helpers import check_stream, collect, log_length, settled
 from tests.protocol.helpers import emit
+from tests.support.processes import WorkerFactory
+from tests.support.prompts import random_prompts
+from tests.support.waiting import run, until
 
 MAX_TOKENS = 12
 
@@ -70,7 +64,7 @@ def test_poison_job_is_dead_lettered_after_max_deliveries_while_others_flow(
             await emit(redis, keys, done)
             others = [
                 await client.submit(text, max_tokens=MAX_TOKENS, temperature=0.0)
-                for text in prompts(4, seed=51)
+                for text in random_prompts(4, seed=51)
             ]
             return poison, entry_id.decode(), fields[JOB_FIELD.encode()], finished, others
 
@@ -151,7 +145,7 @@ def test_garbage_job_entries_are_dead_lettered_and_the_worker_keeps_serving(
             await redis.xadd(keys.jobs, {JOB_FIELD: huge_token})
             after = [
                 await client.submit(text, max_tokens=MAX_TOKENS, temperature=0.0)
-                for text in prompts(2, seed=61)
+                for text in random_prompts(2, seed=61)
             ]
 
             for rid in (readable, out_of_vocab):

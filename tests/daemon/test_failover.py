@@ -13,25 +13,23 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from protocol.client import Client
-from protocol.codec import decode_event
+from protocol.codec_events import decode_event
 from protocol.errors import StreamRewritten
 from protocol.messages import DoneEvent, Event
-from protocol.scripts import read_log
-from tests.daemon.conftest import Reference
+from protocol.replay_log import read_log
 from tests.daemon.helpers import (
-    WorkerFactory,
     check_stream,
     collect,
     collect_surviving_restarts,
     health,
     log_length,
     pending_ids,
-    prompts,
-    run,
     settled,
-    until,
-    wait_until,
 )
+from tests.support.processes import WorkerFactory
+from tests.support.prompts import random_prompts
+from tests.support.references import GreedyReference
+from tests.support.waiting import run, until, wait_until
 from worker.local_redis import RedisServer
 
 T = TypeVar("T")
@@ -59,13 +57,13 @@ async def _log_events(client: Client, request_id: str) -> list[Event]:
 
 @pytest.mark.timeout(150)
 def test_sigkill_mid_generation_another_worker_finishes_with_reset(
-    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: GreedyReference
 ) -> None:
     """A worker SIGKILLed mid-generation leaves its jobs pending; a second worker (short lease)
     reclaims them: each stream gets reset(attempt 2) then exactly one done with the greedy text.
     Also `mlx-worker health`: 0 while the worker runs, 1 once its heartbeat expired, 1 for an
     unknown worker id."""
-    texts = prompts(3, seed=11)
+    texts = random_prompts(3, seed=11)
     max_tokens = 200
     expected = reference.texts(texts, max_tokens)
     victim = workers.start("victim", lease_seconds=2)
@@ -117,11 +115,11 @@ def test_sigkill_mid_generation_another_worker_finishes_with_reset(
 
 @pytest.mark.timeout(120)
 def test_worker_restarted_under_the_same_id_resumes_its_own_pending_jobs(
-    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: GreedyReference
 ) -> None:
     """SIGKILL, then the same worker id again (a supervisor restarting it): it reads its own
     pending entries at start, without waiting for a lease (60 s here) to expire."""
-    text = prompts(1, seed=91)[0]
+    text = random_prompts(1, seed=91)[0]
     max_tokens = 100
     expected = reference.texts([text], max_tokens)[0]
     first = workers.start("same", lease_seconds=60)
@@ -145,10 +143,10 @@ def test_worker_restarted_under_the_same_id_resumes_its_own_pending_jobs(
 
 @pytest.mark.timeout(120)
 def test_sigterm_drains_the_job_in_flight_and_exits_zero(
-    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: GreedyReference
 ) -> None:
     """SIGTERM: no new job is read, the running one finishes (done, acknowledged), exit 0."""
-    text = prompts(1, seed=21)[0]
+    text = random_prompts(1, seed=21)[0]
     max_tokens = 120
     expected = reference.texts([text], max_tokens)[0]
     worker = workers.start("drainer", drain_timeout=30)
@@ -194,11 +192,11 @@ def test_sigterm_drains_the_job_in_flight_and_exits_zero(
 
 @pytest.mark.timeout(150)
 def test_sigterm_with_short_drain_leaves_the_job_to_another_worker(
-    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: GreedyReference
 ) -> None:
     """drain_timeout 1 s and a long job: exit 0 without acknowledging (still pending, no
     terminal event), and a second worker later completes it with reset + done."""
-    text = prompts(1, seed=31)[0]
+    text = random_prompts(1, seed=31)[0]
     expected = reference.texts([text], LONG)[0]
     worker = workers.start("quitter", drain_timeout=1, lease_seconds=2)
 
@@ -233,7 +231,7 @@ def test_sigterm_with_short_drain_leaves_the_job_to_another_worker(
 
 @pytest.mark.timeout(150)
 def test_redis_restart_under_a_running_worker(
-    workers: WorkerFactory, tmp_path: Path, reference: Reference
+    workers: WorkerFactory, tmp_path: Path, reference: GreedyReference
 ) -> None:
     """Redis (appendonly) restarted while jobs stream: they complete, nothing is lost or
     doubled, and the worker serves new jobs afterwards."""
@@ -245,11 +243,13 @@ def test_redis_restart_under_a_running_worker(
         server.close()
 
 
-def _restart_scenario(workers: WorkerFactory, server: RedisServer, reference: Reference) -> None:
+def _restart_scenario(
+    workers: WorkerFactory, server: RedisServer, reference: GreedyReference
+) -> None:
     prefix = "restart"
     long_max, short_max = 200, 12
-    long_texts = prompts(3, seed=41)
-    short_texts = prompts(3, seed=42)
+    long_texts = random_prompts(3, seed=41)
+    short_texts = random_prompts(3, seed=42)
     expected = {
         **dict(zip(long_texts, reference.texts(long_texts, long_max), strict=True)),
         **dict(zip(short_texts, reference.texts(short_texts, short_max), strict=True)),
@@ -303,12 +303,12 @@ def _restart_scenario(workers: WorkerFactory, server: RedisServer, reference: Re
 
 @pytest.mark.timeout(120)
 def test_worker_stalled_past_its_lease_is_fenced_off(
-    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: GreedyReference
 ) -> None:
     """SIGSTOP (a long GC pause, a frozen VM) past the lease: another worker reclaims the job;
     after SIGCONT the stale worker neither finishes it nor writes into its log (no seq twice,
     one terminal event), and does not acknowledge it."""
-    text = prompts(1, seed=81)[0]
+    text = random_prompts(1, seed=81)[0]
     max_tokens = 200
     expected = reference.texts([text], max_tokens)[0]
     stalled = workers.start("stalled", lease_seconds=2)
@@ -398,7 +398,7 @@ async def _retrying(call: Callable[[], Awaitable[T]]) -> T:
 
 @pytest.mark.timeout(150)
 def test_a_log_that_lost_its_newest_events_gets_a_new_attempt_not_a_hole(
-    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: GreedyReference
 ) -> None:
     """What a Sentinel failover to a lagging replica does to a running request: its log loses
     the newest entries the worker already wrote. The worker must not append after the hole
@@ -406,7 +406,7 @@ def test_a_log_that_lost_its_newest_events_gets_a_new_attempt_not_a_hole(
     ack, the job is reclaimed once its lease runs out, and the new attempt continues the log
     from what is left, after a reset, to exactly one done with the greedy text. A subscriber
     that heard the lost events live learns that its history was rewritten."""
-    text = prompts(1, seed=23)[0]
+    text = random_prompts(1, seed=23)[0]
     expected = reference.texts([text], LONG)[0]
     worker = workers.start("gap-1", lease_seconds=2)
 
@@ -466,7 +466,7 @@ def test_an_orphaned_job_runs_before_the_queue_behind_it(
             await client.redis.xreadgroup(keys.group, "ghost", {keys.jobs: ">"}, count=1)
             rids = [
                 await client.submit(text, max_tokens=max_tokens, temperature=0.0)
-                for text in prompts(behind, seed=41)
+                for text in random_prompts(behind, seed=41)
             ]
             workers.start("busy-1", max_concurrency=2, lease_seconds=3)
             finished: list[str] = []

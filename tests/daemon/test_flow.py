@@ -9,18 +9,11 @@ import pytest
 
 from protocol.client import Client
 from protocol.messages import ControlReply, DeltaEvent, DoneEvent, Event, Usage
-from tests.daemon.conftest import Reference
-from tests.daemon.helpers import (
-    WorkerFactory,
-    check_stream,
-    collect,
-    log_length,
-    pending_ids,
-    prompts,
-    run,
-    settled,
-    until,
-)
+from tests.daemon.helpers import check_stream, collect, log_length, pending_ids, settled
+from tests.support.processes import WorkerFactory
+from tests.support.prompts import random_prompts
+from tests.support.references import GreedyReference
+from tests.support.waiting import run, until
 from worker.local_redis import local_redis
 
 MAX_TOKENS = 12
@@ -30,10 +23,10 @@ Result = tuple[str, str, list[list[Event]]]  # prompt, request id, one stream pe
 
 @pytest.mark.timeout(120)
 def test_concurrent_producers_get_greedy_texts_and_gapless_streams(
-    workers: WorkerFactory, redis_url: str, prefix: str, reference: Reference
+    workers: WorkerFactory, redis_url: str, prefix: str, reference: GreedyReference
 ) -> None:
     """20 jobs from 4 producers (each its own Client) over 2 workers of one group."""
-    texts = prompts(20, seed=7)
+    texts = random_prompts(20, seed=7)
     expected = dict(zip(texts, reference.texts(texts, MAX_TOKENS), strict=True))
     assert len(set(expected.values())) >= 15  # distinct answers: the comparison means something
     first = workers.start("w1", max_concurrency=8, wait=False)
@@ -145,12 +138,12 @@ async def _has(client: Client, request_id: str, deltas: int) -> bool:
 
 @pytest.mark.timeout(120)
 def test_a_worker_serves_through_the_embedded_redis(
-    workers: WorkerFactory, prefix: str, reference: Reference
+    workers: WorkerFactory, prefix: str, reference: GreedyReference
 ) -> None:
     """The demo's last resort on a machine without Redis: fakeredis over TCP. A worker and a
     client must work through it as through redis-server (it answers some commands its own
     way, e.g. a bare HELLO resets the connection to RESP2)."""
-    texts = prompts(3, seed=31)
+    texts = random_prompts(3, seed=31)
     expected = reference.texts(texts, MAX_TOKENS)
     with local_redis(None, embedded=True) as (url, what):
         assert "fakeredis" in what

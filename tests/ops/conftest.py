@@ -1,20 +1,14 @@
-"""Fixtures of the service tests: a private redis-server and the tiny model, prepared once."""
+"""Fixtures of the service tests: the tiny model, prepared before a worker needs it (the
+redis-server and key prefixes are tests/conftest.py's)."""
 
 from __future__ import annotations
 
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
 import worker  # noqa: F401  # isort: skip
 
-import uuid
 from pathlib import Path
 
 import pytest
-
-
-@pytest.fixture
-def prefix() -> str:
-    """A key prefix of this test's own."""
-    return f"ops{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture

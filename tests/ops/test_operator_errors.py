@@ -15,24 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.ops.helpers import WORKER_COMMAND, clean_env, free_port
+from tests.support.processes import WorkerProcess, mlx_worker
+from worker.local_redis import free_port
 
 # A password that must never show up in any output.
 SECRET = "hunter2-secret"
-
-
-def mlx_worker(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*WORKER_COMMAND, *args],
-        capture_output=True,
-        text=True,
-        env=clean_env(env),
-        stdin=subprocess.DEVNULL,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def one_line(completed: subprocess.CompletedProcess[str], status: int) -> str:
@@ -181,38 +168,28 @@ def test_sigterm_while_waiting_for_an_unreachable_redis_exits_0(
     """A worker whose Redis does not answer waits for it, and a stop request ends the wait:
     within a second or so, status 0, without a model load."""
     closed = free_port()  # nothing listens there
-    log_path = tmp_path / "worker.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [
-                *WORKER_COMMAND,
-                "--log-format",
-                "json",
-                *run_args(f"redis://127.0.0.1:{closed}/0", prefix, tmp_path, "--model", "tiny"),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=clean_env(),
-        )
+    # No fast intervals: the worker's own way of waiting for Redis.
+    worker = WorkerProcess(
+        "operator", tmp_path, prefix=prefix, redis_url=f"redis://127.0.0.1:{closed}/0"
+    ).start()
     try:
         deadline = time.monotonic() + 60
         # Waiting for Redis: its first failed connect is logged.
-        while "redis_failing" not in log_path.read_text():
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, log_path.read_text()
+        while "redis_failing" not in worker.log_text():
+            assert worker.running(), worker.log_text()
+            assert time.monotonic() < deadline, worker.log_text()
             time.sleep(0.1)
         time.sleep(2)
-        assert process.poll() is None, log_path.read_text()
-        process.send_signal(signal.SIGTERM)
+        assert worker.running(), worker.log_text()
+        worker.signal(signal.SIGTERM)
         signalled = time.monotonic()
-        assert process.wait(timeout=10) == 0, log_path.read_text()
-        assert time.monotonic() - signalled < 3, log_path.read_text()
-        events = [json.loads(line) for line in log_path.read_text().splitlines() if line[:1] == "{"]
+        assert worker.wait(10) == 0, worker.log_text()
+        assert time.monotonic() - signalled < 3, worker.log_text()
+        lines = worker.log_text().splitlines()
+        events = [json.loads(line) for line in lines if line[:1] == "{"]
         assert [e["event"] for e in events if e["event"].startswith("worker_")] == [
             "worker_stopped_before_serving"
         ]
-        assert "Traceback" not in log_path.read_text()
+        assert "Traceback" not in worker.log_text()
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        worker.kill()

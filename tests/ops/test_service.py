@@ -8,7 +8,7 @@ metrics endpoint serves every named family after a job.
 from __future__ import annotations
 
 import asyncio
-import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -17,22 +17,10 @@ import pytest
 
 from protocol.client import Client
 from protocol.messages import DeltaEvent, DoneEvent, Event
-from tests.ops.helpers import NotifySocket, WorkerProcess, free_port, scrape, wait_until
-from worker.local_redis import RedisServer
-
-READY_TIMEOUT = 60.0
-
-
-def log_events(worker: WorkerProcess) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in worker.log().splitlines() if line.startswith("{")]
-
-
-def wait_ready(worker: WorkerProcess) -> None:
-    def ready() -> bool:
-        worker.check_running()
-        return any(e.get("event") == "worker_ready" for e in log_events(worker))
-
-    wait_until(ready, READY_TIMEOUT, "worker_ready")
+from tests.ops.helpers import NotifySocket, scrape, service_worker
+from tests.support.processes import READY_TIMEOUT
+from tests.support.waiting import wait_until
+from worker.local_redis import RedisServer, free_port
 
 
 @pytest.mark.timeout(120)
@@ -40,12 +28,12 @@ def test_notify_ready_then_watchdog_then_stopping(
     tmp_path: Path, redis_server: RedisServer, prefix: str, tiny: str
 ) -> None:
     notify = NotifySocket(tmp_path / "notify.sock")
-    worker = WorkerProcess(
+    worker = service_worker(
         tmp_path,
         tiny,
         "notified",
         prefix,
-        ["--redis-url", redis_server.url],
+        redis_url=redis_server.url,
         env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "1000000"},
     )
     try:
@@ -54,7 +42,7 @@ def test_notify_ready_then_watchdog_then_stopping(
         assert lines[0] == "READY=1"
         assert any(line.startswith("STATUS=serving") for line in lines)
         # By READY=1 the group exists (systemd starts dependants against a working worker).
-        assert any(e.get("event") == "worker_ready" for e in log_events(worker))
+        assert any(e.get("event") == "worker_ready" for e in worker.log_events())
         # Pings every WATCHDOG_USEC / 2 = 0.5 s.
         started = time.monotonic()
         notify.wait_for("WATCHDOG=1", 5, worker)
@@ -64,7 +52,7 @@ def test_notify_ready_then_watchdog_then_stopping(
             "three watchdog pings",
         )
         assert time.monotonic() - started < 3
-        worker.terminate()
+        worker.signal(signal.SIGTERM)
         assert worker.wait(30) == 0
         lines = notify.lines()
         assert "STOPPING=1" in lines
@@ -80,12 +68,13 @@ def test_sigterm_with_a_job_in_flight_drains_and_exits_0(
 ) -> None:
     drain_timeout = 20.0
     max_tokens = 150  # a few seconds of the tiny model: still running when SIGTERM arrives
-    worker = WorkerProcess(
+    worker = service_worker(
         tmp_path,
         tiny,
         "drained",
         prefix,
-        ["--redis-url", redis_server.url, "--drain-timeout", str(drain_timeout)],
+        redis_url=redis_server.url,
+        flags=["--drain-timeout", str(drain_timeout)],
     )
 
     async def main() -> tuple[list[Event], float]:
@@ -102,23 +91,23 @@ def test_sigterm_with_a_job_in_flight_drains_and_exits_0(
 
             following = asyncio.create_task(follow())
             await asyncio.wait_for(first_delta.wait(), READY_TIMEOUT)
-            worker.terminate()
+            worker.signal(signal.SIGTERM)
             signalled = time.monotonic()
             rc = await asyncio.to_thread(worker.wait, drain_timeout + 10)
             elapsed = time.monotonic() - signalled
-            assert rc == 0, worker.log()[-4000:]
+            assert rc == 0, worker.log_text()[-4000:]
             await asyncio.wait_for(following, 10)
             pending = await client.redis.xpending(client.keys.jobs, client.keys.group)
             assert pending["pending"] == 0  # acknowledged: nobody runs it again
             return events, elapsed
 
     try:
-        wait_ready(worker)
+        worker.wait_ready()
         events, elapsed = asyncio.run(main())
     finally:
         worker.kill()
     assert elapsed < drain_timeout
-    stopping = [e for e in log_events(worker) if e.get("event") == "worker_stopping"]
+    stopping = [e for e in worker.log_events() if e.get("event") == "worker_stopping"]
     assert stopping and stopping[0]["in_flight"] == 1  # the job was running at SIGTERM
     done = events[-1]
     assert isinstance(done, DoneEvent), done
@@ -154,12 +143,12 @@ def test_metrics_endpoint_after_a_job(
     url_file.write_text(redis_server.url + "\n")
     url_file.chmod(0o600)
     port = free_port()
-    worker = WorkerProcess(
+    worker = service_worker(
         tmp_path,
         tiny,
         "measured",
         prefix,
-        ["--metrics-port", str(port)],
+        flags=["--metrics-port", str(port)],
         env={"MLXW_REDIS_URL_FILE": str(url_file)},
     )
 
@@ -172,7 +161,7 @@ def test_metrics_endpoint_after_a_job(
         return done
 
     try:
-        wait_ready(worker)
+        worker.wait_ready()
         before = scrape(port)
         assert before["mlxw_ttft_seconds_count"] == 0
         done = asyncio.run(one_job())

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
 from redis.asyncio import Redis
 
-from protocol.codec import encode_event
+from protocol.codec_events import encode_event
 from protocol.constants import JOB_FIELD, LOG_EVENT_FIELD, LOG_SEQ_FIELD
 from protocol.keys import Keys
 from protocol.messages import (
@@ -21,9 +21,7 @@ from protocol.messages import (
     ResetEvent,
     Usage,
 )
-from protocol.scripts import Outcome, begin_attempt, publish_events
-
-T = TypeVar("T")
+from protocol.replay_log import Outcome, begin_attempt, publish_events
 
 
 def delta(request_id: str, seq: int, text: str, attempt: int = 1) -> DeltaEvent:
@@ -115,19 +113,3 @@ async def wait_for_job(redis: Redis, keys: Keys, timeout: float = 5.0) -> bytes:
     _entry_id, fields = messages[0]
     data: bytes = fields[JOB_FIELD.encode()]
     return data
-
-
-async def until(condition: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    """Wait until an async condition holds (tests only; short sleeps between checks)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
-
-
-def run(coroutine: Awaitable[T]) -> T:
-    async def main() -> T:
-        return await coroutine
-
-    return asyncio.run(main())

@@ -5,16 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from protocol.codec import (
-    decode_command,
-    decode_event,
-    decode_job,
-    decode_reply,
-    encode_command,
-    encode_event,
-    encode_job,
-    encode_reply,
-)
+from protocol.codec_control import decode_command, decode_reply, encode_command, encode_reply
+from protocol.codec_events import decode_event, encode_event
+from protocol.codec_job import decode_job, encode_job
 from protocol.messages import (
     ChatMessage,
     ControlCommand,

@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
 
 from protocol.channels import MISSED, ChannelHub, Inbox
 from protocol.connection import RedisClient, connect, publish
-from tests.protocol.helpers import run
+from tests.support.waiting import run, until
 from worker.local_redis import LocalCluster, RedisServer
-
-
-async def _eventually(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 5) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def _subscribers(admin: Redis, channel: str, sharded: bool = False) -> int:
@@ -45,8 +36,8 @@ def test_listeners_share_subscriptions_and_the_last_one_out_unsubscribes(redis_u
                 got = [await _next(both), await _next(both), await _next(only_a)]
                 subscribed = hub.channels
                 connections = [c for c in await admin.client_list() if int(c.get("sub", 0)) > 0]
-            await _eventually(
-                lambda: _no_subscribers(admin, "hub:a", "hub:b"), "both channels unsubscribed"
+            await until(
+                lambda: _no_subscribers(admin, "hub:a", "hub:b"), 5, "both channels unsubscribed"
             )
             return got, subscribed, len(connections), hub.channels
         finally:
@@ -85,12 +76,12 @@ def test_a_restarted_redis_gives_missed_then_live_messages_and_drops_orphans() -
                 # left while Redis was down; now it comes back on the same port
                 server.start()
                 missed = await _next(stays, timeout=10)
-                await _eventually(lambda: _delivered(redis, "hub:stays"), "re-subscription")
+                await until(lambda: _delivered(redis, "hub:stays"), 5, "re-subscription")
                 live = await _next(stays)
                 admin = Redis.from_url(server.url)
                 try:
-                    await _eventually(
-                        lambda: _no_subscribers(admin, "hub:leaves"), "the orphan dropped"
+                    await until(
+                        lambda: _no_subscribers(admin, "hub:leaves"), 5, "the orphan dropped"
                     )
                     still = await _subscribers(admin, "hub:stays")
                 finally:

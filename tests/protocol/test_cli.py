@@ -17,13 +17,13 @@ import pytest
 from redis.asyncio import Redis
 
 from protocol.cli import main
-from protocol.codec import decode_job
+from protocol.codec_job import decode_job
 from protocol.keys import Keys
 from protocol.messages import Event, Job
-from tests.daemon.helpers import FAST_ENV, WorkerFactory, WorkerProcess, clean_environment
 from tests.protocol.background import Background
 from tests.protocol.fake_responder import FakeResponder
 from tests.protocol.helpers import delta, done, emit, error, reset, text_events, wait_for_job
+from tests.support.processes import WorkerFactory
 from worker.local_redis import RedisServer, free_port
 
 Script = Callable[[Job], list[Event]]
@@ -100,9 +100,8 @@ def test_submit_json_prints_one_object_per_event(
     assert lines[-1]["usage"]["completion_tokens"] == len("Hello, world")
 
 
-def test_submit_sends_the_options(
-    redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
-) -> None:
+def submitted(redis_url: str, keys: Keys, *args: str) -> Job:
+    """The job ``submit ARGS`` queued (exit 0), as a stand-in worker read it."""
     seen: list[Job] = []
 
     def record(job: Job) -> list[Event]:
@@ -110,9 +109,15 @@ def test_submit_sends_the_options(
         return hello(job)
 
     with fake_worker(redis_url, keys, record):
-        args = ["--max-tokens", "7", "--temperature", "0.5", "--stop", "x"]
-        assert cli(redis_url, keys.prefix, "submit", "hi", *args) == 0
-    job = seen[0]
+        assert cli(redis_url, keys.prefix, "submit", *args) == 0
+    return seen[0]
+
+
+def test_submit_sends_the_options(
+    redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--max-tokens", "7", "--temperature", "0.5", "--stop", "x"]
+    job = submitted(redis_url, keys, "hi", *args)
     assert (job.max_tokens, job.temperature, job.stop) == (7, 0.5, ("x",))
     # A chat turn by default, so an instruct model answers instead of continuing the text.
     assert job.chat_messages() == [{"role": "user", "content": "hi"}]
@@ -138,15 +143,8 @@ def test_submit_raw_sends_a_bare_prompt_and_system_a_leading_turn(
     messages: list[dict[str, str]] | None,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    seen: list[Job] = []
-
-    def record(job: Job) -> list[Event]:
-        seen.append(job)
-        return hello(job)
-
-    with fake_worker(redis_url, keys, record):
-        assert cli(redis_url, keys.prefix, "submit", "hi", *flags) == 0
-    assert (seen[0].prompt, seen[0].chat_messages()) == (prompt, messages)
+    job = submitted(redis_url, keys, "hi", *flags)
+    assert (job.prompt, job.chat_messages()) == (prompt, messages)
 
 
 def test_submit_chat_flag_is_gone_and_raw_excludes_system(
@@ -322,29 +320,17 @@ def test_module_entry_point(redis_url: str, keys: Keys) -> None:
 # -- against real workers --------------------------------------------------------------------
 
 
-@pytest.fixture
-def real_workers(tmp_path: Path, redis_url: str, prefix: str) -> Iterator[WorkerFactory]:
-    """``mlx-worker run`` subprocesses serving the tiny model; killed at the end (their logs
-    are printed, which pytest shows when the test failed)."""
-    factory = WorkerFactory(tmp_path, redis_url, prefix)
-    try:
-        yield factory
-    finally:
-        factory.kill_all()
-        print(factory.report())
-
-
 STATS_LABELS = ["jobs", "tokens", "cache", "queue", "memory"]
 
 
 @pytest.mark.timeout(120)
 def test_ctl_stats_summarises_a_real_worker_and_json_keeps_the_map(
-    real_workers: WorkerFactory, redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+    workers: WorkerFactory, redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`ctl stats` gives people a few aligned lines per worker, with the figures of the
     reply that `--json` prints as one object; the other verbs answer in words too."""
     prefix = keys.prefix
-    real_workers.start("w-real")
+    workers.start("w-real")
     for flags in ([], ["--raw"]):  # a chat turn (the default) and a bare prompt
         assert cli(redis_url, prefix, "submit", "hello there", "--max-tokens", "6", *flags) == 0
     capsys.readouterr()
@@ -401,7 +387,7 @@ def test_ctl_stats_summarises_a_real_worker_and_json_keeps_the_map(
 
 @pytest.mark.timeout(120)
 def test_chat_for_a_model_without_chat_template_says_to_send_a_prompt(
-    real_workers: WorkerFactory,
+    workers: WorkerFactory,
     redis_url: str,
     keys: Keys,
     tiny_model_path: Path,
@@ -421,16 +407,8 @@ def test_chat_for_a_model_without_chat_template_says_to_send_a_prompt(
     config_path.write_text(json.dumps(config))
     assert not list(folder.glob("chat_template*"))
     prefix = keys.prefix
-    worker = WorkerProcess(
-        "w-plain",
-        redis_url,
-        prefix,
-        tmp_path / "worker-w-plain.log",
-        ["--model", str(folder), "--heartbeat-interval", "0.5"],  # the later --model wins
-        clean_environment(FAST_ENV),
-    )
-    real_workers.started.append(worker)
-    worker.start().wait_ready()
+    # The worker's own concurrency and lease, as any other model's worker.
+    workers.start("w-plain", model=str(folder), max_concurrency=None, lease_seconds=None)
 
     assert cli(redis_url, prefix, "submit", "hello", "--max-tokens", "4") == 1
     assert capsys.readouterr().err == (

@@ -17,7 +17,8 @@ from protocol.client import Client
 from protocol.errors import RedisUnavailable, StreamTimeout
 from protocol.keys import Keys
 from protocol.messages import Event
-from tests.protocol.helpers import delta, done, emit, run
+from tests.protocol.helpers import delta, done, emit
+from tests.support.waiting import run
 from worker.local_redis import RedisServer
 
 

@@ -7,7 +7,9 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import pytest
 
-from protocol.codec import decode_command, decode_event, decode_job, decode_reply, encode_job
+from protocol.codec_control import decode_command, decode_reply
+from protocol.codec_events import decode_event
+from protocol.codec_job import decode_job, encode_job
 from protocol.errors import ERROR_CODES, ProtocolError
 from protocol.limits import Limits
 from protocol.messages import Job

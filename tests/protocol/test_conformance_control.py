@@ -21,7 +21,6 @@ from tests.protocol.conformance.harness import (
     is_int,
     is_number,
     module_worker,
-    start_with_model,
 )
 from tests.protocol.conformance.raw import Reply, new_id, pack
 
@@ -254,8 +253,9 @@ def test_a_cache_saved_by_another_model_is_incompatible(served: Served) -> None:
     name = new_id("other-model").replace(":", "_")
     saved = wire.command("cache_save", name=name)
     assert saved.fields["ok"] is True, saved.fields
-    micro = start_with_model(
-        served.factory, "conformance-micro", "tiny-micro", served.directory / "caches"
+    # Sharing the module worker's cache directory; the worker's own lease.
+    micro = served.factory.start(
+        "conformance-micro", model="tiny-micro", max_concurrency=1, lease_seconds=None
     )
     try:
         reply = wire.command(

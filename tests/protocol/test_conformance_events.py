@@ -24,7 +24,8 @@ from tests.protocol.conformance.harness import (
     is_number,
     module_worker,
 )
-from tests.protocol.conformance.raw import LOG_TTL, Subscriber, Wire, pack, wait_for
+from tests.protocol.conformance.raw import LOG_TTL, Subscriber, Wire, pack
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,7 +142,7 @@ def test_exactly_one_terminal_event_and_nothing_after_it(served: Served) -> None
     rid = served.rid("one-ending")
     entry_id = wire.submit(rid, prompt="hello", max_tokens=4, temperature=0)
     entries = wire.wait_for_end(rid)
-    wait_for(lambda: wire.job_entry_gone(entry_id), 10, "the job acknowledged and deleted")
+    wait_until(lambda: wire.job_entry_gone(entry_id), 10, "the job acknowledged and deleted")
     time.sleep(0.5)
     assert wire.log(rid) == entries
     summary = check_log(entries, rid)
@@ -246,7 +247,7 @@ def test_abort_marker_before_start_ends_the_job_without_running(served: Served) 
     assert (done["seq"], done["attempt"], done["finish_reason"]) == (1, 1, "abort")
     assert done["output_text"] == ""
     check_zero_usage(done["usage"])
-    wait_for(lambda: wire.job_entry_gone(entry_id), 10, "the job acknowledged")
+    wait_until(lambda: wire.job_entry_gone(entry_id), 10, "the job acknowledged")
 
 
 def test_abort_command_stops_a_running_job(served: Served) -> None:
@@ -298,7 +299,7 @@ def test_deadline_in_the_past_expires_with_zero_usage(served: Served) -> None:
     assert summary.terminal["finish_reason"] == "expired"
     assert summary.terminal["output_text"] == ""
     check_zero_usage(summary.terminal["usage"])
-    wait_for(lambda: wire.job_entry_gone(entry_id), 10, "the job acknowledged")
+    wait_until(lambda: wire.job_entry_gone(entry_id), 10, "the job acknowledged")
 
 
 def test_the_log_keeps_its_ttl_after_the_last_event(served: Served) -> None:
@@ -330,7 +331,7 @@ def test_a_finished_request_submitted_again_is_not_run_again(served: Served) -> 
     for _ in range(2):
         wire.queued_marker(rid)
         again = wire.add_job(job)
-        wait_for(
+        wait_until(
             lambda again=again: wire.job_entry_gone(again), 10, "the re-submitted job acknowledged"
         )
     time.sleep(0.3)
@@ -384,7 +385,7 @@ def test_a_job_whose_consumer_died_is_redelivered_and_continues_the_numbering(
     assert {e["attempt"] for e in events[2:]} == {2}
     assert summary.terminal["type"] == "done"
     assert "ghost" not in summary.terminal["output_text"]
-    wait_for(lambda: wire.job_entry_gone(entry_id), 10, "the job acknowledged")
+    wait_until(lambda: wire.job_entry_gone(entry_id), 10, "the job acknowledged")
 
 
 def test_abort_command_ends_a_job_whose_worker_died(served: Served) -> None:
@@ -412,7 +413,9 @@ def test_abort_command_ends_a_job_whose_worker_died(served: Served) -> None:
     ]
     assert summary.terminal["finish_reason"] == "abort"
     check_zero_usage(summary.terminal["usage"])
-    wait_for(lambda: wire.job_entry_gone(entry_id), LEASE + 15, "the reclaimed entry acknowledged")
+    wait_until(
+        lambda: wire.job_entry_gone(entry_id), LEASE + 15, "the reclaimed entry acknowledged"
+    )
     assert len(wire.log(rid)) == len(summary.events) + 1  # nothing ran after the end
 
 
@@ -436,7 +439,7 @@ def test_abort_command_leaves_a_job_whose_worker_lives_to_it(served: Served) -> 
     # Its lease runs out: the worker reclaims it and the marker the command set ends it.
     summary = check_log(wire.wait_for_end(rid, timeout=LEASE + 15), rid)
     assert summary.terminal["finish_reason"] == "abort"
-    wait_for(lambda: wire.job_entry_gone(entry_id), 10, "the job acknowledged")
+    wait_until(lambda: wire.job_entry_gone(entry_id), 10, "the job acknowledged")
 
 
 def test_a_job_delivered_too_often_is_dead_lettered(served: Served) -> None:

@@ -20,7 +20,8 @@ from tests.protocol.conformance.harness import (
     check_rejected,
     module_worker,
 )
-from tests.protocol.conformance.raw import pack, wait_for
+from tests.protocol.conformance.raw import pack
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -168,7 +169,7 @@ def test_a_job_without_request_id_still_runs(served: Served) -> None:
     wire = served.wire
     before = wire.keys("log:*")
     entry_id = wire.add_job({"v": 1, "prompt": "hello", "max_tokens": 2, "temperature": 0})
-    wait_for(lambda: wire.job_entry_gone(entry_id), 30, "the job acknowledged")
+    wait_until(lambda: wire.job_entry_gone(entry_id), 30, "the job acknowledged")
     assert all(fields.get("entry_id") != entry_id.encode() for _, fields in wire.dead_letters())
     (log,) = wire.keys("log:*") - before
     rid = log.decode().split("{", 1)[1].rstrip("}")

@@ -19,7 +19,8 @@ from tests.protocol.conformance.harness import (
     check_zero_usage,
     module_worker,
 )
-from tests.protocol.conformance.raw import Wire, entry_ms, new_id, wait_for
+from tests.protocol.conformance.raw import Wire, entry_ms, new_id
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,7 +83,7 @@ def test_abort_command_ends_a_job_queued_behind_a_running_one(served: Served) ->
     assert reply.fields["result"] == {"aborted": True, "state": "running"}, reply.fields
     assert check_log(wire.wait_for_end(running), running).terminal["finish_reason"] == "abort"
     # The queued entry is taken once the slot frees, acknowledged and deleted without running.
-    wait_for(lambda: wire.job_entry_gone(entry_id), 10, "the aborted job's entry acknowledged")
+    wait_until(lambda: wire.job_entry_gone(entry_id), 10, "the aborted job's entry acknowledged")
     time.sleep(0.3)
     assert wire.log(queued) == entries
 

@@ -12,7 +12,7 @@ from protocol.control import longest_block
 from protocol.errors import ControlTimeout
 from protocol.messages import ControlReply
 from tests.protocol.fake_responder import FakeResponder
-from tests.protocol.helpers import run
+from tests.support.waiting import run
 
 
 def test_ping_and_stats_broadcast_collect_every_live_worker(redis_url: str, prefix: str) -> None:

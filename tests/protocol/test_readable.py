@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.codec import decode_job
-from protocol.codec_job import readable_request_id
+from protocol.codec_job import decode_job, readable_request_id
 from protocol.errors import ProtocolError
 from protocol.limits import DEFAULT_LIMITS
 from protocol.wire import top_level_strings

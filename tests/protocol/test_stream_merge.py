@@ -14,7 +14,7 @@ from protocol.client import Client
 from protocol.errors import RequestNotFound, StreamTimeout
 from protocol.keys import Keys
 from protocol.messages import DoneEvent, Event, QueuedEvent, ResetEvent
-from protocol.scripts import last_seq
+from protocol.replay_log import last_seq
 from tests.protocol.helpers import (
     append_only,
     delta,
@@ -22,9 +22,9 @@ from tests.protocol.helpers import (
     emit,
     publish_only,
     reset,
-    run,
     text_events,
 )
+from tests.support.waiting import run
 
 PIECES = ["Hel", "lo", ", ", "wor", "ld"]
 
@@ -46,6 +46,14 @@ async def collect(
     return events
 
 
+async def subscribed(client: Client, request_id: str) -> asyncio.Task[list[Event]]:
+    """A subscriber of the request, running, once it has read the queued marker."""
+    started = asyncio.Event()
+    subscriber = asyncio.create_task(collect(client, request_id, started))
+    await asyncio.wait_for(started.wait(), 5)
+    return subscriber
+
+
 def assert_complete(events: list[Event], expected_last_seq: int) -> None:
     assert isinstance(events[0], QueuedEvent)
     assert [event.seq for event in events] == list(range(expected_last_seq + 1))
@@ -56,9 +64,7 @@ def test_subscriber_arrives_before_the_job_starts(redis_url: str, prefix: str) -
     async def scenario() -> list[Event]:
         async with make_client(redis_url, prefix) as client:
             request_id = await client.submit("hi")
-            started = asyncio.Event()
-            subscriber = asyncio.create_task(collect(client, request_id, started))
-            await asyncio.wait_for(started.wait(), 5)  # it has read the queued marker
+            subscriber = await subscribed(client, request_id)
             for event in text_events(request_id, PIECES):
                 await emit(client.redis, client.keys, event)
             return await asyncio.wait_for(subscriber, 5)
@@ -74,9 +80,7 @@ def test_subscriber_arrives_during_the_job(redis_url: str, prefix: str) -> None:
             request_id = await client.submit("hi")
             events = text_events(request_id, PIECES)
             await emit(client.redis, client.keys, *events[:3])
-            started = asyncio.Event()
-            subscriber = asyncio.create_task(collect(client, request_id, started))
-            await asyncio.wait_for(started.wait(), 5)
+            subscriber = await subscribed(client, request_id)
             for event in events[3:]:
                 await emit(client.redis, client.keys, event)
             return await asyncio.wait_for(subscriber, 5)
@@ -98,9 +102,7 @@ def test_duplicated_deliveries_are_yielded_once(redis_url: str, prefix: str) -> 
     async def scenario() -> list[Event]:
         async with make_client(redis_url, prefix) as client:
             request_id = await client.submit("hi")
-            started = asyncio.Event()
-            subscriber = asyncio.create_task(collect(client, request_id, started))
-            await asyncio.wait_for(started.wait(), 5)
+            subscriber = await subscribed(client, request_id)
             for event in text_events(request_id, PIECES):
                 await emit(client.redis, client.keys, event, event)  # logged and sent twice
                 await publish_only(client.redis, client.keys, event)  # and a third time
@@ -114,9 +116,7 @@ def test_reordered_live_deliveries_come_out_in_order(redis_url: str, prefix: str
         async with make_client(redis_url, prefix, recheck=30) as client:
             request_id = await client.submit("hi")
             events = text_events(request_id, PIECES)
-            started = asyncio.Event()
-            subscriber = asyncio.create_task(collect(client, request_id, started))
-            await asyncio.wait_for(started.wait(), 5)
+            subscriber = await subscribed(client, request_id)
             await emit(client.redis, client.keys, events[0])
             # The log gets 2 and 3 in order; the channel delivers 3 before 2.
             await append_only(client.redis, client.keys, events[1])
@@ -135,9 +135,7 @@ def test_a_live_event_after_a_gap_pulls_the_gap_from_the_log(redis_url: str, pre
         async with make_client(redis_url, prefix, recheck=30) as client:
             request_id = await client.submit("hi")
             events = text_events(request_id, PIECES)
-            started = asyncio.Event()
-            subscriber = asyncio.create_task(collect(client, request_id, started))
-            await asyncio.wait_for(started.wait(), 5)
+            subscriber = await subscribed(client, request_id)
             # Seq 1 and 2 are logged but their publishes are lost; seq 3 arrives live.
             await append_only(client.redis, client.keys, events[0])
             await append_only(client.redis, client.keys, events[1])
@@ -151,9 +149,7 @@ def test_a_lost_publish_is_recovered_from_the_log_while_idle(redis_url: str, pre
     async def scenario() -> list[Event]:
         async with make_client(redis_url, prefix, recheck=0.1) as client:
             request_id = await client.submit("hi")
-            started = asyncio.Event()
-            subscriber = asyncio.create_task(collect(client, request_id, started))
-            await asyncio.wait_for(started.wait(), 5)
+            subscriber = await subscribed(client, request_id)
             for event in text_events(request_id, PIECES):  # logged, never published
                 await append_only(client.redis, client.keys, event)
             return await asyncio.wait_for(subscriber, 5)
@@ -237,9 +233,7 @@ def test_log_expiring_while_waiting_is_not_found(redis_url: str, prefix: str) ->
     async def scenario() -> None:
         async with make_client(redis_url, prefix, recheck=0.05) as client:
             request_id = await client.submit("hi")
-            started = asyncio.Event()
-            subscriber = asyncio.create_task(collect(client, request_id, started))
-            await asyncio.wait_for(started.wait(), 5)
+            subscriber = await subscribed(client, request_id)
             await client.redis.pexpire(client.keys.log(request_id), 20)
             await asyncio.wait_for(subscriber, 5)
 

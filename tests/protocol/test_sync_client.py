@@ -6,7 +6,7 @@ import asyncio
 
 from redis.asyncio import Redis
 
-from protocol.codec import decode_job
+from protocol.codec_job import decode_job
 from protocol.keys import Keys
 from protocol.messages import DeltaEvent, DoneEvent, QueuedEvent
 from protocol.sync_client import SyncClient

@@ -16,41 +16,37 @@ from __future__ import annotations
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
 import worker  # noqa: F401  # isort: skip
 
-import argparse
 import base64
-import contextlib
 import json
 import random
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 import redis
 
-from protocol.codec import decode_job, encode_job
+from protocol.codec_job import decode_job, encode_job
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.messages import DoneEvent, ErrorEvent, Job
-from tests.reliability.common import (
-    WorkerProcess,
-    exit_now,
-    make_prompts,
-    reference_texts,
-    start_workers,
-)
-from tests.reliability.streams import (
-    check_log,
-    dead_letters,
-    format_table,
+from tests.reliability.streams import check_log, dead_letters, read_log_entries, wait_settled
+from tests.reliability.workers import ONE_BLAS_THREAD, start_workers
+from tests.support.drivers import (
+    DriverResult,
+    config_from_arguments,
+    exit_with,
     percentile,
-    read_log_entries,
+    report,
+    work_directory,
 )
+from tests.support.processes import WorkerProcess
+from tests.support.prompts import random_prompts
+from tests.support.references import tiny_reference
 from worker.local_redis import RedisServer
 
 AOF = ("--appendonly", "yes", "--appendfsync", "always")
@@ -75,16 +71,6 @@ class ChaosConfig:
     event_timeout: float = 60.0
     give_up_after: float = 900.0
     directory: Path | None = None
-
-
-@dataclass
-class ChaosResult:
-    figures: list[tuple[str, Any]]
-    problems: list[str] = field(default_factory=list)
-    values: dict[str, Any] = field(default_factory=dict)
-
-    def table(self) -> str:
-        return format_table("Chaos run", self.figures)
 
 
 @dataclass
@@ -156,14 +142,13 @@ class _Killer(threading.Thread):
             victim.start()
 
 
-def run_chaos(config: ChaosConfig) -> ChaosResult:
-    directory = Path(config.directory or tempfile.mkdtemp(prefix="mlxw-chaos-"))
-    directory.mkdir(parents=True, exist_ok=True)
+def run_chaos(config: ChaosConfig) -> DriverResult:
+    directory = work_directory(config.directory, "chaos")
     prefix = "chaos"
     keys = Keys(prefix)
-    pool = make_prompts(config.prompts, seed=config.seed)
+    pool = random_prompts(config.prompts, seed=config.seed)
     specs = build_specs(config, pool)
-    references = reference_texts(pool, config.max_tokens)
+    references = tiny_reference().by_prompt(pool, config.max_tokens)
 
     server = RedisServer(extra_args=AOF, directory=directory / "redis")
     server.start()
@@ -179,7 +164,7 @@ def run_chaos(config: ChaosConfig) -> ChaosResult:
             max_concurrency=config.max_concurrency,
             lease_seconds=config.lease_seconds,
             flags=("--max-deliveries", str(config.max_deliveries)),
-            env={"OPENBLAS_NUM_THREADS": "1"},
+            env=ONE_BLAS_THREAD,
         )
         started = time.monotonic()
         killer = _Killer(workers, config.kill_every, config.seed)
@@ -194,7 +179,7 @@ def run_chaos(config: ChaosConfig) -> ChaosResult:
         killer.join()
         elapsed = time.monotonic() - started
         client = redis.Redis.from_url(server.url, socket_timeout=10)
-        settled = _wait_settled(client, keys, timeout=60)
+        settled = wait_settled(client, keys, timeout=60)
         for worker_process in workers:  # one restarted a moment ago must serve before SIGTERM
             worker_process.wait_ready()
         stop_codes = [worker_process.stop() for worker_process in workers]
@@ -311,18 +296,6 @@ def _restart_redis_midway(
     return time.monotonic() - down
 
 
-def _wait_settled(client: redis.Redis, keys: Keys, timeout: float) -> bool:
-    """Every job entry acknowledged and deleted (a worker acks just after the terminal)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(redis.RedisError):
-            pending = client.xpending(keys.jobs, keys.group)["pending"]
-            if pending == 0 and client.xlen(keys.jobs) == 0:
-                return True
-        time.sleep(0.2)
-    return False
-
-
 def _read_outputs(outputs: list[Path]) -> dict[str, dict[str, Any]]:
     followed: dict[str, dict[str, Any]] = {}
     for path in outputs:
@@ -339,7 +312,7 @@ def _verify(
     client: redis.Redis,
     keys: Keys,
     followed: dict[str, dict[str, Any]],
-) -> ChaosResult:
+) -> DriverResult:
     problems: list[str] = []
     dead = dead_letters(client, keys)
     dead_by_rid = {row["request_id"].decode(): row for row in dead if "request_id" in row}
@@ -416,7 +389,7 @@ def _verify(
             latencies.append(seen["ended_at"] - seen["submitted_at"])
     if counts["lost"]:
         problems.append(f"{counts['lost']} jobs lost")
-    return ChaosResult(figures=[], problems=problems, values={**counts, "latencies": latencies})
+    return DriverResult("Chaos run", problems=problems, values={**counts, "latencies": latencies})
 
 
 def _check_subscriber(seen: dict[str, Any], log_seqs: list[int], log_text: str) -> list[str]:
@@ -434,38 +407,20 @@ def _check_subscriber(seen: dict[str, Any], log_seqs: list[int], log_text: str) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    defaults = ChaosConfig()
-    parser.add_argument("--jobs", type=int, default=defaults.jobs)
-    parser.add_argument("--workers", type=int, default=defaults.workers)
-    parser.add_argument("--producers", type=int, default=defaults.producers)
-    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
-    parser.add_argument("--rate", type=float, default=defaults.rate, help="jobs per second")
-    parser.add_argument("--kill-every", type=float, default=defaults.kill_every)
-    parser.add_argument("--no-redis-restart", action="store_true")
-    parser.add_argument("--redis-down", type=float, default=defaults.redis_down)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--dir", type=Path, default=None, help="keep logs here")
-    args = parser.parse_args(argv)
-    config = ChaosConfig(
-        jobs=args.jobs,
-        workers=args.workers,
-        producers=args.producers,
-        max_tokens=args.max_tokens,
-        rate=args.rate,
-        kill_every=args.kill_every,
-        redis_restart=not args.no_redis_restart,
-        redis_down=args.redis_down,
-        seed=args.seed,
-        directory=args.dir,
+    options = (
+        "jobs",
+        "workers",
+        "producers",
+        "max_tokens",
+        "rate",
+        "kill_every",
+        "redis_restart",
+        "redis_down",
+        "seed",
     )
-    result = run_chaos(config)
-    print(result.table())
-    print(f"\nlogs: {result.values['directory']}")
-    for problem in result.problems[:50]:
-        print("PROBLEM:", problem)
-    return 1 if result.problems else 0
+    config = config_from_arguments(ChaosConfig(), __doc__, options, argv)
+    return report(run_chaos(config), config)
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    exit_with(main)

@@ -31,18 +31,14 @@ from __future__ import annotations
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
 import worker  # noqa: F401  # isort: skip
 
-import argparse
-import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from tests.reliability.common import exit_now
-from tests.reliability.faults_harness import FaultResult
 from tests.reliability.faults_memory import run_eviction, run_oom
 from tests.reliability.faults_scenarios import FaultConfig, run_cluster, run_sentinel, run_stall
+from tests.support.drivers import DriverResult, driver_arguments, exit_with, report
 
-RUNNERS: dict[str, Callable[..., FaultResult]] = {
+RUNNERS: dict[str, Callable[..., DriverResult]] = {
     "cluster": run_cluster,
     "sentinel": run_sentinel,
     "stall": run_stall,
@@ -75,14 +71,14 @@ def config_for(scenario: str, profile: str = "long", **overrides: Any) -> FaultC
     return FaultConfig(scenario=scenario, **{**base, **chosen})
 
 
-def run_scenario(config: FaultConfig, **topology: Any) -> FaultResult:
+def run_scenario(config: FaultConfig, **topology: Any) -> DriverResult:
     """Run one scenario; ``topology`` hands in a running LocalCluster (``cluster=``) or
     LocalSentinel (``sentinel=``) instead of starting one."""
     return RUNNERS[config.scenario](config, **topology)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = driver_arguments(__doc__)
     parser.add_argument("scenario", choices=sorted(RUNNERS))
     parser.add_argument("--jobs", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=None)
@@ -97,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--short", action="store_true", help="the short profile of make test")
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--dir", type=Path, default=None, help="keep logs here")
     args = parser.parse_args(argv)
     config = config_for(
         args.scenario,
@@ -110,16 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         replica_lag=args.replica_lag,
         directory=args.dir,
     )
-    result = run_scenario(config)
-    print(result.table())
-    shown = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    print(f"\nconfig: {shown}\nlogs: {result.values.get('directory')}")
-    for problem in result.problems[:50]:
-        print("PROBLEM:", problem)
-    if len(result.problems) > 50:
-        print(f"... and {len(result.problems) - 50} more problems")
-    return 1 if result.problems else 0
+    return report(run_scenario(config), config)
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    exit_with(main)

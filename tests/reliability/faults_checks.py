@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,22 +14,23 @@ import msgpack  # type: ignore[import-untyped]
 import redis
 from redis.sentinel import Sentinel
 
-from protocol.codec import decode_event, decode_job, encode_job
+from protocol.codec_events import decode_event
+from protocol.codec_job import decode_job, encode_job
 from protocol.connection import SENTINEL_SCHEME, parse_sentinel_url
 from protocol.constants import LOG_EVENT_FIELD
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.messages import DoneEvent, ErrorEvent, Event, Job, ResetEvent
-from tests.reliability.common import WorkerProcess
 from tests.reliability.streams import (
-    CONNECTION_ERRORS,
     Followed,
     LogCheck,
     check_followed,
     check_log,
     dead_letters,
     read_log_entries,
+    wait_settled,
 )
+from tests.support.processes import WorkerProcess
 
 # -- job entries ------------------------------------------------------------------------------
 
@@ -105,17 +105,6 @@ def admin_redis(url: str) -> Any:
         plain.close()
         return redis.RedisCluster.from_url(url.rsplit("/", 1)[0], socket_timeout=10)
     return plain
-
-
-def wait_settled(admin: Any, keys: Keys, timeout: float = 60.0) -> bool:
-    """The job stream empty and nothing pending in the group."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(*CONNECTION_ERRORS):
-            if admin.xlen(keys.jobs) == 0 and admin.xpending(keys.jobs, keys.group)["pending"] == 0:
-                return True
-        time.sleep(0.2)
-    return False
 
 
 # -- the verification ---------------------------------------------------------------------------

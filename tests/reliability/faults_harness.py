@@ -24,19 +24,10 @@ from typing import Any
 from protocol.client import Client
 from protocol.errors import ClientError
 from protocol.keys import Keys
-from tests.reliability.common import WorkerProcess
 from tests.reliability.faults_checks import JobSpec, Tally, admin_redis, verify
-from tests.reliability.streams import (
-    CONNECTION_ERRORS,
-    Followed,
-    follow,
-    format_table,
-    submit_raw,
-)
-
-# Several worker processes share 2 cores: one BLAS thread each.
-WORKER_ENV: Mapping[str, str] = {"OPENBLAS_NUM_THREADS": "1"}
-
+from tests.reliability.streams import CONNECTION_ERRORS, Followed, follow, submit_raw
+from tests.support.drivers import DriverResult
+from tests.support.processes import WorkerProcess
 
 # -- the drive ----------------------------------------------------------------------------------
 
@@ -138,18 +129,7 @@ def publisher_total(stats: Sequence[Mapping[str, Any]], name: str) -> int:
     return sum(int(reply.get("publisher", {}).get(name, 0)) for reply in stats)
 
 
-# -- the result -------------------------------------------------------------------------------
-
-
-@dataclass
-class FaultResult:
-    title: str
-    rows: list[tuple[str, Any]]
-    problems: list[str]
-    values: dict[str, Any]
-
-    def table(self) -> str:
-        return format_table(self.title, self.rows)
+# -- the shared run ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -170,7 +150,7 @@ class Stage:
 
 @dataclass
 class Outcome:
-    result: FaultResult
+    result: DriverResult
     driven: Driven
     tally: Tally
 
@@ -243,7 +223,7 @@ def run_stage(stage: Stage, title: str, directory: Path) -> Outcome:
     (directory / "figures.json").write_text(
         json.dumps({**values, "problems": problems}, default=str, indent=1)
     )
-    return Outcome(FaultResult(title, rows, problems, values), driven, tally)
+    return Outcome(DriverResult(title, rows, problems, values), driven, tally)
 
 
 def longest_pause(times: Sequence[float]) -> float:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import worker  # noqa: F401  # isort: skip
 
 import asyncio
-import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,18 +15,16 @@ import redis
 from redis.exceptions import OutOfMemoryError
 
 from protocol.client import Client
-from tests.reliability.common import WorkerProcess, clean_environment, worker_command
-from tests.reliability.faults_harness import (
-    FaultResult,
-    Progress,
-    run_stage,
-)
+from tests.reliability.faults_harness import Progress, run_stage
 from tests.reliability.faults_scenarios import (
     FaultConfig,
     stage_for,
     worker_options,
     workers_for,
 )
+from tests.reliability.workers import worker_process
+from tests.support.drivers import DriverResult
+from tests.support.processes import mlx_worker
 from worker.local_redis import RedisServer
 
 MIB = 1024 * 1024
@@ -37,7 +34,7 @@ HEADROOM = 2 * MIB
 # -- 4. oom ---------------------------------------------------------------------------------------
 
 
-def run_oom(config: FaultConfig) -> FaultResult:
+def run_oom(config: FaultConfig) -> DriverResult:
     """Valid and invalid entries queued, then Redis pushed out of memory (``maxmemory`` just
     above what it holds, filler keys until it refuses) and held there while the workers work;
     then the filler goes. Nothing may be lost, the logs must show bursts, not every retry."""
@@ -47,7 +44,9 @@ def run_oom(config: FaultConfig) -> FaultResult:
     )
     with server:
         # Started while Redis is full: it must wait (one burst) and serve once it is freed.
-        late = WorkerProcess("late", server.url, config.prefix, directory, **worker_options(config))
+        late = worker_process(
+            "late", server.url, config.prefix, directory, **worker_options(config)
+        )
 
         def start_late() -> None:
             stage.workers.append(late)  # stopped (or killed) with the others
@@ -75,7 +74,7 @@ def run_oom(config: FaultConfig) -> FaultResult:
         result.problems.append(
             f"{failing} redis_failing lines for {refusals} OOM refusals: not logged per burst"
         )
-    result.rows += [
+    result.figures += [
         (
             "OOM seconds (filled until refused, then held 2 MiB over maxmemory)",
             values["oom_seconds"],
@@ -161,7 +160,7 @@ def _oom_errors(client: redis.Redis) -> int:
 REFUSED_POLICIES = ("allkeys-lru", "volatile-lru")
 
 
-def run_eviction(config: FaultConfig) -> FaultResult:
+def run_eviction(config: FaultConfig) -> DriverResult:
     """``mlx-worker run`` against an evicting Redis exits 2 with one line, before loading
     the model; ``--allow-eviction`` runs and serves; ``noeviction`` starts."""
     directory = config.workdir()
@@ -189,7 +188,7 @@ def run_eviction(config: FaultConfig) -> FaultResult:
         )
         admin.config_set("maxmemory-policy", "noeviction")
         began = time.monotonic()
-        plain = WorkerProcess("plain", server.url, config.prefix, directory).start()
+        plain = worker_process("plain", server.url, config.prefix, directory).start()
         try:
             plain.wait_ready()
             ready_seconds = time.monotonic() - began
@@ -204,13 +203,13 @@ def run_eviction(config: FaultConfig) -> FaultResult:
         result.problems.append(f"the worker on a noeviction Redis stopped with {plain_rc}")
     result.values.update(refusals=refusals, allowed_warnings=warned, noeviction_rc=plain_rc)
     for policy, found in refusals.items():
-        result.rows.append(
+        result.figures.append(
             (
                 f"`mlx-worker run` on {policy}: exit code, seconds, stderr lines",
                 f"{found['rc']}, {found['seconds']:.1f} s, {found['stderr_lines']}",
             )
         )
-    result.rows += [
+    result.figures += [
         (
             "with --allow-eviction: served (done / jobs), warnings logged",
             f"{outcome.tally.done} / {outcome.tally.jobs}, {warned}",
@@ -224,8 +223,8 @@ def run_eviction(config: FaultConfig) -> FaultResult:
 
 
 def _refused_start(url: str, prefix: str, policy: str) -> dict[str, Any]:
-    command = [
-        *worker_command(),
+    began = time.monotonic()
+    run = mlx_worker(
         "run",
         "--model",
         "tiny",
@@ -235,15 +234,6 @@ def _refused_start(url: str, prefix: str, policy: str) -> dict[str, Any]:
         prefix,
         "--worker-id",
         f"refused-{policy}",
-    ]
-    began = time.monotonic()
-    run = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=clean_environment({}),
     )
     seconds = time.monotonic() - began
     lines = [line for line in run.stderr.splitlines() if line.strip()]

@@ -11,8 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -24,23 +22,19 @@ import redis
 from redis.crc import key_slot
 
 from protocol.client import Client
-from tests.reliability.common import (
-    WorkerProcess,
-    make_prompts,
-    reference_texts,
-    start_workers,
-    worker_command,
-)
 from tests.reliability.faults_checks import JobSpec, invalid_specs, valid_specs
 from tests.reliability.faults_harness import (
-    WORKER_ENV,
-    FaultResult,
     Progress,
     Stage,
     longest_pause,
     publisher_total,
     run_stage,
 )
+from tests.reliability.workers import ONE_BLAS_THREAD, start_workers
+from tests.support.drivers import DriverResult, work_directory
+from tests.support.processes import WorkerProcess, mlx_worker
+from tests.support.prompts import random_prompts
+from tests.support.references import tiny_reference
 from worker.local_redis import LocalCluster, LocalSentinel, RedisServer
 
 
@@ -68,9 +62,7 @@ class FaultConfig:
         return f"faults-{self.scenario}"
 
     def workdir(self) -> Path:
-        directory = Path(self.directory or tempfile.mkdtemp(prefix=f"mlxw-{self.prefix}-"))
-        directory.mkdir(parents=True, exist_ok=True)
-        return directory
+        return work_directory(self.directory, self.prefix)
 
 
 def worker_options(config: FaultConfig, **options: Any) -> dict[str, Any]:
@@ -79,7 +71,7 @@ def worker_options(config: FaultConfig, **options: Any) -> dict[str, Any]:
         "max_concurrency": config.max_concurrency,
         "lease_seconds": config.lease_seconds,
         "flags": flags,
-        "env": {**WORKER_ENV, **options.pop("env", {})},
+        "env": {**ONE_BLAS_THREAD, **options.pop("env", {})},
         **options,
     }
 
@@ -97,13 +89,13 @@ def stage_for(
     """The jobs (valid greedy ones plus ``config.invalid`` invalid entries) and their greedy
     references from an engine run in this process; the workers are added once started (so
     that ``run_stage`` kills them whatever fails)."""
-    prompts = make_prompts(config.prompts, seed=config.seed, words=(4, 9))
+    prompts = random_prompts(config.prompts, seed=config.seed, words=(4, 9))
     rids = list(rids or [f"{config.scenario}-{i:05d}" for i in range(config.jobs)])
     specs: list[JobSpec] = valid_specs(rids, prompts, config.max_tokens)
     for index, bad in enumerate(invalid_specs(config.scenario, config.invalid)):
         # Spread through the queue: a realistic mix, read while the valid jobs run.
         specs.insert((index + 1) * len(specs) // (config.invalid + 1), bad)
-    references = reference_texts(prompts, config.max_tokens)
+    references = tiny_reference().by_prompt(prompts, config.max_tokens)
     return Stage(url, config.prefix, specs, references, [], fault, config.event_timeout)
 
 
@@ -120,7 +112,7 @@ def started(given: Any, kind: Any, **options: Any) -> Iterator[Any]:
 # -- 1. cluster -----------------------------------------------------------------------------------
 
 
-def run_cluster(config: FaultConfig, cluster: LocalCluster | None = None) -> FaultResult:
+def run_cluster(config: FaultConfig, cluster: LocalCluster | None = None) -> DriverResult:
     """Two workers and one Client on a 3-master Cluster (node 0's URL); request ids spread
     over the three nodes; then the CLI for a request whose keys live off node 0."""
     directory = config.workdir()
@@ -150,7 +142,7 @@ def run_cluster(config: FaultConfig, cluster: LocalCluster | None = None) -> Fau
     if logs_per_node != [per_node[p] for p in ports]:
         result.problems.append(f"replay logs per node {logs_per_node}, hash slots say {per_node}")
     result.values.update(per_node=[per_node[p] for p in ports], logs_per_node=logs_per_node)
-    result.rows += [
+    result.figures += [
         (
             "request ids per node, the CLI's included (node 0 / 1 / 2)",
             " / ".join(str(per_node[p]) for p in ports),
@@ -193,22 +185,23 @@ def _cli_round(url: str, config: FaultConfig, rid: str, prompt: str, want: str) 
     """``mlx-worker submit``, ``stream`` and ``ctl stats`` with node 0's URL."""
     base = ["--redis-url", url, "--prefix", config.prefix]
     tokens = str(config.max_tokens)
-    submit = _cli(
-        [
-            "submit",
-            prompt,
-            "--raw",
-            "--request-id",
-            rid,
-            "--max-tokens",
-            tokens,
-            "--temperature",
-            "0",
-        ],
-        [*base, "--json", "--timeout", "60"],
+    submit = mlx_worker(
+        "submit",
+        prompt,
+        "--raw",
+        "--request-id",
+        rid,
+        "--max-tokens",
+        tokens,
+        "--temperature",
+        "0",
+        *base,
+        "--json",
+        "--timeout",
+        "60",
     )
-    stream = _cli(["stream", rid], [*base, "--json", "--timeout", "60"])
-    stats = _cli(["ctl", "stats"], [*base, "--json", "--timeout", "5"])
+    stream = mlx_worker("stream", rid, *base, "--json", "--timeout", "60")
+    stats = mlx_worker("ctl", "stats", *base, "--json", "--timeout", "5")
     problems = []
     for name, run in (("submit", submit), ("stream", stream), ("ctl stats", stats)):
         if run.returncode != 0:
@@ -233,16 +226,6 @@ def _cli_round(url: str, config: FaultConfig, rid: str, prompt: str, want: str) 
     }
 
 
-def _cli(command: list[str], options: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*worker_command(), *command, *options],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def _done_text(stdout: str) -> str | None:
     for line in stdout.splitlines():
         with contextlib.suppress(ValueError):
@@ -255,7 +238,7 @@ def _done_text(stdout: str) -> str | None:
 # -- 2. sentinel ----------------------------------------------------------------------------------
 
 
-def run_sentinel(config: FaultConfig, sentinel: LocalSentinel | None = None) -> FaultResult:
+def run_sentinel(config: FaultConfig, sentinel: LocalSentinel | None = None) -> DriverResult:
     """Workers and Client on the redis+sentinel URL; the jobs replicated (WAIT) once queued;
     the master SIGKILLed once a third are done; the workers must follow the new master."""
     directory = config.workdir()
@@ -293,7 +276,7 @@ def run_sentinel(config: FaultConfig, sentinel: LocalSentinel | None = None) -> 
         result.problems.append(f"a worker died or restarted: {values['same_process_running']}")
     ends = [f.ended_at for f in outcome.driven.followed.values() if f.ended_at is not None]
     values["pause"] = longest_pause([*ends, values["killed_at"]])
-    result.rows += [
+    result.figures += [
         ("replicas holding the queued jobs (WAIT 1 2000)", values["replicas_acked"]),
         ("replica cut off before the SIGKILL (s; its writes lost)", config.replica_lag),
         ("requests done when the master was SIGKILLed", values["done_at_kill"]),
@@ -337,7 +320,7 @@ def _wait_replica(port: int, prefix: str) -> int:
 STALL_ENV = {"MLXW_SOCKET_TIMEOUT": "2", "MLXW_READ_BLOCK_MS": "200"}
 
 
-def run_stall(config: FaultConfig) -> FaultResult:
+def run_stall(config: FaultConfig) -> DriverResult:
     """``DEBUG SLEEP`` longer than the workers' socket timeout, a few times while jobs run:
     every publish in flight times out and is sent again; the script must write nothing twice."""
     directory = config.workdir()
@@ -364,7 +347,7 @@ def run_stall(config: FaultConfig) -> FaultResult:
         result.problems.append(f"subscriber streams raised {raised} times during the stalls")
     if not values["publisher_redis_failures"]:
         result.problems.append("no publisher timeout: the stalls did not hit a publish")
-    result.rows += [
+    result.figures += [
         ("stalls (DEBUG SLEEP, socket timeout 2 s)", values["stalls"]),
         ("stall seconds", values["stall_seconds"]),
         ("publisher redis_failures (ctl stats)", values["publisher_redis_failures"]),

@@ -17,276 +17,36 @@ from __future__ import annotations
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
 import worker  # noqa: F401  # isort: skip
 
-import argparse
 import asyncio
 import random
-import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack  # type: ignore[import-untyped]
 import redis
 
 from protocol.client import Client
-from protocol.codec import decode_job, encode_job
-from protocol.constants import JOB_FIELD
-from protocol.errors import ProtocolError
 from protocol.keys import Keys
-from protocol.messages import DoneEvent, ErrorEvent, Job
-from tests.reliability.common import WorkerProcess, exit_now, make_prompts, reference_texts
-from tests.reliability.streams import (
-    check_log,
-    dead_letters,
-    format_table,
+from protocol.messages import DoneEvent, ErrorEvent
+from tests.reliability.hostile_entries import MIB, Entry, Generator, pack
+from tests.reliability.streams import check_log, dead_letters, read_log_entries
+from tests.reliability.workers import worker_process
+from tests.support.drivers import (
+    DriverResult,
+    config_from_arguments,
+    exit_with,
     percentile,
-    read_log_entries,
+    report,
+    work_directory,
 )
+from tests.support.events import terminal_summary
+from tests.support.processes import WorkerProcess
+from tests.support.prompts import random_prompts
+from tests.support.references import tiny_reference
 from worker.local_redis import RedisServer
-
-KIB = 1024
-MIB = 1024 * KIB
-
-
-@dataclass
-class Entry:
-    """One generated job stream entry and what the decoder says about it."""
-
-    index: int
-    kind: str
-    fields: dict[str, bytes]  # the stream entry's fields (normally just ``job``)
-    rid: str | None  # the request id it names, when it names one
-    code: str | None = None  # the decoder's error code; None when the job decodes
-    readable: bool = False  # the worker can name the request in an error event
-    valid_job: Job | None = None  # a job the decoder accepts
-    greedy_prompt: str | None = None  # one of the reference-checked valid jobs
-    entry_id: str = ""
-
-    @property
-    def data(self) -> bytes | None:
-        return self.fields.get(JOB_FIELD)
-
-
-def _pack(value: Any) -> bytes:
-    packed: bytes = msgpack.packb(value, use_bin_type=True)
-    return packed
-
-
-def _nested(depth: int, leaf: Any = 1) -> Any:
-    value = leaf
-    for level in range(depth):
-        value = [value] if level % 2 else {"k": value}
-    return value
-
-
-class Generator:
-    """Deterministic hostile entries; ``make(i)`` gives entry ``i``."""
-
-    # Relative weights; 1 in ~200 entries is over 1 MiB.
-    WEIGHTS: tuple[tuple[str, int], ...] = (
-        ("garbage", 28),
-        ("not_a_map", 12),
-        ("wrong_type", 40),
-        ("missing", 16),
-        ("huge", 8),
-        ("too_large", 1),
-        ("deep", 12),
-        ("max_tokens", 20),
-        ("version", 16),
-        ("no_job_field", 6),
-        ("bad_request_id", 10),
-        ("absurd", 20),
-        ("valid", 10),
-    )
-
-    def __init__(self, seed: int, pool: list[str], max_tokens: int) -> None:
-        self.rng = random.Random(seed)
-        self.pool = pool
-        self.max_tokens = max_tokens
-        kinds, weights = zip(*self.WEIGHTS, strict=True)
-        self.kinds: list[str] = list(kinds)
-        self.weights: list[int] = list(weights)
-
-    def make(self, index: int) -> Entry:
-        kind = self.rng.choices(self.kinds, self.weights)[0]
-        rid = f"h-{index:06d}"
-        fields = getattr(self, f"_{kind}")(rid)
-        entry = Entry(index, kind, fields, rid)
-        if kind == "valid":
-            entry.greedy_prompt = self.pool[index % len(self.pool)]
-        try:
-            job = decode_job(entry.data)
-        except ProtocolError as exc:
-            entry.code = exc.code
-            entry.readable = exc.request_id == rid
-        else:
-            entry.valid_job = job
-        if entry.code is None and job.request_id != rid:
-            entry.rid = None  # a generated id: nobody can follow it
-        return entry
-
-    def _job(self, **fields: Any) -> dict[str, bytes]:
-        return {JOB_FIELD: _pack(fields)}
-
-    def _garbage(self, rid: str) -> dict[str, bytes]:
-        rng = self.rng
-        body = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 512)))
-        head = rng.choice([b"", b"\x81", b"\x8f", b"\xdf\xff\xff\xff\xff", b"\xc1", b"\xd9"])
-        return {JOB_FIELD: head + body}
-
-    def _not_a_map(self, rid: str) -> dict[str, bytes]:
-        value = self.rng.choice([[1, "v", rid], 1, "job", None, True, 1.5, b"\x00" * 9, []])
-        return {JOB_FIELD: _pack(value)}
-
-    def _wrong_type(self, rid: str) -> dict[str, bytes]:
-        bad = self.rng.choice(
-            [
-                {"prompt": 123},
-                {"prompt": b"bytes"},
-                {"prompt": ["a"]},
-                {"prompt": ""},
-                {"prompt": "x", "max_tokens": "5"},
-                {"prompt": "x", "max_tokens": 5.0},
-                {"prompt": "x", "max_tokens": True},
-                {"prompt": "x", "temperature": "hot"},
-                {"prompt": "x", "temperature": True},
-                {"prompt": "x", "temperature": float("nan")},
-                {"prompt": "x", "top_p": float("inf")},
-                {"prompt": "x", "top_p": 1.5},
-                {"prompt": "x", "min_p": -0.1},
-                {"prompt": "x", "repetition_penalty": 0},
-                {"prompt": "x", "top_k": -1},
-                {"prompt": "x", "seed": -1},
-                {"prompt": "x", "seed": -(2**63)},
-                {"prompt": "x", "stop": "x"},
-                {"prompt": "x", "stop": [1]},
-                {"prompt": "x", "stop": [""]},
-                {"prompt": "x", "stop_token_ids": [-1]},
-                {"prompt": "x", "logprobs": True},
-                {"prompt": "x", "logprobs": 21},
-                {"prompt": "x", "stream_interval": 0},
-                {"prompt": "x", "deadline": "soon"},
-                {"prompt": "x", "metadata": [1]},
-                {"prompt": "x", "metadata": {"x": float("nan")}},
-                {"prompt": "x", "metadata": {"x": b"bin"}},
-                {"prompt_token_ids": "abc"},
-                {"prompt_token_ids": [1.5]},
-                {"prompt_token_ids": []},
-                {"prompt_token_ids": [-3]},
-                {"messages": "hi"},
-                {"messages": []},
-                {"messages": [{"role": 1, "content": "x"}]},
-                {"messages": [{"role": "", "content": "x"}]},
-                {"messages": [{"role": "u" * 65, "content": "x"}]},
-                {"messages": ["hi"]},
-                {"prompt": "x", "prompt_token_ids": [1]},
-                {"prompt": "x", "messages": [{"role": "user", "content": "x"}]},
-            ]
-        )
-        return self._job(v=1, request_id=rid, **bad)
-
-    def _missing(self, rid: str) -> dict[str, bytes]:
-        return self.rng.choice(
-            [
-                self._job(v=1, request_id=rid),
-                self._job(request_id=rid, prompt="x"),
-                {JOB_FIELD: _pack({})},
-                self._job(v=1),
-                self._job(v=1, request_id=rid, messages=[{"role": "user"}]),
-                self._job(v=1, request_id=rid, prompt=None, max_tokens=4),
-            ]
-        )
-
-    def _huge(self, rid: str) -> dict[str, bytes]:
-        rng = self.rng
-        choice = rng.randrange(6)
-        if choice == 0:  # a string over max_str_len
-            return self._job(v=1, request_id=rid, prompt="x" * (256 * KIB + 1))
-        if choice == 1:  # an array over max_array_len
-            return self._job(v=1, request_id=rid, prompt_token_ids=[1] * 32769)
-        if choice == 2:  # metadata over 16 KiB
-            return self._job(v=1, request_id=rid, prompt="x", metadata={"x": "y" * (17 * KIB)})
-        if choice == 3:  # too many stop strings, or one too long
-            stop = ["s"] * 17 if rng.random() < 0.5 else ["s" * 257]
-            return self._job(v=1, request_id=rid, prompt="x", stop=stop)
-        if choice == 4:  # a map with too many keys
-            fields = {f"k{i}": i for i in range(300)}
-            return self._job(v=1, request_id=rid, prompt="x", **fields)
-        # A text prompt the decoder takes (200 KiB) but that is far over the engine's
-        # 32768-token prompt cap once tokenized.
-        text = " ".join(rng.choice(["ab", "cd", "ef", "gh", "1", "2"]) for _ in range(70_000))
-        return self._job(v=1, request_id=rid, prompt=text, max_tokens=4)
-
-    def _too_large(self, rid: str) -> dict[str, bytes]:
-        return self._job(v=1, request_id=rid, prompt="x", pad="p" * (MIB + 1))
-
-    def _deep(self, rid: str) -> dict[str, bytes]:
-        choice = self.rng.randrange(4)
-        if choice == 0:  # metadata deeper than 8
-            return self._job(v=1, request_id=rid, prompt="x", metadata=_nested(40))
-        if choice == 1:  # deeper than msgpack's own stack
-            return {JOB_FIELD: b"\x91" * 200_000 + b"\x00"}
-        if choice == 2:  # deep nesting inside a prompt field
-            return self._job(v=1, request_id=rid, prompt=_nested(500))
-        # Deep nesting in an unknown field: ignored by the protocol, so a valid job.
-        return self._job(v=1, request_id=rid, prompt="deep", max_tokens=2, extra=_nested(500))
-
-    def _max_tokens(self, rid: str) -> dict[str, bytes]:
-        value = self.rng.choice([-1, 0, -(2**63), 32769, 10**6, 2**63 - 1, 2**64 - 1])
-        return self._job(v=1, request_id=rid, prompt="x", max_tokens=value)
-
-    def _version(self, rid: str) -> dict[str, bytes]:
-        value = self.rng.choice([0, 2, 99, -1, "1", 1.0, True, None, 2**64 - 1, [1], {"v": 1}])
-        return self._job(v=value, request_id=rid, prompt="x", max_tokens=2)
-
-    def _no_job_field(self, rid: str) -> dict[str, bytes]:
-        job = _pack({"v": 1, "request_id": rid, "prompt": "x"})
-        return self.rng.choice([{"jobs": job}, {"JOB": job}, {"x": b""}])
-
-    def _bad_request_id(self, rid: str) -> dict[str, bytes]:
-        value = self.rng.choice(
-            ["", "a b", "{x}", "../../etc/passwd", "x" * 129, "id\n", "é", 42, ["x"], "a*"]
-        )
-        return self._job(v=1, request_id=value, prompt="x", max_tokens=2)
-
-    def _absurd(self, rid: str) -> dict[str, bytes]:
-        """Jobs the protocol accepts, with sampling values nobody would send."""
-        absurd = self.rng.choice(
-            [
-                {"temperature": 1e300},
-                {"temperature": 1e-300},
-                {"temperature": 1.0, "top_k": 2**62},
-                {"temperature": 1.0, "top_p": 0.0},
-                {"temperature": 1.0, "min_p": 1.0},
-                {"repetition_penalty": 1e-300},
-                {"repetition_penalty": 1e300},
-                {"presence_penalty": 9e15, "frequency_penalty": -9e15},
-                {"frequency_penalty": 1.7e308},
-                {"temperature": 1.0, "seed": 2**64 - 1},
-                {"temperature": 1.0, "logprobs": 20},
-                {"stop_token_ids": [2**62, 0]},
-                {"stop": ["x" * 256] * 16},
-                {"stream_interval": 2**40},
-                {"deadline": 0},
-                {"deadline": 1e300},
-                {"prompt_token_ids": [10**9]},
-                {"prompt_token_ids": [2**63 - 1] * 3},
-                {"messages": [{"role": "}}{%", "content": "{{ 7*7 }}"}] * 3},
-                {"messages": [{"role": "system", "content": ""}]},
-                {"metadata": _nested(7, leaf="x"), "temperature": 0.5},
-            ]
-        )
-        if not any(k in absurd for k in ("prompt_token_ids", "messages")):
-            absurd["prompt"] = "absurd " + rid
-        return self._job(v=1, request_id=rid, max_tokens=self.rng.randint(1, 4), **absurd)
-
-    def _valid(self, rid: str) -> dict[str, bytes]:
-        prompt = self.pool[int(rid.split("-")[1]) % len(self.pool)]
-        job = Job(request_id=rid, prompt=prompt, max_tokens=self.max_tokens, temperature=0.0)
-        return {JOB_FIELD: encode_job(job)}
 
 
 @dataclass
@@ -299,16 +59,6 @@ class HostileConfig:
     batch: int = 250  # entries per XADD pipeline
     directory: Path | None = None
     timeout: float = 1800.0
-
-
-@dataclass
-class HostileResult:
-    figures: list[tuple[str, Any]]
-    problems: list[str] = field(default_factory=list)
-    values: dict[str, Any] = field(default_factory=dict)
-
-    def table(self) -> str:
-        return format_table("Hostile input", self.figures)
 
 
 class _MemorySampler(threading.Thread):
@@ -332,19 +82,18 @@ class _MemorySampler(threading.Thread):
         return self.samples[len(self.samples) // 2][1] if self.samples else 0
 
 
-def run_hostile(config: HostileConfig) -> HostileResult:
-    directory = Path(config.directory or tempfile.mkdtemp(prefix="mlxw-hostile-"))
-    directory.mkdir(parents=True, exist_ok=True)
+def run_hostile(config: HostileConfig) -> DriverResult:
+    directory = work_directory(config.directory, "hostile")
     prefix = "hostile"
     keys = Keys(prefix)
-    pool = make_prompts(32, seed=config.seed)
+    pool = random_prompts(32, seed=config.seed)
     generator = Generator(config.seed, pool, config.max_tokens)
     entries = [generator.make(index) for index in range(config.entries)]
-    references = reference_texts(pool, config.max_tokens)
+    references = tiny_reference().by_prompt(pool, config.max_tokens)
 
     server = RedisServer(directory=directory / "redis")
     server.start()
-    process = WorkerProcess(
+    process = worker_process(
         "hostile-1", server.url, prefix, directory, max_concurrency=config.max_concurrency
     )
     sampler = _MemorySampler(process)
@@ -372,7 +121,7 @@ def run_hostile(config: HostileConfig) -> HostileResult:
     finally:
         sampler.stop.set()
         process.kill()
-        server.close() if config.directory is None else server.stop()
+        server.close()
 
     crashes = [
         e for e in process.log_events() if e.get("event") in ("job_task_failed", "task_failed")
@@ -487,7 +236,7 @@ def _hostile_control(keys: Keys, rng: random.Random) -> bytes:
     if rng.random() < 0.2:
         return bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))
     message = {"v": 1, "id": token, "reply_to": keys.reply(token), **command}
-    return _pack(message)
+    return pack(message)
 
 
 def _wait_drained(client: redis.Redis, keys: Keys, process: WorkerProcess, timeout: float) -> bool:
@@ -510,7 +259,7 @@ async def _ping_and_memory(url: str, prefix: str, worker_id: str) -> tuple[bool,
 
 def _verify(
     entries: list[Entry], references: dict[str, str], client: redis.Redis, keys: Keys
-) -> HostileResult:
+) -> DriverResult:
     problems: list[str] = []
     dead = {row["entry_id"].decode(): row for row in dead_letters(client, keys)}
     counts: Counter[str] = Counter()
@@ -567,14 +316,7 @@ def _verify(
             else:
                 problems.append(f"{where}: {terminal} is not the greedy text {want!r}")
         else:
-            name = (
-                f"done/{terminal.finish_reason}"
-                if isinstance(terminal, DoneEvent)
-                else f"error/{terminal.code}"
-                if isinstance(terminal, ErrorEvent)
-                else "none"
-            )
-            absurd_endings[name] += 1
+            absurd_endings[terminal_summary(terminal)] += 1
     problems += [f"unexpected dead letter {entry_id}: {row}" for entry_id, row in dead.items()]
     # Hostile control commands named these as reply_to: the worker must not have touched them.
     if client.ttl(keys.jobs) != -1:
@@ -590,7 +332,7 @@ def _verify(
     values["valid_latency"] = (
         f"{percentile(latencies, 50):.2f} / {percentile(latencies, 99):.2f}" if latencies else "-"
     )
-    return HostileResult(figures=[], problems=problems, values=values)
+    return DriverResult("Hostile input", problems=problems, values=values)
 
 
 def generation_seconds(log: Any) -> float:
@@ -608,18 +350,9 @@ def log_terminal_id(client: redis.Redis, keys: Keys, request_id: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--entries", type=int, default=HostileConfig.entries)
-    parser.add_argument("--seed", type=int, default=HostileConfig.seed)
-    parser.add_argument("--dir", type=Path, default=None, help="keep logs here")
-    args = parser.parse_args(argv)
-    result = run_hostile(HostileConfig(entries=args.entries, seed=args.seed, directory=args.dir))
-    print(result.table())
-    print(f"\nlogs: {result.values['directory']}")
-    for problem in result.problems[:50]:
-        print("PROBLEM:", problem)
-    return 1 if result.problems else 0
+    config = config_from_arguments(HostileConfig(), __doc__, ("entries", "seed"), argv)
+    return report(run_hostile(config), config)
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    exit_with(main)

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from protocol.client import Client
-from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, ResetEvent
+from protocol.messages import DoneEvent
 from tests.reliability.streams import Followed, follow, submit_raw
+from tests.support.events import terminal_summary, text_after_last_reset
 
 MAX_FOLLOWING = 96  # concurrent subscriptions per producer (one pub/sub connection each)
 
@@ -74,25 +75,13 @@ def _result(
     if followed is None:
         return result
     terminal = followed.terminal
-    text = ""
-    for event in followed.events:
-        if isinstance(event, ResetEvent):
-            text = ""
-        elif isinstance(event, DeltaEvent):
-            text += event.new_text
     result.update(
         seqs=followed.seqs,
         attempts=[event.attempt for event in followed.events],
         types=[type(event).__name__ for event in followed.events],
-        final_text=text,
+        final_text=text_after_last_reset(followed.events),
         output_text=terminal.output_text if isinstance(terminal, DoneEvent) else None,
-        terminal=(
-            f"done/{terminal.finish_reason}"
-            if isinstance(terminal, DoneEvent)
-            else f"error/{terminal.code}"
-            if isinstance(terminal, ErrorEvent)
-            else None
-        ),
+        terminal=None if terminal is None else terminal_summary(terminal),
         ended_at=followed.ended_at,
         reconnects=followed.reconnects,
         duplicates=followed.duplicates,

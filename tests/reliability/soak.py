@@ -16,10 +16,8 @@ from __future__ import annotations
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
 import worker  # noqa: F401  # isort: skip
 
-import argparse
 import asyncio
 import random
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +25,17 @@ from typing import Any
 
 from protocol.client import Client
 from protocol.messages import DoneEvent
-from tests.reliability.common import WorkerProcess, exit_now, make_prompts
-from tests.reliability.streams import format_table, percentile
+from tests.reliability.workers import worker_process
+from tests.support.drivers import (
+    DriverResult,
+    config_from_arguments,
+    exit_with,
+    percentile,
+    report,
+    work_directory,
+)
+from tests.support.processes import WorkerProcess
+from tests.support.prompts import random_prompts
 from worker.local_redis import RedisServer
 
 MIB = 1024 * 1024
@@ -57,14 +64,8 @@ class Reading:
 
 
 @dataclass
-class SoakResult:
-    figures: list[tuple[str, Any]]
+class SoakResult(DriverResult):
     readings: list[Reading] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    values: dict[str, Any] = field(default_factory=dict)
-
-    def table(self) -> str:
-        return format_table("Memory soak", self.figures)
 
 
 async def _reading(client: Client, process: WorkerProcess, at: str, requests: int) -> Reading:
@@ -81,7 +82,7 @@ async def _reading(client: Client, process: WorkerProcess, at: str, requests: in
 
 async def _soak(config: SoakConfig, url: str, prefix: str, process: WorkerProcess) -> SoakResult:
     rng = random.Random(config.seed)
-    prompts = make_prompts(config.requests, seed=config.seed, words=(2, 40))
+    prompts = random_prompts(config.requests, seed=config.seed, words=(2, 40))
     warm_at = min(
         max(int(config.requests * config.warm_up), config.min_warm_up), config.requests // 2
     )
@@ -137,7 +138,7 @@ async def _soak(config: SoakConfig, url: str, prefix: str, process: WorkerProces
     }
     problems += [f"{name} left at the end: {n}" for name, n in leftovers.items() if n != 0]
     return SoakResult(
-        figures=[],
+        "Memory soak",
         readings=readings,
         problems=problems,
         values={
@@ -151,18 +152,15 @@ async def _soak(config: SoakConfig, url: str, prefix: str, process: WorkerProces
 
 
 def run_soak(config: SoakConfig) -> SoakResult:
-    directory = Path(config.directory or tempfile.mkdtemp(prefix="mlxw-soak-"))
-    directory.mkdir(parents=True, exist_ok=True)
-    server = RedisServer(directory=directory / "redis")
-    server.start()
-    process = WorkerProcess("soak-1", server.url, "soak", directory, max_concurrency=8)
-    try:
-        process.start().wait_ready()
-        result = asyncio.run(_soak(config, server.url, "soak", process))
-        stop_code = process.stop()
-    finally:
-        process.kill()
-        server.close() if config.directory is None else server.stop()
+    directory = work_directory(config.directory, "soak")
+    with RedisServer(directory=directory / "redis") as server:
+        process = worker_process("soak-1", server.url, "soak", directory, max_concurrency=8)
+        try:
+            process.start().wait_ready()
+            result = asyncio.run(_soak(config, server.url, "soak", process))
+            stop_code = process.stop()
+        finally:
+            process.kill()
     if stop_code != 0:
         result.problems.append(f"the worker did not stop cleanly (rc={stop_code})")
     _, warm, end = result.readings
@@ -206,18 +204,12 @@ def run_soak(config: SoakConfig) -> SoakResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=SoakConfig.requests)
-    parser.add_argument("--dir", type=Path, default=None, help="keep logs here")
-    args = parser.parse_args(argv)
-    result = run_soak(SoakConfig(requests=args.requests, directory=args.dir))
-    print(result.table())
-    print(f"\nlogs: {result.values['directory']}")
-    for problem in result.problems[:50]:
-        print("PROBLEM:", problem)
+    config = config_from_arguments(SoakConfig(), __doc__, ("requests",), argv)
+    result = run_soak(config)
+    status = report(result, config)
     growth_ok = result.values["rss_growth"] < 0.05 and result.values["active_growth"] < 0.05
-    return 1 if result.problems or not growth_ok else 0
+    return status if growth_ok else 1
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    exit_with(main)

@@ -9,41 +9,23 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import RedisError
 
 from protocol.client import Client
-from protocol.codec import decode_event
+from protocol.codec_events import decode_event
 from protocol.constants import JOB_FIELD, LOG_EVENT_FIELD, LOG_SEQ_FIELD
 from protocol.errors import ClientError, ProtocolError, RequestNotFound, StreamRewritten
 from protocol.keys import Keys
-from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, Event, QueuedEvent, ResetEvent
-from protocol.scripts import publish_events
+from protocol.messages import DeltaEvent, DoneEvent, Event, QueuedEvent, ResetEvent
+from protocol.replay_log import publish_events
+from tests.support.events import text_after_last_reset
 
 # What a client sees while Redis restarts under it.
 CONNECTION_ERRORS = (RedisError, ConnectionError, OSError)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
-
-
-def format_table(title: str, rows: Sequence[tuple[str, Any]]) -> str:
-    """A two-column markdown table (so the CLI output pastes into the README)."""
-    lines = [f"### {title}", "", "| figure | value |", "|---|---|"]
-    for name, value in rows:
-        if isinstance(value, float):
-            value = f"{value:.2f}" if abs(value) < 100 else f"{value:.0f}"
-        lines.append(f"| {name} | {value} |")
-    return "\n".join(lines)
 
 
 # -- submitting ----------------------------------------------------------------------------
@@ -304,34 +286,21 @@ def check_followed(followed: Followed, log: LogCheck) -> list[str]:
         problems.append(f"subscriber seqs {_short(seqs)} != log seqs {_short(log.seqs)}")
     if followed.terminal is None:
         problems.append("subscriber saw no terminal event")
-    text = ""
-    for event in followed.events:
-        if isinstance(event, ResetEvent):
-            text = ""
-        elif isinstance(event, DeltaEvent):
-            text += event.new_text
-    if text != log.final_text:
+    if text_after_last_reset(followed.events) != log.final_text:
         problems.append("subscriber text after the last reset differs from the log's")
     return problems
 
 
-def text_after_last_reset(events: Sequence[Event]) -> str:
-    """The text a subscriber keeps: the deltas after the last reset."""
-    text = ""
-    for event in events:
-        if isinstance(event, ResetEvent):
-            text = ""
-        elif isinstance(event, DeltaEvent):
-            text += event.new_text
-    return text
-
-
-def terminal_summary(event: Event | None) -> str:
-    if isinstance(event, DoneEvent):
-        return f"done/{event.finish_reason}"
-    if isinstance(event, ErrorEvent):
-        return f"error/{event.code}"
-    return "none"
+def wait_settled(admin: Any, keys: Keys, timeout: float = 60.0) -> bool:
+    """The job stream empty and nothing pending in the group (a worker acknowledges and
+    deletes an entry just after its terminal event); False after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with suppress(*CONNECTION_ERRORS):
+            if admin.xlen(keys.jobs) == 0 and admin.xpending(keys.jobs, keys.group)["pending"] == 0:
+                return True
+        time.sleep(0.2)
+    return False
 
 
 def dead_letters(redis: Any, keys: Keys) -> list[dict[str, bytes]]:

@@ -16,26 +16,29 @@ from __future__ import annotations
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
 import worker  # noqa: F401  # isort: skip
 
-import argparse
 import asyncio
 import socket
 import struct
-import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from protocol.client import Client
 from protocol.messages import DoneEvent
-from tests.reliability.common import WorkerProcess, exit_now, make_prompts, reference_texts
-from tests.reliability.streams import (
-    Followed,
-    follow,
-    format_table,
+from tests.reliability.streams import Followed, follow
+from tests.reliability.workers import worker_process
+from tests.support.drivers import (
+    DriverResult,
+    config_from_arguments,
+    exit_with,
     percentile,
-    text_after_last_reset,
+    report,
+    work_directory,
 )
+from tests.support.events import text_after_last_reset
+from tests.support.prompts import random_prompts
+from tests.support.references import tiny_reference
 from worker.local_redis import RedisServer
 
 # Small pub/sub output-buffer limits so Redis drops the slow subscribers during the run.
@@ -50,16 +53,6 @@ class SubscribersConfig:
     vanished: int = 20
     seed: int = 5
     directory: Path | None = None
-
-
-@dataclass
-class SubscribersResult:
-    figures: list[tuple[str, Any]]
-    problems: list[str] = field(default_factory=list)
-    values: dict[str, Any] = field(default_factory=dict)
-
-    def table(self) -> str:
-        return format_table("Slow, vanished and reconnecting subscribers", self.figures)
 
 
 def _resp(*parts: str) -> bytes:
@@ -200,14 +193,15 @@ async def _stress_phase(
 
 def _prompt_sets(config: SubscribersConfig) -> list[list[str]]:
     return [
-        make_prompts(config.requests, seed=config.seed + phase, words=(6, 6)) for phase in range(3)
+        random_prompts(config.requests, seed=config.seed + phase, words=(6, 6))
+        for phase in range(3)
     ]
 
 
 async def _run(config: SubscribersConfig, url: str, prefix: str, port: int) -> dict[str, Any]:
     prompt_sets = _prompt_sets(config)
     async with Client(url, prefix=prefix, max_connections=256) as client:
-        await _phase(client, make_prompts(4, seed=99), 8, "warm")
+        await _phase(client, random_prompts(4, seed=99), 8, "warm")
         first = await _phase(client, prompt_sets[0], config.max_tokens, "base1")
     stress = await _stress_phase(config, url, prefix, port, prompt_sets[1])
     async with Client(url, prefix=prefix, max_connections=256) as client:
@@ -215,23 +209,20 @@ async def _run(config: SubscribersConfig, url: str, prefix: str, port: int) -> d
     return {"base": [first, second], "stress": stress, "prompts": prompt_sets}
 
 
-def run_subscribers(config: SubscribersConfig) -> SubscribersResult:
-    directory = Path(config.directory or tempfile.mkdtemp(prefix="mlxw-subscribers-"))
-    directory.mkdir(parents=True, exist_ok=True)
+def run_subscribers(config: SubscribersConfig) -> DriverResult:
+    directory = work_directory(config.directory, "subscribers")
     prefix = "subs"
-    references = reference_texts(
+    references = tiny_reference().by_prompt(
         [p for prompts in _prompt_sets(config) for p in prompts], config.max_tokens
     )
-    server = RedisServer(extra_args=BUFFER_LIMIT, directory=directory / "redis")
-    server.start()
-    process = WorkerProcess("subs-1", server.url, prefix, directory, max_concurrency=8)
-    try:
-        process.start().wait_ready()
-        outcome = asyncio.run(_run(config, server.url, prefix, server.port))
-        stop_code = process.stop()
-    finally:
-        process.kill()
-        server.close() if config.directory is None else server.stop()
+    with RedisServer(extra_args=BUFFER_LIMIT, directory=directory / "redis") as server:
+        process = worker_process("subs-1", server.url, prefix, directory, max_concurrency=8)
+        try:
+            process.start().wait_ready()
+            outcome = asyncio.run(_run(config, server.url, prefix, server.port))
+            stop_code = process.stop()
+        finally:
+            process.kill()
     result = _verify(config, outcome, stop_code, references)
     result.values["directory"] = str(directory)
     return result
@@ -242,7 +233,7 @@ def _verify(
     outcome: dict[str, Any],
     stop_code: int | None,
     references: dict[str, str],
-) -> SubscribersResult:
+) -> DriverResult:
     problems: list[str] = []
     prompt_sets: list[list[str]] = outcome["prompts"]
     tokens = config.requests * config.max_tokens
@@ -314,31 +305,16 @@ def _verify(
             f"{len(killed.events)} / 0" if not any("killed" in p for p in problems) else "FAILED",
         ),
     ]
-    return SubscribersResult(figures=figures, problems=problems, values=values)
+    return DriverResult(
+        "Slow, vanished and reconnecting subscribers", figures, problems=problems, values=values
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=SubscribersConfig.requests)
-    parser.add_argument("--max-tokens", type=int, default=SubscribersConfig.max_tokens)
-    parser.add_argument("--slow", type=int, default=SubscribersConfig.slow)
-    parser.add_argument("--vanished", type=int, default=SubscribersConfig.vanished)
-    parser.add_argument("--dir", type=Path, default=None, help="keep logs here")
-    args = parser.parse_args(argv)
-    config = SubscribersConfig(
-        requests=args.requests,
-        max_tokens=args.max_tokens,
-        slow=args.slow,
-        vanished=args.vanished,
-        directory=args.dir,
-    )
-    result = run_subscribers(config)
-    print(result.table())
-    print(f"\nlogs: {result.values['directory']}")
-    for problem in result.problems[:50]:
-        print("PROBLEM:", problem)
-    return 1 if result.problems else 0
+    options = ("requests", "max_tokens", "slow", "vanished")
+    config = config_from_arguments(SubscribersConfig(), __doc__, options, argv)
+    return report(run_subscribers(config), config)
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    exit_with(main)

@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 
 from tests.reliability.faults import config_for, run_scenario
-from tests.reliability.faults_harness import FaultResult
+from tests.support.drivers import DriverResult
 from worker.local_redis import LocalCluster, LocalSentinel
 
 
-def _run(scenario: str, tmp_path: Path, **topology: object) -> FaultResult:
+def _run(scenario: str, tmp_path: Path, **topology: object) -> DriverResult:
     config = config_for(scenario, "short", directory=tmp_path)
     result = run_scenario(config, **topology)
     print(result.table())
     return result
 
 
-def _assert_every_job_ended_once(result: FaultResult) -> None:
+def _assert_every_job_ended_once(result: DriverResult) -> None:
     values = result.values
     assert values["lost"] == 0
     assert values["done"] == values["jobs"]

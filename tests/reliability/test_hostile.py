@@ -10,8 +10,9 @@ import pytest
 
 from protocol.client import Client
 from protocol.messages import DoneEvent
-from tests.reliability.common import WorkerProcess, first_greedy_token
 from tests.reliability.hostile import HostileConfig, run_hostile
+from tests.reliability.workers import worker_process
+from tests.support.references import tiny_reference
 from worker.local_redis import RedisServer
 
 MIB = 1024 * 1024
@@ -46,10 +47,10 @@ def test_a_request_ended_by_its_first_token_gets_a_readable_done(tmp_path: Path)
     the worker published a `done` event that the protocol's decoder refuses: unreadable for
     every subscriber, and not seen as terminal by a redelivery. Now it reads as done/stop."""
     prompt = "hello there"
-    stop = first_greedy_token(prompt)
+    stop = tiny_reference().first_token(prompt)
     server = RedisServer()
     server.start()
-    process = WorkerProcess("first-1", server.url, "first", tmp_path).start()
+    process = worker_process("first-1", server.url, "first", tmp_path).start()
     try:
         process.wait_ready()
 

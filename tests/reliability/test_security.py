@@ -16,17 +16,14 @@ import pytest
 import redis
 
 from protocol.client import Client
-from protocol.codec import decode_event
+from protocol.codec_events import decode_event
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.messages import DoneEvent, ErrorEvent
-from tests.reliability.common import (
-    WorkerProcess,
-    clean_environment,
-    make_prompts,
-    reference_texts,
-    worker_command,
-)
+from tests.reliability.workers import worker_process
+from tests.support.processes import mlx_worker
+from tests.support.prompts import random_prompts
+from tests.support.references import tiny_reference
 from worker.local_redis import RedisServer, free_port
 
 PASSWORD = "s3cret-pw"
@@ -36,26 +33,17 @@ ADMIN = ("--user", "admin", "on", ">admin-pw", "~*", "&*", "+@all")
 ACL_SIMPLE = ("~mlxw:*", "&mlxw:*", "+@all", "-@dangerous", "+info")
 MINIMAL_COMMANDS = (
     "hello ping info xadd xrange xrevrange xreadgroup xgroup|create xautoclaim xclaim xpending "
-    "xack xdel xinfo|groups xinfo|consumers xgroup|delconsumer eval evalsha script|load "
-    "script|exists publish subscribe unsubscribe spublish ssubscribe sunsubscribe get set del "
+    "xack xdel xinfo|groups xinfo|consumers xgroup|delconsumer evalsha script|load "
+    "publish subscribe unsubscribe spublish ssubscribe sunsubscribe get set del "
     "exists expire pexpire rpush blpop scan"
 )
 ACL_MINIMAL = ("~mlxw:*", "&mlxw:*", "-@all", *(f"+{name}" for name in MINIMAL_COMMANDS.split()))
 
 
-def mlx_worker(
-    *args: str, timeout: float = 60, env: dict[str, str] | None = None
-) -> tuple[subprocess.CompletedProcess[str], float]:
+def timed_mlx_worker(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
     """Run ``mlx-worker ARGS``; returns the completed process and its wall time."""
     started = time.monotonic()
-    completed = subprocess.run(
-        [*worker_command(), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=clean_environment(env or {}),
-        check=False,
-    )
+    completed = mlx_worker(*args, timeout=60)
     return completed, time.monotonic() - started
 
 
@@ -65,19 +53,15 @@ def with_password(url: str, user: str, password: str) -> str:
 
 @pytest.fixture
 def password_server() -> Iterator[RedisServer]:
-    server = RedisServer(extra_args=("--requirepass", PASSWORD))
-    server.start()
-    try:
+    with RedisServer(extra_args=("--requirepass", PASSWORD)) as server:
         yield server
-    finally:
-        server.close()
 
 
 def _serve_one_request(url: str, tmp_path: Path, prefix: str = "mlxw", **client: object) -> None:
     """A worker through ``url``; the async client and the CLI get greedy text through it."""
-    prompt = make_prompts(1, seed=3)[0]
-    want = reference_texts([prompt], 12)[prompt]
-    process = WorkerProcess("sec-1", url, prefix, tmp_path).start()
+    prompt = random_prompts(1, seed=3)[0]
+    (want,) = tiny_reference().texts([prompt], 12)
+    process = worker_process("sec-1", url, prefix, tmp_path).start()
     try:
         process.wait_ready(timeout=90)
 
@@ -88,7 +72,7 @@ def _serve_one_request(url: str, tmp_path: Path, prefix: str = "mlxw", **client:
                 assert [r.ok for r in await c.ping()] == [True]
 
         asyncio.run(main())
-        submitted, _ = mlx_worker(
+        submitted, _ = timed_mlx_worker(
             "submit",
             prompt,
             "--raw",  # compared with a greedy run of the bare prompt
@@ -103,7 +87,7 @@ def _serve_one_request(url: str, tmp_path: Path, prefix: str = "mlxw", **client:
         )
         assert submitted.returncode == 0, submitted.stderr
         assert submitted.stdout.rstrip("\n") == want
-        health, _ = mlx_worker(
+        health, _ = timed_mlx_worker(
             "health", "--worker-id", "sec-1", "--redis-url", url, "--prefix", prefix
         )
         assert health.returncode == 0, health.stderr
@@ -143,7 +127,7 @@ def test_wrong_password_fails_fast_with_one_clear_line(
         ("health", "--worker-id", "w"),
     ]
     for command in commands:
-        completed, seconds = mlx_worker(*command, "--redis-url", url)
+        completed, seconds = timed_mlx_worker(*command, "--redis-url", url)
         where = f"{command[0]}: rc={completed.returncode} stderr={completed.stderr!r}"
         assert completed.returncode != 0, where
         assert seconds < 10, where
@@ -177,8 +161,8 @@ def test_acl_user_confined_to_the_prefix_runs_everything_and_nothing_else(
     url = with_password(server.url, "mlxw", "acl-pw")
     admin = redis.Redis.from_url(with_password(server.url, "admin", "admin-pw"))
     keys = Keys("mlxw")
-    first = WorkerProcess("acl-1", url, "mlxw", tmp_path).start()
-    second = WorkerProcess("acl-2", url, "mlxw", tmp_path)
+    first = worker_process("acl-1", url, "mlxw", tmp_path).start()
+    second = worker_process("acl-2", url, "mlxw", tmp_path)
     try:
         first.wait_ready(timeout=90)
         for command, status in (
@@ -189,9 +173,9 @@ def test_acl_user_confined_to_the_prefix_runs_everything_and_nothing_else(
             (("cache-clear",), 0),
             (("abort", "nobody"), 1),  # answered: not_found (the command ran)
         ):
-            completed, _ = mlx_worker("ctl", *command, "--redis-url", url)
+            completed, _ = timed_mlx_worker("ctl", *command, "--redis-url", url)
             assert completed.returncode == status, (command, completed.stdout, completed.stderr)
-        submitted, _ = mlx_worker("submit", "hello", "--max-tokens", "4", "--redis-url", url)
+        submitted, _ = timed_mlx_worker("submit", "hello", "--max-tokens", "4", "--redis-url", url)
         assert submitted.returncode == 0, submitted.stderr
 
         async def main() -> None:
@@ -214,7 +198,7 @@ def test_acl_user_confined_to_the_prefix_runs_everything_and_nothing_else(
 
         asyncio.run(main())
         second.wait_ready()
-        health, _ = mlx_worker("health", "--worker-id", "acl-2", "--redis-url", url)
+        health, _ = timed_mlx_worker("health", "--worker-id", "acl-2", "--redis-url", url)
         assert health.returncode == 0, health.stderr
         assert second.stop() == 0
         assert admin.xlen(keys.dead) == 1
@@ -236,7 +220,7 @@ def test_acl_user_confined_to_the_prefix_runs_everything_and_nothing_else(
             ),
             ("submit", "hello", "--prefix", "other"),
         ):
-            completed, seconds = mlx_worker(*command, "--redis-url", url)
+            completed, seconds = timed_mlx_worker(*command, "--redis-url", url)
             lines = completed.stderr.strip().splitlines()
             where = f"{command[0]}: rc={completed.returncode} {completed.stderr!r}"
             assert completed.returncode != 0 and seconds < 10 and len(lines) == 1, where
@@ -353,7 +337,7 @@ def test_tls_with_client_certificates_through_rediss_url(tmp_path: Path) -> None
         url = f"rediss://:{PASSWORD}@127.0.0.1:{tls_port}/0?{query}"
         _serve_one_request(url, tmp_path)
         no_ca = f"rediss://:{PASSWORD}@127.0.0.1:{tls_port}/0"
-        completed, seconds = mlx_worker("submit", "hi", "--redis-url", no_ca)
+        completed, seconds = timed_mlx_worker("submit", "hi", "--redis-url", no_ca)
         lines = completed.stderr.strip().splitlines()
         assert completed.returncode == 2 and seconds < 10 and len(lines) == 1, completed.stderr
         assert "certificate" in lines[0].lower() and PASSWORD not in lines[0], lines
@@ -385,7 +369,7 @@ def test_control_commands_stay_inside_the_cache_dir_and_the_reply_lists(
     caches.mkdir()
     outside.mkdir()
     (caches / "evil").symlink_to(outside, target_is_directory=True)
-    process = WorkerProcess("ctl-1", url, prefix, tmp_path).start()
+    process = worker_process("ctl-1", url, prefix, tmp_path).start()
     admin = redis.Redis.from_url(url)
     try:
         process.wait_ready(timeout=90)
@@ -449,7 +433,7 @@ def test_prompt_and_max_tokens_caps_hold(tmp_path: Path, password_server: RedisS
     url = with_password(password_server.url, "", PASSWORD)
     prefix = "caps"
     keys = Keys(prefix)
-    process = WorkerProcess("caps-1", url, prefix, tmp_path).start()
+    process = worker_process("caps-1", url, prefix, tmp_path).start()
     long_text = " ".join(["ab", "cd", "ef", "1", "2"] * 14_000)  # ~70k tokens, < 256 KiB
     # request id -> (job fields, the dead-letter code or None, whether an event is expected)
     cases: dict[str, tuple[dict[str, object], str | None, bool]] = {

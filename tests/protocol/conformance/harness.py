@@ -1,6 +1,6 @@
 """One worker subprocess per test module, and the spec's rules as assertions on raw logs.
 
-The worker is the real ``mlx-worker run --model tiny`` (started the way tests/daemon does it);
+The worker is the real ``mlx-worker run --model tiny`` (a ``tests.support`` WorkerFactory);
 everything the tests say to it goes through :mod:`tests.protocol.conformance.raw`.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.daemon.helpers import FAST_ENV, WorkerFactory, WorkerProcess, clean_environment
 from tests.protocol.conformance.raw import LogEntry, Wire, new_id
+from tests.support.processes import WorkerFactory, WorkerProcess
 from worker.local_redis import RedisServer
 
 # Long enough that a job is still generating when a test acts on it (the tiny model makes
@@ -35,7 +35,6 @@ class Served:
     wire: Wire
     worker: WorkerProcess
     factory: WorkerFactory
-    directory: Path
 
     @property
     def worker_id(self) -> str:
@@ -70,7 +69,7 @@ def serve(
         if before_start is not None:
             before_start(wire)
         worker = factory.start(worker_id, **start)
-        yield Served(wire, worker, factory, directory)
+        yield Served(wire, worker, factory)
     finally:
         factory.kill_all()
         wire.close()
@@ -93,24 +92,6 @@ def module_worker(name: str, **start: Any) -> Any:
             yield running
 
     return served
-
-
-def start_with_model(
-    factory: WorkerFactory, worker_id: str, model: str, cache_dir: Path
-) -> WorkerProcess:
-    """A worker of another model (WorkerFactory always says ``--model tiny``; argparse keeps
-    the last ``--model``)."""
-    flags = ["--max-concurrency", "1", "--cache-dir", str(cache_dir), "--model", model]
-    process = WorkerProcess(
-        worker_id,
-        factory.redis_url,
-        factory.prefix,
-        factory.directory / f"worker-{worker_id}.log",
-        flags,
-        clean_environment(dict(FAST_ENV)),
-    )
-    factory.started.append(process)
-    return process.start().wait_ready()
 
 
 # -- the spec's rules, checked on raw events -----------------------------------------------

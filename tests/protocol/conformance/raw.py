@@ -10,13 +10,12 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack
 import redis
 
-T = TypeVar("T")
+from tests.support.waiting import wait_until
 
 VERSION = 1
 LOG_TTL = 600  # what a producer gives the queued marker's log (rule 1)
@@ -42,18 +41,6 @@ def unpack(data: bytes) -> Any:
 def new_id(what: str) -> str:
     """A request id or reply token of this test's own (the id alphabet: A-Z a-z 0-9 . _ : -)."""
     return f"{what}-{uuid.uuid4().hex[:10]}"
-
-
-def wait_for(condition: Callable[[], T | None], timeout: float, what: str) -> T:
-    """Poll ``condition`` until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def entry_ms(entry_id: str | bytes) -> int:
@@ -200,10 +187,10 @@ class Wire:
             )
             return entries if finished else None
 
-        return wait_for(ended, timeout, f"the terminal event of {request_id}")
+        return wait_until(ended, timeout, f"the terminal event of {request_id}")
 
     def wait_for_deltas(self, request_id: str, count: int = 1, timeout: float = 30.0) -> None:
-        wait_for(
+        wait_until(
             lambda: sum(e.event.get("type") == "delta" for e in self.log(request_id)) >= count,
             timeout,
             f"{count} delta(s) of {request_id}",
@@ -226,7 +213,7 @@ class Wire:
             assert len(found) <= 1, f"{job_entry_id} dead-lettered {len(found)} times"
             return found[0] if found else None
 
-        return wait_for(find, timeout, f"the dead letter of job entry {job_entry_id}")
+        return wait_until(find, timeout, f"the dead letter of job entry {job_entry_id}")
 
     def pending(self) -> dict[str, tuple[str, int]]:
         """The group's pending entries: entry id -> (consumer, times delivered)."""
@@ -313,7 +300,7 @@ class Subscriber:
     def open(self) -> Subscriber:
         pubsub = self.wire.redis.pubsub()
         pubsub.subscribe(self.wire.names.out(self.request_id))
-        wait_for(
+        wait_until(
             lambda: (m := pubsub.get_message(timeout=0.2)) is not None and m["type"] == "subscribe",
             5,
             "the subscribe confirmation",

@@ -1,0 +1,14 @@
+"""What the tests share, one module per concept; test packages import from here instead of
+keeping their own copies.
+
+- ``processes``: ``mlx-worker run`` child processes (``WorkerProcess``, ``WorkerFactory``) and
+  one-shot CLI commands (``mlx_worker``).
+- ``environment``: the clean environment they run in, and the fast intervals tests give them.
+- ``waiting``: ``run`` a coroutine, poll with ``wait_until`` / ``until``.
+- ``prompts``: random prompts for the tiny model; ``references``: its greedy texts.
+- ``events``: what a subscriber makes of a request's events.
+- ``engines``: engines on real models for the engine tests.
+- ``drivers``: what the reliability drivers share (result table, work directory, CLI tail).
+
+Redis servers, Clusters and Sentinels come from ``worker.local_redis``.
+"""
