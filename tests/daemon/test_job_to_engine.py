@@ -6,6 +6,7 @@ import dataclasses
 
 from protocol.limits import DEFAULT_LIMITS
 from protocol.messages import SAMPLING_FIELDS, Job
+from tests.protocol.messages_samples import JOBS
 from worker.daemon.worker import scheduler_config
 from worker.engine import SamplingParams
 
@@ -22,22 +23,7 @@ def test_every_sampling_field_is_a_job_field() -> None:
 
 
 def test_a_job_with_every_sampling_field_set_makes_sampling_params() -> None:
-    job = Job(
-        request_id="r",
-        prompt="hi",
-        max_tokens=5,
-        temperature=0.5,
-        top_p=0.9,
-        top_k=4,
-        min_p=0.1,
-        repetition_penalty=1.1,
-        presence_penalty=0.2,
-        frequency_penalty=0.3,
-        seed=7,
-        stop=("x",),
-        stop_token_ids=(3,),
-        logprobs=DEFAULT_LIMITS.max_logprobs,
-    )
+    job = next(j for j in JOBS if j.request_id == "req.2:full")
     kwargs = job.sampling_kwargs()
     assert set(kwargs) == set(SAMPLING_FIELDS)
     params = SamplingParams(**kwargs)

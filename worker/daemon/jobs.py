@@ -54,8 +54,8 @@ class EarlyEnd:
     requeue: bool = False
 
     @classmethod
-    def invalid(cls, code: str, message: str, *, event_code: str = "invalid_job") -> EarlyEnd:
-        return cls("invalid", error=(event_code, f"{code}: {message}"), dead=(code, message))
+    def invalid(cls, code: str, message: str) -> EarlyEnd:
+        return cls("invalid", error=("invalid_job", f"{code}: {message}"), dead=(code, message))
 
 
 REQUEUED = EarlyEnd("requeued", requeue=True)
@@ -118,7 +118,7 @@ class JobRunner:
         if early is not None:
             await self._end_early(delivery, rid, written, early)
             return
-        if await self._outcome_of(rid, written) is None:
+        if await self._written(rid, written):
             await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
             self._count("completed")
             log.info("job_finished", seconds=round(time.monotonic() - started, 3))
@@ -184,27 +184,27 @@ class JobRunner:
             return REQUEUED
         return None
 
-    async def _outcome_of(self, rid: str, written: asyncio.Future[None]) -> str | None:
-        """Wait for the running request's terminal event to be written (None); or the outcome
-        (counted) when the attempt ended without it: lost to another attempt, or abandoned at
-        shutdown."""
+    async def _written(self, rid: str, written: asyncio.Future[None]) -> bool:
+        """Wait for the running request's terminal event to be in the log: True. False (the
+        outcome counted) when the attempt ended without it: lost to another attempt, or
+        abandoned at shutdown."""
         try:
             await written
         except AttemptLost as lost:
             # Another worker runs (or will run) it: stop here, publish nothing, keep pending.
-            outcome = self._count_lost(lost)
+            self._count_lost(lost)
             await self.engine.abort_request(rid)
-            return outcome
+            return False
         except asyncio.CancelledError:
             if not self.draining:
                 raise
             # Abandoned at shutdown: not acknowledged, another worker re-runs it.
             self._count("abandoned")
             log.info("job_abandoned")
-            return "abandoned"
+            return False
         finally:
             self.in_flight.pop(rid, None)
-        return None
+        return True
 
     def running(self, request_id: str) -> bool:
         return request_id in self.in_flight
@@ -390,11 +390,10 @@ class JobRunner:
         self._count(end.outcome)
         log.info("job_finished_early", outcome=end.outcome)
 
-    def _count_lost(self, lost: AttemptLost) -> str:
+    def _count_lost(self, lost: AttemptLost) -> None:
         outcome = "log_gap" if lost.outcome is Outcome.LOG_GAP else "lost_lease"
         self._count(outcome)
         log.warning("job_attempt_lost", outcome=outcome)
-        return outcome
 
     def _count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
