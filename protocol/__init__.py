@@ -3,6 +3,7 @@
 The specification is protocol/README.md. Nothing here imports from `worker`.
 """
 
+from protocol.catalogue import Fleet, fleet_models, served_models
 from protocol.client import Client
 from protocol.codec_control import decode_command, decode_reply, encode_command, encode_reply
 from protocol.codec_events import decode_event, encode_event
@@ -18,7 +19,8 @@ from protocol.errors import (
     StreamRewritten,
     StreamTimeout,
 )
-from protocol.keys import Keys
+from protocol.heartbeat import Heartbeat, decode_heartbeat
+from protocol.keys import JobStream, Keys
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import (
     ChatMessage,
@@ -54,7 +56,10 @@ __all__ = [
     "ErrorEvent",
     "ErrorInfo",
     "Event",
+    "Fleet",
+    "Heartbeat",
     "Job",
+    "JobStream",
     "Keys",
     "Limits",
     "ProtocolError",
@@ -70,12 +75,15 @@ __all__ = [
     "Usage",
     "decode_command",
     "decode_event",
+    "decode_heartbeat",
     "decode_job",
     "decode_reply",
     "encode_command",
     "encode_event",
     "encode_job",
     "encode_reply",
+    "fleet_models",
     "last_seq",
     "publish_events",
+    "served_models",
 ]

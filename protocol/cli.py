@@ -1,4 +1,4 @@
-"""The ``submit``, ``stream``, ``ctl`` and ``group`` commands of ``mlx-worker``.
+"""The ``submit``, ``stream``, ``ctl``, ``group`` and ``models`` commands of ``mlx-worker``.
 
 `add_commands` registers them on the main parser's subcommands (each with ``func=run``) and
 `run` executes one; `main` is a standalone parser with the same commands
@@ -18,6 +18,7 @@ from typing import Any, Final, TextIO
 import redis.exceptions
 
 from protocol.cli_group import add_group_command, run_group
+from protocol.cli_models import add_models_command, run_models
 from protocol.cli_output import (
     EXIT_CODES_HELP,
     ExitCode,
@@ -28,8 +29,13 @@ from protocol.cli_output import (
     reply_as_dict,
 )
 from protocol.client import Client
+from protocol.codec_events import decode_event
 from protocol.connection import TOPOLOGIES, redact
-from protocol.constants import DEFAULT_CONTROL_TIMEOUT_SECONDS, DEFAULT_PREFIX, DEFAULT_REDIS_URL
+from protocol.constants import (
+    DEFAULT_CONTROL_TIMEOUT_SECONDS,
+    DEFAULT_PREFIX,
+    DEFAULT_REDIS_URL,
+)
 from protocol.errors import (
     ControlTimeout,
     ProtocolError,
@@ -39,12 +45,14 @@ from protocol.errors import (
     StreamTimeout,
 )
 from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, Event, ResetEvent
+from protocol.replay_log import read_log
 
 CTL_COMMANDS: Final = ("stats", "ping", "abort", "cache-save", "cache-load", "cache-clear")
 
 
 def add_commands(subparsers: Any) -> None:
-    """Register submit, stream, ctl and group on an argparse ``add_subparsers()`` object."""
+    """Register submit, stream, ctl, group and models on an argparse ``add_subparsers()``
+    object."""
     connection = _connection_options()
     formatter = argparse.RawDescriptionHelpFormatter
 
@@ -77,6 +85,23 @@ def add_commands(subparsers: Any) -> None:
     submit.add_argument("--stop", action="append", default=None, help="a stop string (repeat)")
     submit.add_argument("--request-id", default=None, help="default: a random id")
     submit.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help=(
+            "the fleet's model to run it with (default: the fleet's default model); a model "
+            "no live worker serves ends the request with error unknown_model"
+        ),
+    )
+    submit.add_argument(
+        "--no-worker-check",
+        action="store_true",
+        help=(
+            "queue a job naming a model even when no live worker serves it (an autoscaler "
+            "starts one; the job waits at most the replay log's TTL)"
+        ),
+    )
+    submit.add_argument(
         "--no-stream", action="store_true", help="print the request id and exit at once"
     )
     _output_options(submit)
@@ -108,16 +133,24 @@ def add_commands(subparsers: Any) -> None:
             if name in ("cache-save", "cache-load"):
                 command.add_argument("name", help="cache name")
             command.add_argument("--worker-id", default=None, help="one worker, not all")
+        command.add_argument(
+            "--model",
+            default=None,
+            metavar="NAME",
+            help="only workers serving this model act and answer (default: every worker)",
+        )
         command.add_argument("--timeout", type=float, default=DEFAULT_CONTROL_TIMEOUT_SECONDS)
         command.add_argument("--json", action="store_true", help="one JSON object per reply")
 
     group = add_group_command(subparsers, connection, EXIT_CODES_HELP)
-    for command in (submit, stream, ctl, group):
+    models = add_models_command(subparsers, connection, EXIT_CODES_HELP)
+    for command in (submit, stream, ctl, group, models):
         command.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
-    """Execute a parsed submit / stream / ctl / group command; returns the exit status."""
+    """Execute a parsed submit / stream / ctl / group / models command; returns the exit
+    status."""
     out = stdout or sys.stdout
     url = args.redis_url
     try:
@@ -167,7 +200,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def _run(args: argparse.Namespace, out: TextIO) -> int:
     if args.command == "group":
         return await run_group(args, out)
-    async with Client(args.redis_url, prefix=args.prefix, topology=args.redis_topology) as client:
+    if args.command == "models":
+        return await run_models(args, out)
+    async with Client(
+        args.redis_url,
+        prefix=args.prefix,
+        topology=args.redis_topology,
+        require_worker=not getattr(args, "no_worker_check", False),
+    ) as client:
         if args.command == "submit":
             return await _submit(client, args, out)
         if args.command == "stream":
@@ -184,6 +224,7 @@ async def _submit(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         "top_p": args.top_p,
         "seed": args.seed,
         "stop": args.stop,
+        "model": args.model,
     }
     options: Any = {name: value for name, value in sampling.items() if value is not None}
     if args.raw:
@@ -194,8 +235,24 @@ async def _submit(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         request_id = await client.submit(messages=messages, request_id=args.request_id, **options)
     if args.no_stream:
         print(request_id, file=out, flush=True)
-        return ExitCode.OK
+        refusal = await _refusal(client, request_id) if args.model is not None else None
+        if refusal is None:
+            return ExitCode.OK
+        _describe_end(refusal)
+        return exit_code_for(refusal)
     return await _follow(client, request_id, args, out)
+
+
+async def _refusal(client: Client, request_id: str) -> ErrorEvent | None:
+    """The error event the client wrote instead of queueing the job (its model is served by
+    no live worker): the newest entry of the log, from attempt 0. None when it was queued."""
+    logged = await read_log(client.redis, client.keys, request_id)
+    if not logged:
+        return None
+    event = decode_event(logged[-1].data, client.limits)
+    if isinstance(event, ErrorEvent) and event.attempt == 0:
+        return event
+    return None
 
 
 async def _follow(client: Client, request_id: str, args: argparse.Namespace, out: TextIO) -> int:
@@ -252,20 +309,25 @@ async def _control(client: Client, args: argparse.Namespace, out: TextIO) -> int
     command: str = args.ctl_command
     timeout: float = args.timeout
     worker_id = getattr(args, "worker_id", None)
+    model: str | None = args.model
     if command == "abort":
-        replies = await client.abort(args.request_id, timeout=timeout)
+        replies = await client.abort(args.request_id, model=model, timeout=timeout)
         if not replies and not args.json:
             print(f"abort marker set for {args.request_id}; no worker replied", file=out)
     elif command == "stats":
-        replies = await client.stats(worker_id=worker_id, timeout=timeout)
+        replies = await client.stats(worker_id=worker_id, model=model, timeout=timeout)
     elif command == "ping":
-        replies = await client.ping(worker_id=worker_id, timeout=timeout)
+        replies = await client.ping(worker_id=worker_id, model=model, timeout=timeout)
     elif command == "cache-save":
-        replies = await client.cache_save(args.name, worker_id=worker_id, timeout=timeout)
+        replies = await client.cache_save(
+            args.name, worker_id=worker_id, model=model, timeout=timeout
+        )
     elif command == "cache-load":
-        replies = await client.cache_load(args.name, worker_id=worker_id, timeout=timeout)
+        replies = await client.cache_load(
+            args.name, worker_id=worker_id, model=model, timeout=timeout
+        )
     else:
-        replies = await client.cache_clear(worker_id=worker_id, timeout=timeout)
+        replies = await client.cache_clear(worker_id=worker_id, model=model, timeout=timeout)
     if not args.json:  # people compare workers by name; programs get the arrival order
         replies = sorted(replies, key=lambda reply: reply.worker_id)
     for reply in replies:

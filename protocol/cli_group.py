@@ -1,4 +1,7 @@
-"""``mlx-worker group list|prune``: the job group's consumers, and removing stopped workers' ones.
+"""``mlx-worker group list|prune``: the job groups' consumers, and removing stopped workers' ones.
+
+Both cover every job stream: the default one and each model's (a worker is a consumer of each
+group it reads).
 
 Registered by protocol/cli.py beside submit, stream and ctl, with the same connection options
 and exit statuses (errors reach the user through that module's ``run``).
@@ -9,9 +12,9 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from protocol.cli_output import ExitCode, json_line
+from protocol.cli_output import ExitCode, aligned, json_line
 from protocol.connection import connect
-from protocol.group import DEFAULT_PRUNE_IDLE_SECONDS, Consumer, list_consumers, prune
+from protocol.group import DEFAULT_PRUNE_IDLE_SECONDS, Consumer, list_all_consumers, prune
 from protocol.keys import Keys
 
 # Short: the verb runs a handful of commands and must not hang on a stalled Redis.
@@ -24,7 +27,7 @@ def add_group_command(
     """Register ``group list`` and ``group prune`` (``connection``: the shared options);
     returns the ``group`` parser."""
     group: argparse.ArgumentParser = subparsers.add_parser(
-        "group", help="consumers of the job group: list, prune"
+        "group", help="consumers of the job groups (every job stream): list, prune"
     )
     commands = group.add_subparsers(dest="group_command", required=True, metavar="COMMAND")
     formatter = argparse.RawDescriptionHelpFormatter
@@ -32,7 +35,10 @@ def add_group_command(
         "list",
         parents=[connection],
         formatter_class=formatter,
-        help="each consumer: pending entries, idle seconds, whether its worker is alive",
+        help=(
+            "each consumer of every job stream's group: pending entries, idle seconds, "
+            "whether its worker is alive"
+        ),
         epilog=epilog,
     )
     listing.add_argument("--json", action="store_true", help="one JSON object per consumer")
@@ -66,7 +72,7 @@ async def run_group(args: argparse.Namespace, out: TextIO) -> int:
     )
     try:
         if args.group_command == "list":
-            consumers = await list_consumers(redis, keys)
+            consumers = await list_all_consumers(redis, keys)
             if args.json:
                 for consumer in consumers:
                     print(json_line(consumer.as_dict()), file=out)
@@ -80,20 +86,27 @@ async def run_group(args: argparse.Namespace, out: TextIO) -> int:
                 print(json_line({**entry.consumer.as_dict(), "action": action}), file=out)
             else:
                 note = " (it took a job meanwhile)" if action == "kept" else ""
-                print(f"{action} {entry.consumer.name}{note}", file=out)
+                where = f" from {_stream_name(entry.consumer)}"
+                print(f"{action} {entry.consumer.name}{where}{note}", file=out)
         return ExitCode.OK
     finally:
         await redis.aclose()
 
 
 def _table(out: TextIO, consumers: list[Consumer]) -> None:
-    header = ("CONSUMER", "PENDING", "IDLE_S", "HEARTBEAT")
-    cells = [header] + [
-        (c.name, str(c.pending), f"{c.idle_seconds:.0f}", "alive" if c.heartbeat else "none")
+    rows = [("CONSUMER", "PENDING", "IDLE_S", "HEARTBEAT", "STREAM")] + [
+        (
+            c.name,
+            str(c.pending),
+            f"{c.idle_seconds:.0f}",
+            "alive" if c.heartbeat else "none",
+            _stream_name(c),
+        )
         for c in consumers
     ]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    for row in cells:
-        left = row[0].ljust(widths[0])
-        rest = "  ".join(cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True))
-        print(f"{left}  {rest}", file=out)
+    for line in aligned(rows, "lrrrl"):
+        print(line, file=out)
+
+
+def _stream_name(consumer: Consumer) -> str:
+    return consumer.stream.stream if consumer.stream is not None else "-"

@@ -10,7 +10,7 @@ import dataclasses
 import enum
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from protocol.messages import ControlReply, DoneEvent, ErrorEvent, Event, UnknownEvent
@@ -84,16 +84,43 @@ def describe_reply(reply: ControlReply, kind: str | None = None) -> str:
 
 def describe_stats(worker_id: str, stats: Mapping[str, Any]) -> list[str]:
     """A worker's ``stats`` result as a header and aligned ``label  figures`` lines: what it
-    runs, its jobs, throughput, prefix cache, queue group and memory. Sections missing from
-    the map (another worker version, a failed probe) are left out, never guessed."""
+    runs, its jobs, throughput, prefix cache, queue group and memory; for a worker of several
+    models, those of each model under its name. Sections missing from the map (another worker
+    version, a failed probe) are left out, never guessed."""
+    models = _section(stats, "models")
+    header = []
+    uptime = _number(stats.get("uptime_seconds", _section(stats, "engine").get("uptime_seconds")))
+    if len(models) > 1:
+        header.append(f"models {', '.join(models)}")
+        if uptime is not None:
+            header.append(f"up {duration(uptime)}")
+        lines = [f"{worker_id}: {', '.join(header)}"]
+        for name, model in models.items():
+            model_header, rows = _model_rows(model if isinstance(model, Mapping) else {})
+            lines.append(f"  {name}: {', '.join(model_header)}".rstrip(" :"))
+            lines += [f"    {label:<8}{text}" for label, text in rows if text]
+        memory = _memory_line(_section(stats, "memory"))
+        return lines + ([f"  {'memory':<8}{memory}"] if memory else [])
+    model_header, rows = _model_rows(stats)
+    header += model_header[:1]
+    if uptime is not None:
+        header.append(f"up {duration(uptime)}")
+    header += model_header[1:]
+    rows.insert(4, ("memory", _memory_line(_section(stats, "memory"))))
+    shown = [(label, text) for label, text in rows if text]
+    if not shown:  # nothing this reader knows: show the map itself
+        header.append(json_line(_json_ready(dict(stats))))
+    lines = [f"{worker_id}: {', '.join(header)}".rstrip()]
+    return lines + [f"  {label:<8}{text}" for label, text in shown]
+
+
+def _model_rows(stats: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str]]]:
+    """One engine's header words (model, health) and figure lines (empty: it has none)."""
     engine = _section(stats, "engine")
     header = []
     model = engine.get("model_name")
     if model is not None:
         header.append(f"model {model}")
-    uptime = _number(stats.get("uptime_seconds", engine.get("uptime_seconds")))
-    if uptime is not None:
-        header.append(f"up {_duration(uptime)}")
     health = _section(engine, "health")
     if health:
         header.append("healthy" if health.get("healthy") else "UNHEALTHY")
@@ -102,14 +129,22 @@ def describe_stats(worker_id: str, stats: Mapping[str, Any]) -> list[str]:
         ("tokens", _tokens_line(engine)),
         ("cache", _cache_line(stats["prefix_cache"]) if "prefix_cache" in stats else ""),
         ("queue", _queue_line(_section(stats, "group"))),
-        ("memory", _memory_line(_section(stats, "memory"))),
         ("health", _health_problem(health)),
     ]
-    shown = [(label, text) for label, text in rows if text]
-    if not shown:  # nothing this reader knows: show the map itself
-        header.append(json_line(_json_ready(dict(stats))))
-    lines = [f"{worker_id}: {', '.join(header)}".rstrip()]
-    return lines + [f"  {label:<8}{text}" for label, text in shown]
+    return header, rows
+
+
+def aligned(rows: Sequence[Sequence[str]], align: str) -> list[str]:
+    """Rows of cells as lines of aligned columns, two spaces apart; ``align`` has one letter
+    per column: ``l`` (left) or ``r`` (right). Trailing spaces are dropped."""
+    widths = [max((len(row[i]) for row in rows), default=0) for i in range(len(align))]
+    return [
+        "  ".join(
+            cell.ljust(width) if how == "l" else cell.rjust(width)
+            for cell, width, how in zip(row, widths, align, strict=True)
+        ).rstrip()
+        for row in rows
+    ]
 
 
 def _jobs_line(engine: Mapping[str, Any], jobs: Mapping[str, Any]) -> str:
@@ -230,6 +265,14 @@ def _cache_clear(result: Mapping[str, Any]) -> str | None:
     cleared = result.get("cleared")
     if not isinstance(cleared, Mapping):
         return None
+    if cleared and all(isinstance(v, Mapping) for v in cleared.values()):
+        # A worker of several models: what each model's caches dropped.
+        parts = [f"{model}: {_cleared(v)}" for model, v in cleared.items()]
+        return None if any(p.endswith("None") for p in parts) else "; ".join(parts)
+    return _cleared(cleared)
+
+
+def _cleared(cleared: Mapping[str, Any]) -> str | None:
     entries = cleared.get("prefix_cache_entries")
     size, buffers = (
         _number(cleared.get("prefix_cache_bytes")),
@@ -282,7 +325,8 @@ def _bytes(size: float) -> str:
     return f"{size / 1024**exponent:.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """Seconds for people, to the second: ``42s``, ``3m 5s``, ``2h 10m``, ``1d 4h``."""
     total = int(seconds)
     days, rest = divmod(total, 86400)
     hours, rest = divmod(rest, 3600)

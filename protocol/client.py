@@ -4,16 +4,23 @@ One Client holds one connection pool (per node, on a Redis Cluster) and one pub/
 connection shared by all its streams, so it follows thousands of requests at once; at most
 ``max_in_flight`` of its commands are on the wire at a time, the others wait their turn.
 ``stream`` never loses, repeats or reorders an event (see `protocol.subscription`).
+
+A job naming a model goes to that model's stream once a live worker's heartbeat advertises
+the model (protocol/catalogue.py); otherwise the client ends the request itself with an
+``unknown_model`` error event and queues nothing, so its stream ends at once instead of
+waiting for a worker that may never come.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from contextlib import aclosing, contextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
+from protocol.catalogue import served_models
 from protocol.channels import ChannelHub
 from protocol.codec_job import decode_job, encode_job
 from protocol.connection import RedisClient, connect, is_unavailable, redact
@@ -30,7 +37,15 @@ from protocol.errors import ClientError, RedisUnavailable, StreamRewritten
 from protocol.identifiers import new_request_id
 from protocol.keys import Keys
 from protocol.limits import DEFAULT_LIMITS, Limits
-from protocol.messages import ChatMessage, ControlReply, Event, Job, QueuedEvent, TerminalEvent
+from protocol.messages import (
+    ChatMessage,
+    ControlReply,
+    ErrorEvent,
+    Event,
+    Job,
+    QueuedEvent,
+    TerminalEvent,
+)
 from protocol.replay_log import publish_events
 from protocol.subscription import follow_events
 
@@ -40,6 +55,9 @@ if TYPE_CHECKING:
     from protocol.messages import JobOptions
 
 ChatInput = Sequence[Mapping[str, str] | ChatMessage]
+
+# How long a Client trusts a catalogue read that found the model it submits to.
+MODEL_CACHE_SECONDS: Final = 2.0
 
 
 class Client:
@@ -54,6 +72,8 @@ class Client:
     Redis errors reach the caller as ``RedisUnavailable`` (unreachable, or no reply in time)
     or as redis-py's own ``ResponseError`` family (a refusal: authentication, ACL, ...).
     ``stream`` rides out outages shorter than its timeout and ``unavailable_timeout``.
+    ``require_worker``: a job naming a model no live worker serves ends with ``unknown_model``
+    (default) instead of waiting in the model's stream for an autoscaler to start a worker.
     """
 
     def __init__(
@@ -69,6 +89,7 @@ class Client:
         topology: str = "auto",
         max_in_flight: int = 64,
         unavailable_timeout: float = 60.0,
+        require_worker: bool = True,
         redis: RedisClient | None = None,
         **redis_options: Any,
     ) -> None:
@@ -97,6 +118,12 @@ class Client:
         self._hub = ChannelHub(redis) if redis is not None else None
         self._commands = asyncio.Semaphore(max_in_flight)
         self._connecting = asyncio.Lock()
+        # The models live workers served at the last look, and when (monotonic seconds).
+        # False: a job naming a model no live worker serves is queued anyway, on its stream
+        # (for fleets an autoscaler grows from zero workers; the log TTL bounds its wait).
+        self.require_worker = require_worker
+        self._served: frozenset[str] = frozenset()
+        self._served_at = -float("inf")
 
     @property
     def redis(self) -> RedisClient:
@@ -149,6 +176,8 @@ class Client:
     ) -> str:
         """Queue a job; returns its request id (``request_id`` or a fresh one).
 
+        ``model=NAME`` (an option, like the sampling fields) names the fleet's model to run it
+        with: see ``submit_job`` for what happens when no live worker serves it.
         Raises ProtocolError (before touching Redis) if the job would be invalid.
         """
         job = build_job(
@@ -164,6 +193,11 @@ class Client:
     async def submit_job(self, job: Job) -> str:
         """Queue an already built Job; returns its request id.
 
+        A job naming a ``model`` goes to that model's stream when a live worker serves it;
+        when none does, the request ends at once with an ``unknown_model`` error event (its
+        stream yields it) and nothing is queued (unless ``require_worker`` is off). A job
+        naming none goes to the default stream.
+
         Not retried: if Redis fails to answer the XADD, it may or may not have queued the job
         (RedisUnavailable says so); README "Submitting across a Redis restart" shows how to
         retry without queueing it twice.
@@ -171,6 +205,13 @@ class Client:
         data = encode_job(job)
         decode_job(data, self.limits)  # the decoder is the one definition of "valid"
         redis = await self.connect()
+        stream = self.keys.jobs
+        if job.model is not None:
+            served = await self._models_for(job.model) if self.require_worker else None
+            if served is not None and job.model not in served:
+                await self._refuse(job, served)
+                return job.request_id
+            stream = self.keys.model_stream(job.model).stream
         # The queued marker goes first, so a subscriber arriving any time after this call
         # finds the log. Two commands, not MULTI: in a Cluster they live on different slots.
         queued = QueuedEvent(request_id=job.request_id, seq=0, attempt=0)
@@ -178,8 +219,47 @@ class Client:
             with _unavailable_as(f"job {job.request_id!r} was not queued"):
                 await publish_events(redis, self.keys, [queued], ttl_seconds=self.log_ttl)
             with _unavailable_as(f"job {job.request_id!r} may or may not have been queued"):
-                await redis.xadd(self.keys.jobs, {JOB_FIELD: data})
+                await redis.xadd(stream, {JOB_FIELD: data})
         return job.request_id
+
+    async def served_models(self) -> frozenset[str]:
+        """The models live workers serve now (their heartbeats advertise them)."""
+        redis = await self.connect()
+        async with self._commands:
+            with _unavailable_as("the fleet's models could not be read"):
+                served = frozenset(await served_models(redis, self.keys))
+        self._served, self._served_at = served, time.monotonic()
+        return served
+
+    async def _models_for(self, model: str) -> frozenset[str]:
+        """The served models, for a job naming ``model``: a read that found it is trusted
+        for ``MODEL_CACHE_SECONDS`` (a burst of submits scans Redis once); without it, the
+        catalogue is always read afresh."""
+        fresh = time.monotonic() - self._served_at < MODEL_CACHE_SECONDS
+        if fresh and model in self._served:
+            return self._served
+        return await self.served_models()
+
+    async def _refuse(self, job: Job, served: frozenset[str]) -> None:
+        """End a request whose model no live worker serves: its queued marker and a terminal
+        ``unknown_model`` error (attempt 0: no worker ran it), in one script call, so
+        whoever follows the request sees it end. The job itself is not queued."""
+        listed = ", ".join(sorted(served)) or "none"
+        events: list[Event] = [
+            QueuedEvent(request_id=job.request_id, seq=0, attempt=0),
+            ErrorEvent(
+                request_id=job.request_id,
+                seq=1,
+                attempt=0,
+                code="unknown_model",
+                message=f"no live worker serves model {job.model!r} (served: {listed})",
+                metadata=job.metadata,
+            ),
+        ]
+        redis = await self.connect()
+        async with self._commands:
+            with _unavailable_as(f"job {job.request_id!r} was not queued (unknown model)"):
+                await publish_events(redis, self.keys, events, ttl_seconds=self.log_ttl)
 
     def stream(
         self, request_id: str, *, timeout: float | None = None
@@ -245,7 +325,11 @@ class Client:
             raise ClientError(f"request {request_id!r}: events ended without done or error")
 
     async def abort(
-        self, request_id: str, *, timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS
+        self,
+        request_id: str,
+        *,
+        model: str | None = None,
+        timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
     ) -> list[ControlReply]:
         """Stop a request wherever it is; returns the workers' replies (maybe none).
 
@@ -254,46 +338,87 @@ class Client:
         worker has begun is ended where it waits. Its stream ends with ``done`` /
         ``finish_reason="abort"``. Each reply's ``result`` is ``{"aborted": bool, "state":
         "running" | "queued" | "finished" | "elsewhere"}``, or an error ``not_found`` when the
-        request is unknown (see protocol/README.md, Control commands).
+        request is unknown (see protocol/README.md, Control commands). With ``model``, only
+        workers serving that model act on the broadcast (and answer); the marker works alike.
         """
         redis = await self.connect()
         async with self._commands:
             with _unavailable_as(f"abort of {request_id!r} not recorded"):
                 await redis.set(self.keys.abort(request_id), b"1", ex=self.abort_ttl)
-        return await self._command("abort", None, timeout, request_id=request_id, required=False)
+        return await self._command(
+            "abort", None, timeout, request_id=request_id, model=model, required=False
+        )
 
     async def stats(
-        self, *, worker_id: str | None = None, timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS
+        self,
+        *,
+        worker_id: str | None = None,
+        model: str | None = None,
+        timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
     ) -> list[ControlReply]:
-        return await self._command("stats", worker_id, timeout)
+        return await self._command("stats", worker_id, timeout, model=model)
 
     async def ping(
-        self, *, worker_id: str | None = None, timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS
+        self,
+        *,
+        worker_id: str | None = None,
+        model: str | None = None,
+        timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
     ) -> list[ControlReply]:
-        return await self._command("ping", worker_id, timeout)
+        return await self._command("ping", worker_id, timeout, model=model)
 
     async def cache_save(
         self,
         name: str,
         *,
         worker_id: str | None = None,
+        model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
     ) -> list[ControlReply]:
-        return await self._command("cache_save", worker_id, timeout, name=name)
+        return await self._command("cache_save", worker_id, timeout, name=name, model=model)
 
     async def cache_load(
         self,
         name: str,
         *,
         worker_id: str | None = None,
+        model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
     ) -> list[ControlReply]:
-        return await self._command("cache_load", worker_id, timeout, name=name)
+        return await self._command("cache_load", worker_id, timeout, name=name, model=model)
 
     async def cache_clear(
-        self, *, worker_id: str | None = None, timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS
+        self,
+        *,
+        worker_id: str | None = None,
+        model: str | None = None,
+        timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
     ) -> list[ControlReply]:
-        return await self._command("cache_clear", worker_id, timeout)
+        return await self._command("cache_clear", worker_id, timeout, model=model)
+
+    async def control(
+        self,
+        kind: str,
+        *,
+        worker_id: str | None = None,
+        model: str | None = None,
+        request_id: str | None = None,
+        name: str | None = None,
+        timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
+        require_reply: bool = True,
+    ) -> list[ControlReply]:
+        """Send any control command (``kind``, with its fields) and return the replies: to
+        every worker, to one (``worker_id``), or to those serving ``model``. ControlTimeout
+        when no reply came and ``require_reply``."""
+        return await self._command(
+            kind,
+            worker_id,
+            timeout,
+            request_id=request_id,
+            name=name,
+            model=model,
+            required=require_reply,
+        )
 
     async def _command(
         self,
@@ -303,6 +428,7 @@ class Client:
         *,
         request_id: str | None = None,
         name: str | None = None,
+        model: str | None = None,
         required: bool = True,
     ) -> list[ControlReply]:
         redis = await self.connect()
@@ -317,6 +443,7 @@ class Client:
                     worker_id=worker_id,
                     request_id=request_id,
                     name=name,
+                    model=model,
                     require_reply=required,
                 )
 

@@ -28,6 +28,8 @@ def encode_command(command: ControlCommand) -> bytes:
         fields["request_id"] = command.request_id
     if command.name is not None:
         fields["name"] = command.name
+    if command.model is not None:
+        fields["model"] = command.model
     return pack(fields, "command")
 
 
@@ -46,7 +48,12 @@ def decode_command(data: object, limits: Limits = DEFAULT_LIMITS) -> ControlComm
     if name is not None and not is_valid_cache_name(name):
         raise reader.error("invalid_field", "name", f"must be {CACHE_NAME_RULE}")
     return ControlCommand(
-        kind=kind, id=command_id or "", reply_to=reply_to, request_id=request_id, name=name
+        kind=kind,
+        id=command_id or "",
+        reply_to=reply_to,
+        request_id=request_id,
+        name=name,
+        model=_identifier(reader, "model", required=False),
     )
 
 

@@ -82,6 +82,7 @@ def _decode_job(data: object, limits: Limits) -> Job:
         prefix_boundary=_prefix_boundary(reader, prompt_token_ids, messages),
         deadline=reader.number("deadline"),
         metadata=reader.metadata("metadata"),
+        model=_model(reader),
     )
 
 
@@ -92,6 +93,20 @@ def _request_id(reader: FieldReader) -> str | None:
     if not isinstance(value, str) or not is_valid_id(value):
         raise reader.error("invalid_field", "request_id", f"must be {ID_RULE}")
     return value
+
+
+def _model(reader: FieldReader) -> str | None:
+    value = reader.string("model")
+    if value is not None and not is_valid_id(value):
+        raise reader.error("invalid_field", "model", f"must be {ID_RULE}")
+    return value
+
+
+def readable_model(data: object) -> str | None:
+    """The job's ``model`` when it is readable as for ``readable_request_id``: where a
+    worker forwards a job from the default stream."""
+    model = top_level_strings(data, ("model",)).get("model")
+    return model if model is not None and is_valid_id(model) else None
 
 
 def _prompt(

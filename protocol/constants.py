@@ -21,5 +21,7 @@ DEFAULT_CONTROL_TIMEOUT_SECONDS: Final = 2.0
 
 # Field names inside a job stream entry and a log stream entry.
 JOB_FIELD: Final = "job"
+# The field a forwarded job's entry carries: its id in the default stream (its arrival).
+FORWARDED_FROM_FIELD: Final = "forwarded_from"
 LOG_SEQ_FIELD: Final = "seq"
 LOG_EVENT_FIELD: Final = "e"

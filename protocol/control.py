@@ -13,9 +13,11 @@ from typing import Final
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from protocol.catalogue import live_heartbeats
 from protocol.codec_control import decode_reply, encode_command
 from protocol.connection import RedisClient, publish, raise_if_cancelled
-from protocol.errors import ControlTimeout
+from protocol.errors import ControlTimeout, ProtocolError
+from protocol.identifiers import ID_RULE, is_valid_id
 from protocol.keys import Keys
 from protocol.limits import Limits
 from protocol.messages import ControlCommand, ControlReply
@@ -37,25 +39,41 @@ async def send_command(
     worker_id: str | None = None,
     request_id: str | None = None,
     name: str | None = None,
+    model: str | None = None,
     require_reply: bool = True,
 ) -> list[ControlReply]:
     """Send one command and return the replies.
 
     Waits for one reply when ``worker_id`` names a worker; for a broadcast, for as many
     replies as there are live heartbeats (or pub/sub receivers when no worker heartbeats),
-    or until ``timeout``. Raises ControlTimeout if no reply came and ``require_reply``.
+    or until ``timeout``. With ``model``, only workers serving that model act and answer: a
+    broadcast waits for as many replies as live heartbeats advertise the model, and for
+    none when no heartbeat does. Raises ControlTimeout if no reply came and
+    ``require_reply``.
     """
+    if model is not None and not is_valid_id(model):
+        raise ProtocolError("invalid_field", f"command.model must be {ID_RULE}, got {model!r}")
     token = uuid.uuid4().hex
     command = ControlCommand(
-        kind=kind, id=token, reply_to=keys.reply(token), request_id=request_id, name=name
+        kind=kind,
+        id=token,
+        reply_to=keys.reply(token),
+        request_id=request_id,
+        name=name,
+        model=model,
     )
     channel = keys.control if worker_id is None else keys.control_for(worker_id)
     receivers = await publish(redis, channel, encode_command(command))
-    if worker_id is None:
-        heartbeats = await count_live_workers(redis, keys)
-    else:
+    if worker_id is not None:
         heartbeats = int(await redis.exists(keys.worker(worker_id)))
-    expected = (heartbeats or receivers) if worker_id is None else 1
+        expected = 1
+    elif model is not None:
+        # Workers of other models ignore the command: only this model's may answer.
+        heartbeats = receivers = await count_serving_workers(redis, keys, model)
+        expected = heartbeats
+    else:
+        heartbeats = await count_live_workers(redis, keys)
+        expected = heartbeats or receivers
     try:
         # Nobody subscribed and nobody alive: no reply can come, so don't wait for one.
         if receivers == 0 and heartbeats == 0:
@@ -66,6 +84,10 @@ async def send_command(
         await redis.delete(command.reply_to)
     if not replies and require_reply:
         target = f"worker {worker_id!r}" if worker_id is not None else "any worker"
+        if model is not None:
+            target += f" serving model {model!r}"
+        if worker_id is None and heartbeats == 0 and model is not None:
+            raise ControlTimeout(f"no reply to {kind!r}: no live worker serves model {model!r}")
         raise ControlTimeout(f"no reply to {kind!r} from {target} within {timeout:g} s")
     return replies
 
@@ -76,6 +98,11 @@ async def count_live_workers(redis: RedisClient, keys: Keys) -> int:
     async for _key in redis.scan_iter(match=keys.worker_pattern, count=1000):
         count += 1
     return count
+
+
+async def count_serving_workers(redis: RedisClient, keys: Keys, model: str) -> int:
+    """How many workers have an unexpired heartbeat that advertises ``model``."""
+    return sum(beat.serves(model) for beat in await live_heartbeats(redis, keys))
 
 
 def longest_block(redis: RedisClient) -> float:

@@ -19,6 +19,7 @@ ERROR_CODES: Final[dict[str, str]] = {
     "dead_lettered": "the job failed too many deliveries and was moved to the dead stream",
     "engine_error": "the inference engine failed while running the request",
     "internal": "an unexpected worker failure",
+    "unknown_model": "no live worker serves the model the job names",
     # Sent by workers in control replies.
     "unknown_command": "the worker does not implement this control command",
     "not_found": "the named thing (a saved cache, a request) does not exist",

@@ -6,6 +6,11 @@ braces) is what gets hashed. So per-request names put the request id in a tag
 one script writes them together, while different requests spread over the cluster. The
 dead-letter stream's tag is the job stream's whole name (``mlxw:dead:{mlxw:jobs}``), which puts
 it in the job stream's slot, so one script moves an entry from one to the other.
+
+Each model of the fleet has its own job stream, tagged with the model's name
+(``mlxw:jobs:{qwen3-8b}``, dead letters in ``mlxw:dead:{qwen3-8b}``): the models' queues spread
+over a Cluster's slots, and each stream's dead letters share its slot. ``mlxw:jobs`` stays the
+default stream, for jobs that name no model (and for producers that predate models).
 """
 
 from __future__ import annotations
@@ -17,6 +22,17 @@ from protocol.identifiers import ID_RULE, is_valid_id
 
 # Characters that would break a hash tag or widen the heartbeat SCAN pattern.
 _FORBIDDEN_PREFIX_CHARACTERS = frozenset("{}*?[]\\ \t\r\n")
+
+
+@dataclass(frozen=True, slots=True)
+class JobStream:
+    """One job stream, the consumer group workers read it with, and its dead letters (which
+    share its Cluster slot). ``model`` is None for the default stream."""
+
+    stream: str
+    group: str
+    dead: str
+    model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +62,36 @@ class Keys:
     def dead(self) -> str:
         """The dead-letter stream for jobs that can never run (in the job stream's slot)."""
         return f"{self.prefix}:dead:{{{self.jobs}}}"
+
+    @property
+    def default_stream(self) -> JobStream:
+        """Jobs that name no model; workers forward them to the default model's stream."""
+        return JobStream(self.jobs, self.group, self.dead)
+
+    def model_stream(self, model: str) -> JobStream:
+        """The job stream of one model (hash-tagged by the model's name)."""
+        model = _checked(model, "model name")
+        return JobStream(
+            f"{self.prefix}:jobs:{{{model}}}", self.group, f"{self.prefix}:dead:{{{model}}}", model
+        )
+
+    def forwarded(self, model: str, entry_id: str) -> str:
+        """The marker that the default stream's entry ``entry_id`` was forwarded to the model's
+        stream (in that stream's slot, so one script checks it and appends)."""
+        return f"{self.prefix}:forwarded:{{{_checked(model, 'model name')}}}:{entry_id}"
+
+    @property
+    def model_stream_pattern(self) -> str:
+        """A SCAN MATCH pattern for every model's job stream (braces are literal in a glob)."""
+        return f"{self.prefix}:jobs:{{*}}"
+
+    def model_of_stream(self, stream: str) -> str | None:
+        """The model whose job stream ``stream`` is; None for any other key."""
+        head = f"{self.prefix}:jobs:{{"
+        if not (stream.startswith(head) and stream.endswith("}")):
+            return None
+        model = stream[len(head) : -1]
+        return model if is_valid_id(model) else None
 
     def out(self, request_id: str) -> str:
         """The request's live pub/sub channel."""

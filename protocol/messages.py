@@ -63,6 +63,7 @@ class JobOptions(TypedDict, total=False):
     prefix_boundary: PrefixBoundary
     deadline: float
     metadata: Mapping[str, Any]
+    model: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +101,8 @@ class Job:
     prefix_boundary: PrefixBoundary | None = None
     deadline: float | None = None
     metadata: Mapping[str, Any] | None = None
+    # The fleet's name of the model to run it with; None: the fleet's default model.
+    model: str | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The set sampling fields, ready for ``SamplingParams(**kwargs)`` (lists, not tuples)."""
@@ -227,6 +230,8 @@ class ControlCommand:
     reply_to: str
     request_id: str | None = None
     name: str | None = None
+    # Only workers serving this model act on the command (and answer it); None: every worker.
+    model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

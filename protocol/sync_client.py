@@ -119,43 +119,93 @@ class SyncClient:
     def wait(self, request_id: str, *, timeout: float | None = None) -> TerminalEvent:
         return self._call(self._client.wait(request_id, timeout=timeout))
 
+    def served_models(self) -> frozenset[str]:
+        return self._call(self._client.served_models())
+
     def abort(
-        self, request_id: str, *, timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS
+        self,
+        request_id: str,
+        *,
+        model: str | None = None,
+        timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
     ) -> list[ControlReply]:
-        return self._call(self._client.abort(request_id, timeout=timeout))
+        return self._call(self._client.abort(request_id, model=model, timeout=timeout))
 
     def stats(
-        self, *, worker_id: str | None = None, timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS
+        self,
+        *,
+        worker_id: str | None = None,
+        model: str | None = None,
+        timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
     ) -> list[ControlReply]:
-        return self._call(self._client.stats(worker_id=worker_id, timeout=timeout))
+        return self._call(self._client.stats(worker_id=worker_id, model=model, timeout=timeout))
 
     def ping(
-        self, *, worker_id: str | None = None, timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS
+        self,
+        *,
+        worker_id: str | None = None,
+        model: str | None = None,
+        timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
     ) -> list[ControlReply]:
-        return self._call(self._client.ping(worker_id=worker_id, timeout=timeout))
+        return self._call(self._client.ping(worker_id=worker_id, model=model, timeout=timeout))
 
     def cache_save(
         self,
         name: str,
         *,
         worker_id: str | None = None,
+        model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
     ) -> list[ControlReply]:
-        return self._call(self._client.cache_save(name, worker_id=worker_id, timeout=timeout))
+        return self._call(
+            self._client.cache_save(name, worker_id=worker_id, model=model, timeout=timeout)
+        )
 
     def cache_load(
         self,
         name: str,
         *,
         worker_id: str | None = None,
+        model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
     ) -> list[ControlReply]:
-        return self._call(self._client.cache_load(name, worker_id=worker_id, timeout=timeout))
+        return self._call(
+            self._client.cache_load(name, worker_id=worker_id, model=model, timeout=timeout)
+        )
 
     def cache_clear(
-        self, *, worker_id: str | None = None, timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS
+        self,
+        *,
+        worker_id: str | None = None,
+        model: str | None = None,
+        timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
     ) -> list[ControlReply]:
-        return self._call(self._client.cache_clear(worker_id=worker_id, timeout=timeout))
+        return self._call(
+            self._client.cache_clear(worker_id=worker_id, model=model, timeout=timeout)
+        )
+
+    def control(
+        self,
+        kind: str,
+        *,
+        worker_id: str | None = None,
+        model: str | None = None,
+        request_id: str | None = None,
+        name: str | None = None,
+        timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
+        require_reply: bool = True,
+    ) -> list[ControlReply]:
+        return self._call(
+            self._client.control(
+                kind,
+                worker_id=worker_id,
+                model=model,
+                request_id=request_id,
+                name=name,
+                timeout=timeout,
+                require_reply=require_reply,
+            )
+        )
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()

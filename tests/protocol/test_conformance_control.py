@@ -98,11 +98,12 @@ def test_cache_save_load_and_clear(served: Served) -> None:
     name = new_id("cache").replace(":", "_")
     saved = _check_reply(wire.command("cache_save", name=name), served, ok=True)["result"]
     assert saved["saved"] is True and saved["name"] == name, saved
+    assert saved["model"] == wire.names.model, saved
     assert is_int(saved["entries"]) and saved["entries"] >= 1, saved
     cleared = _check_reply(wire.command("cache_clear"), served, ok=True)["result"]
     assert set(cleared) == {"cleared"} and isinstance(cleared["cleared"], dict), cleared
     loaded = _check_reply(wire.command("cache_load", name=name), served, ok=True)["result"]
-    assert loaded == {"loaded": saved["entries"], "name": name}, loaded
+    assert loaded == {"loaded": saved["entries"], "name": name, "model": wire.names.model}
 
 
 def test_cache_load_of_an_unknown_name_is_not_found(served: Served) -> None:

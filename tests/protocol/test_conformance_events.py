@@ -38,13 +38,14 @@ served = module_worker("conformance-events", lease_seconds=LEASE, max_deliveries
 
 
 def _fake_consumer_takes(served: Served, job: bytes, consumer: str = "ghost") -> str:
-    """XADD a job and XREADGROUP it as ``consumer`` in one transaction, so the worker (blocked
-    in its own XREADGROUP) never sees it new: the fake consumer "dies" holding it."""
+    """XADD a job to the model's stream and XREADGROUP it as ``consumer`` in one transaction,
+    so the worker (blocked in its own XREADGROUP) never sees it new: the fake consumer "dies"
+    holding it."""
     wire = served.wire
     names = wire.names
     with wire.redis.pipeline(transaction=True) as pipe:
-        pipe.xadd(names.jobs, {"job": job})
-        pipe.xreadgroup(names.group, consumer, {names.jobs: ">"}, count=1)
+        pipe.xadd(names.model_jobs, {"job": job})
+        pipe.xreadgroup(names.group, consumer, {names.model_jobs: ">"}, count=1)
         entry_id, read = pipe.execute()
     [[_stream, [(read_id, _fields)]]] = read
     assert read_id == entry_id
@@ -344,6 +345,7 @@ def test_a_finished_request_submitted_again_is_not_run_again(served: Served) -> 
     assert len(seqs) == len(set(seqs)) == len(finished.events)
     assert sum(e.end for e in entries) == 1
     assert wire.redis.xlen(wire.names.jobs) == 0 and wire.pending() == {}
+    assert wire.redis.xlen(wire.names.model_jobs) == 0
     released = Subscriber(wire, rid).open().follow(timeout=5)
     assert [e["seq"] for e in released] == list(range(len(finished.events) + 1))
 
@@ -452,7 +454,7 @@ def test_a_job_delivered_too_often_is_dead_lettered(served: Served) -> None:
     wire.queued_marker(rid)
     job = pack({"v": 1, "request_id": rid, "prompt": "hello", "max_tokens": 4})
     entry_id = _fake_consumer_takes(served, job, "ghost-1")
-    wire.redis.xclaim(names.jobs, names.group, "ghost-2", 0, [entry_id])
+    wire.redis.xclaim(names.model_jobs, names.group, "ghost-2", 0, [entry_id])
     assert wire.pending()[entry_id] == ("ghost-2", MAX_DELIVERIES)
     summary = check_log(wire.wait_for_end(rid, timeout=LEASE + 15), rid)
     reset, error = summary.events

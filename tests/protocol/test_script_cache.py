@@ -47,7 +47,7 @@ def test_a_single_server_runs_scripts_by_sha_after_losing_them(keys: Keys) -> No
                 client, keys, [delta("r1", 2, "b"), done("r1", 3, "ab")], runs={"r1": run_of(1)}
             )
             continued = await begin_attempt(client, keys, "r2", 1, 600, run_of(1))
-            removed = await remove_idle_consumer(client, keys, "nobody")
+            removed = await remove_idle_consumer(client, keys.default_stream, "nobody")
             await client.script_flush()
             echoed = await run_script_each(
                 client, ECHO_KEYS, [([keys.log("e1")], [b"1"]), ([keys.log("e2")], [b"2"])]

@@ -15,6 +15,7 @@ from typing import Any
 import msgpack
 import redis
 
+from tests.support.processes import MODEL
 from tests.support.waiting import wait_until
 
 VERSION = 1
@@ -51,9 +52,11 @@ def entry_ms(entry_id: str | bytes) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Names:
-    """Every key and channel of the spec's "Keys" table under one prefix."""
+    """Every key and channel of the spec's "Keys" table under one prefix; ``model``: the
+    model the worker serves, whose stream its jobs run from (see "Models")."""
 
     prefix: str
+    model: str = MODEL
 
     @property
     def jobs(self) -> str:
@@ -66,6 +69,14 @@ class Names:
     @property
     def dead(self) -> str:
         return f"{self.prefix}:dead:{{{self.prefix}:jobs}}"
+
+    @property
+    def model_jobs(self) -> str:
+        return f"{self.prefix}:jobs:{{{self.model}}}"
+
+    @property
+    def model_dead(self) -> str:
+        return f"{self.prefix}:dead:{{{self.model}}}"
 
     def out(self, request_id: str) -> str:
         return f"{self.prefix}:out:{{{request_id}}}"
@@ -197,18 +208,24 @@ class Wire:
         )
 
     def dead_letters(self) -> list[tuple[str, dict[str, bytes]]]:
-        rows = self.redis.xrange(self.names.dead, "-", "+")
+        """The model stream's dead letters: where a worker dead-letters the jobs it forwarded
+        from the default stream, and those queued on the model's stream."""
+        rows = self.redis.xrange(self.names.model_dead, "-", "+")
         return [
             (entry_id.decode(), {key.decode(): value for key, value in fields.items()})
             for entry_id, fields in rows
         ]
 
     def dead_letter_of(self, job_entry_id: str, timeout: float = 30.0) -> dict[str, bytes]:
-        """The dead-letter entry recording job entry ``job_entry_id`` (waits for it)."""
+        """The dead-letter entry recording job entry ``job_entry_id`` (waits for it): its
+        ``entry_id``, or for a job forwarded from the default stream, its ``forwarded_from``."""
 
         def find() -> dict[str, bytes] | None:
+            wanted = job_entry_id.encode()
             found = [
-                f for _, f in self.dead_letters() if f.get("entry_id") == job_entry_id.encode()
+                f
+                for _, f in self.dead_letters()
+                if f.get("forwarded_from", f.get("entry_id")) == wanted
             ]
             assert len(found) <= 1, f"{job_entry_id} dead-lettered {len(found)} times"
             return found[0] if found else None
@@ -216,17 +233,31 @@ class Wire:
         return wait_until(find, timeout, f"the dead letter of job entry {job_entry_id}")
 
     def pending(self) -> dict[str, tuple[str, int]]:
-        """The group's pending entries: entry id -> (consumer, times delivered)."""
-        rows = self.redis.xpending_range(self.names.jobs, self.names.group, "-", "+", 1000)
+        """The group's pending entries on both job streams (the default one and the model's):
+        entry id -> (consumer, times delivered)."""
+        rows = [
+            row
+            for stream in (self.names.jobs, self.names.model_jobs)
+            for row in self.redis.xpending_range(stream, self.names.group, "-", "+", 1000)
+        ]
         return {
             row["message_id"].decode(): (row["consumer"].decode(), int(row["times_delivered"]))
             for row in rows
         }
 
     def job_entry_gone(self, entry_id: str) -> bool:
-        """Acknowledged (not pending) and deleted from the job stream."""
-        in_stream = self.redis.xrange(self.names.jobs, entry_id, entry_id)
-        return not in_stream and entry_id not in self.pending()
+        """Acknowledged (not pending) and deleted from its job stream; for an entry of the
+        default stream, also the model-stream entry it was forwarded to."""
+        forwarded = [
+            fields
+            for _, fields in self.redis.xrange(self.names.model_jobs, "-", "+")
+            if fields.get(b"forwarded_from") == entry_id.encode()
+        ]
+        in_stream = any(
+            self.redis.xrange(stream, entry_id, entry_id)
+            for stream in (self.names.jobs, self.names.model_jobs)
+        )
+        return not in_stream and not forwarded and entry_id not in self.pending()
 
     def keys(self, pattern: str) -> set[bytes]:
         return set(self.redis.scan_iter(match=f"{self.names.prefix}:{pattern}", count=1000))

@@ -1,0 +1,108 @@
+"""A worker's heartbeat: the JSON value of ``mlxw:worker:{worker_id}`` (see protocol/README.md).
+
+Workers rewrite it every few seconds with a TTL, so the live fleet is the set of these keys. It
+advertises what the worker serves: its models, their free slots and caps, the model it runs
+jobs that name none with, and its version. Readers are lenient: a heartbeat of an older worker
+(no ``models``) still parses, as serving the default stream only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model a worker serves, as its heartbeat tells."""
+
+    max_concurrency: int
+    free_slots: int
+    in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    worker_id: str
+    pid: int
+    started_at: float
+    in_flight: int
+    # The model this worker forwards jobs naming no model to; for an older worker, whatever
+    # it called its model (a path or fixture name).
+    default_model: str | None
+    models: Mapping[str, ServedModel] = field(default_factory=dict)
+    version: str | None = None
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    def encode(self) -> str:
+        return json.dumps(
+            {
+                "worker_id": self.worker_id,
+                "pid": self.pid,
+                "started_at": self.started_at,
+                "in_flight": self.in_flight,
+                # Older readers show one model: ``model`` stays, naming the default.
+                "model": self.default_model,
+                "default_model": self.default_model,
+                "models": {
+                    name: {
+                        "max_concurrency": m.max_concurrency,
+                        "free_slots": m.free_slots,
+                        "in_flight": m.in_flight,
+                    }
+                    for name, m in self.models.items()
+                },
+                "version": self.version,
+            }
+        )
+
+
+def decode_heartbeat(raw: bytes | str | None) -> Heartbeat | None:
+    """The heartbeat in ``raw``; None for a value that is not one (missing, not JSON, no
+    worker id). Fields of the wrong type read as absent rather than fail the whole fleet view."""
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("worker_id"), str):
+        return None
+    default_model = value.get("default_model", value.get("model"))
+    return Heartbeat(
+        worker_id=value["worker_id"],
+        pid=_int(value.get("pid")),
+        started_at=_number(value.get("started_at")),
+        in_flight=_int(value.get("in_flight")),
+        default_model=default_model if isinstance(default_model, str) else None,
+        models=_models(value.get("models")),
+        version=value["version"] if isinstance(value.get("version"), str) else None,
+    )
+
+
+def _models(value: Any) -> dict[str, ServedModel]:
+    if not isinstance(value, dict):
+        return {}
+    return {
+        name: ServedModel(
+            max_concurrency=_int(served.get("max_concurrency")),
+            free_slots=_int(served.get("free_slots")),
+            in_flight=_int(served.get("in_flight")),
+        )
+        for name, served in value.items()
+        if isinstance(name, str) and isinstance(served, dict)
+    }
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value)
