@@ -12,7 +12,8 @@ usage: ops/install-launchd.sh [options]
   --system             LaunchDaemon in /Library/LaunchDaemons (needs root), run as --user
   --user NAME          account the daemon runs as (--system only; default: $SUDO_USER)
   --venv DIR           virtual environment holding bin/mlx-worker (default: the repo's .venv)
-  --model NAME         model to serve (default: smollm2)
+  --model SPEC         model(s) to serve: [NAME=]SOURCE, comma-separated for several
+                       (default: smollm2)
   --drain-timeout S    seconds in-flight jobs get on stop (default: 30); ExitTimeOut = S + 60
   --metrics-port PORT  serve Prometheus metrics on 127.0.0.1:PORT (default: off)
   --label LABEL        launchd label (default: com.mlx-redis-worker)

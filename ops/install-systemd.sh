@@ -12,7 +12,8 @@ usage: ops/install-systemd.sh [options]
   --venv DIR           virtual environment holding bin/mlx-worker (default: the repo's .venv);
                        must be readable by --user, so not under /root
   --user NAME          system user the worker runs as (default: mlxw; created when missing)
-  --model NAME         model to serve, written to a new env file (default: smollm2)
+  --model SPEC         model(s) to serve, [NAME=]SOURCE, comma-separated for several;
+                       written to a new env file (default: smollm2)
   --drain-timeout S    seconds in-flight jobs get on stop (default: 30); TimeoutStopSec = S + 60
   --metrics-port PORT  serve Prometheus metrics on 127.0.0.1:PORT, written to a new env file
   --redis-url-stdin    read the Redis URL (it may hold a password) from stdin

@@ -134,3 +134,23 @@ def test_bad_redis_urls_are_refused_without_their_password(
     assert message.startswith(f"redis_url {shown} is not a Redis URL: "), message
     assert problem in message, message
     assert "S3CRET" not in message
+
+
+def test_several_models_from_every_source(tmp_path: Path) -> None:
+    """A TOML list, a comma-separated MLXW_MODEL and repeated --model flags all name several
+    models; names come from NAME= or the source's last path component."""
+    config = tmp_path / "models.toml"
+    config.write_text('model = ["chat=tiny-qwen3", "tiny"]\ndefault_model = "tiny"\n')
+    from_file = load_settings({}, environ={}, config_file=str(config))
+    assert [(m.name, m.source) for m in from_file.models] == [
+        ("chat", "tiny-qwen3"),
+        ("tiny", "tiny"),
+    ]
+    assert from_file.default_model_name == "tiny"
+    from_env = load_settings({}, environ={"MLXW_MODEL": "tiny, /srv/models/qwen3-8b/"})
+    assert [m.name for m in from_env.models] == ["tiny", "qwen3-8b"]
+    assert from_env.default_model_name == "tiny"
+    with pytest.raises(ValueError, match="model names must differ"):
+        load_settings({}, environ={"MLXW_MODEL": "a=tiny,a=smollm2"})
+    result = mlx_worker("run", "--model", "a=tiny", "--model", "a=smollm2")
+    assert result.returncode == 2 and "model names must differ" in result.stderr

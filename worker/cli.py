@@ -116,6 +116,17 @@ def _add_bench_commands(commands: Any) -> None:
     publish.add_argument("--redis-url", default=None, help="default: a private redis-server")
     publish.set_defaults(func=_lazy("worker.bench.publish_bench", "run_publish_bench"))
 
+    models = benches.add_parser(
+        "models", help="two models on one worker vs one worker each: tok/s per model"
+    )
+    models.add_argument("--models", default="tiny,tiny-qwen3", help="two fixture names or paths")
+    models.add_argument("--concurrency", type=int, default=8, help="streams per model")
+    models.add_argument("--prompt-tokens", type=int, default=32)
+    models.add_argument("--max-tokens", type=int, default=64)
+    models.add_argument("--repeat", type=int, default=3, help="rotations of both layouts")
+    models.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    models.set_defaults(func=_lazy("worker.bench.models_bench", "run_models_bench"))
+
     scheduler = benches.add_parser(
         "scheduler", help="the engine's own host work per token, model replayed"
     )
@@ -160,7 +171,13 @@ def _add_demo_command(commands: Any) -> None:
 
 
 WORKER_FLAGS: dict[str, tuple[type, str]] = {
-    "model": (str, "model folder, hub id, or fixture name (tiny, smollm2)"),
+    "model": (
+        list,
+        "a model to serve, [NAME=]SOURCE with SOURCE a folder, hub id or fixture name (tiny, "
+        "smollm2); repeat for several (env: comma-separated)",
+    ),
+    "default_model": (str, "the model jobs naming none run with (default: the first --model)"),
+    "memory_limit_mb": (int, "memory the models may use (default: what the machine has free)"),
     "redis_url": (
         str,
         "redis://[user:password@]host:port/db (a server or any Cluster node), rediss:// for "
@@ -194,6 +211,8 @@ def _add_worker_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | N
                 parser.add_argument(
                     flag, dest=name, action="store_true", default=None, help=help_text
                 )
+            elif kind is list:
+                parser.add_argument(flag, dest=name, action="append", default=None, help=help_text)
             else:
                 parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
     parser.add_argument(
@@ -205,6 +224,8 @@ def _add_worker_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | N
 
 def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
     flags = {name: getattr(args, name, None) for name in WORKER_FLAGS}
+    if (models := flags.get("model")) is not None:  # --model repeated: a comma-separated list
+        flags["model"] = ",".join(models)
     flags["log_format"] = args.log_format
     flags["log_level"] = args.log_level
     return load_settings(flags, config_file=args.config)

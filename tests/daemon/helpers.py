@@ -16,7 +16,7 @@ from protocol.client import Client
 from protocol.connection import as_text
 from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, Event, QueuedEvent, ResetEvent
 from tests.support.events import text_after_last_reset
-from tests.support.processes import mlx_worker
+from tests.support.processes import MODEL, mlx_worker
 
 
 def health(worker_id: str, redis_url: str, prefix: str) -> int:
@@ -110,17 +110,25 @@ async def log_length(client: Client, request_id: str) -> int:
     return int(await client.redis.xlen(client.keys.log(request_id)))
 
 
-async def pending_ids(client: Client) -> dict[str, str]:
-    """Pending entries of the job group: entry id -> consumer."""
-    keys = client.keys
-    rows = await client.redis.xpending_range(keys.jobs, keys.group, min="-", max="+", count=1000)
+async def pending_ids(client: Client, model: str = MODEL) -> dict[str, str]:
+    """Pending entries of the model's job stream: entry id -> consumer."""
+    stream = client.keys.model_stream(model)
+    rows = await client.redis.xpending_range(
+        stream.stream, stream.group, min="-", max="+", count=1000
+    )
     return {as_text(row["message_id"]): as_text(row["consumer"]) for row in rows}
 
 
-async def settled(client: Client) -> bool:
-    """Every job entry acknowledged (nothing pending) and deleted from the job stream.
+async def settled(client: Client, model: str = MODEL) -> bool:
+    """Every job entry forwarded from the default stream, acknowledged (nothing pending) and
+    deleted from the model's stream.
 
     A worker acknowledges after the terminal event is written, so a client can see ``done``
     a moment before this turns true: wait for it with ``until``.
     """
-    return not await pending_ids(client) and await client.redis.xlen(client.keys.jobs) == 0
+    keys = client.keys
+    return (
+        not await pending_ids(client, model)
+        and await client.redis.xlen(keys.model_stream(model).stream) == 0
+        and await client.redis.xlen(keys.jobs) == 0
+    )

@@ -15,7 +15,7 @@ from protocol.replay_log import publish_events
 from protocol.wire import pack
 from tests.daemon.helpers import check_stream, collect, log_length, settled
 from tests.protocol.helpers import emit
-from tests.support.processes import WorkerFactory
+from tests.support.processes import MODEL, WorkerFactory
 from tests.support.prompts import random_prompts
 from tests.support.waiting import run, until
 
@@ -23,7 +23,8 @@ MAX_TOKENS = 12
 
 
 async def _dead_entries(client: Client) -> list[dict[str, Any]]:
-    entries = await client.redis.xrange(client.keys.dead, "-", "+")
+    """The dead letters of the test model's stream, where every job of these tests runs."""
+    entries = await client.redis.xrange(client.keys.model_stream(MODEL).dead, "-", "+")
     return [{key.decode(): value for key, value in fields.items()} for _entry_id, fields in entries]
 
 
@@ -36,19 +37,28 @@ def test_poison_job_is_dead_lettered_after_max_deliveries_while_others_flow(
     its subscribers (reset, then error dead_lettered); the jobs around it complete.
 
     Also idempotency: a job the ghost finished (done in its log) but never acknowledged is
-    reclaimed and only acknowledged: not run again, no event added."""
+    reclaimed and only acknowledged: not run again, no event added.
+
+    Jobs run, and count their deliveries, on the model's stream: the ghost's two jobs are
+    queued there (no worker serves the model yet, hence ``require_worker=False``); the others
+    go to the default stream and are forwarded."""
 
     async def prepare() -> tuple[str, str, bytes, str, list[str]]:
-        async with Client(redis_url, prefix=prefix) as client:
+        async with Client(redis_url, prefix=prefix, require_worker=False) as client:
             redis, keys = client.redis, client.keys
-            await redis.xgroup_create(keys.jobs, keys.group, id="0", mkstream=True)
-            poison = await client.submit("poison", max_tokens=MAX_TOKENS, temperature=0.0)
-            finished = await client.submit("finished", max_tokens=MAX_TOKENS, temperature=0.0)
-            reply = await redis.xreadgroup(keys.group, "ghost", {keys.jobs: ">"}, count=2)
+            jobs = keys.model_stream(MODEL)
+            await redis.xgroup_create(jobs.stream, jobs.group, id="0", mkstream=True)
+            poison = await client.submit(
+                "poison", model=MODEL, max_tokens=MAX_TOKENS, temperature=0.0
+            )
+            finished = await client.submit(
+                "finished", model=MODEL, max_tokens=MAX_TOKENS, temperature=0.0
+            )
+            reply = await redis.xreadgroup(jobs.group, "ghost", {jobs.stream: ">"}, count=2)
             (entry_id, fields), _ = reply[0][1]
             for _ in range(2):  # each XCLAIM counts one more delivery
-                await redis.xclaim(keys.jobs, keys.group, "ghost", 0, [entry_id])
-            rows = await redis.xpending_range(keys.jobs, keys.group, "-", "+", 10)
+                await redis.xclaim(jobs.stream, jobs.group, "ghost", 0, [entry_id])
+            rows = await redis.xpending_range(jobs.stream, jobs.group, "-", "+", 10)
             counts = [(r["consumer"], r["times_delivered"]) for r in rows]
             assert counts == [(b"ghost", 3), (b"ghost", 1)]
             # The ghost wrote the finished job's done event, then died before its ack.
@@ -120,7 +130,9 @@ def test_garbage_job_entries_are_dead_lettered_and_the_worker_keeps_serving(
 ) -> None:
     """Non-msgpack bytes, an entry without a job field, a job with an invalid field but a
     readable request_id and a job the engine refuses: each is dead-lettered with a reason;
-    the last two also get an `invalid_job` error event; later jobs still complete."""
+    the last two also get an `invalid_job` error event; later jobs still complete. Queued on
+    the default stream, each is forwarded (bytes as they are) to the default model's stream
+    and dead-lettered there."""
     worker = workers.start("w1")
 
     async def main() -> None:
@@ -161,6 +173,7 @@ def test_garbage_job_entries_are_dead_lettered_and_the_worker_keeps_serving(
                 assert done.usage.completion_tokens == MAX_TOKENS
 
             await until(lambda: settled(client), 10, "entries acknowledged")
+            assert await redis.xlen(keys.dead) == 0  # forwarded, not refused on the way
             dead = await _dead_entries(client)
             assert len(dead) == 4, dead
             by_job = {entry[JOB_FIELD]: entry for entry in dead}

@@ -26,7 +26,7 @@ from tests.daemon.helpers import (
     pending_ids,
     settled,
 )
-from tests.support.processes import WorkerFactory
+from tests.support.processes import MODEL, WorkerFactory
 from tests.support.prompts import random_prompts
 from tests.support.references import GreedyReference
 from tests.support.waiting import run, until, wait_until
@@ -454,16 +454,23 @@ def test_an_orphaned_job_runs_before_the_queue_behind_it(
     """A job read by a worker that died must not wait until the stream runs dry: once its
     lease is over it runs as soon as a slot frees, ahead of the newer jobs queued behind it,
     although the one worker left is busy the whole time (its lease runs out only after the
-    worker has filled its slots)."""
+    worker has filled its slots).
+
+    Jobs run from the model's stream, so that is where the dead worker held it: queued there
+    before any worker serves the model (``require_worker=False``); the jobs behind it are
+    queued on the default stream, and forwarded behind it when the worker starts."""
     behind, max_tokens = 40, 32
 
     async def main() -> tuple[list[str], str]:
-        async with Client(redis_url, prefix=prefix) as client:
-            keys = client.keys
-            await client.redis.xgroup_create(keys.jobs, keys.group, id="0", mkstream=True)
-            orphan = await client.submit("orphan", max_tokens=max_tokens, temperature=0.0)
+        async with Client(redis_url, prefix=prefix, require_worker=False) as client:
+            jobs = client.keys.model_stream(MODEL)
+            await client.redis.xgroup_create(jobs.stream, jobs.group, id="0", mkstream=True)
+            orphan = await client.submit(
+                "orphan", model=MODEL, max_tokens=max_tokens, temperature=0.0
+            )
             # A consumer that took the job and died: the entry stays pending under its name.
-            await client.redis.xreadgroup(keys.group, "ghost", {keys.jobs: ">"}, count=1)
+            await client.redis.xreadgroup(jobs.group, "ghost", {jobs.stream: ">"}, count=1)
+            assert list((await pending_ids(client)).values()) == ["ghost"]
             rids = [
                 await client.submit(text, max_tokens=max_tokens, temperature=0.0)
                 for text in random_prompts(behind, seed=41)

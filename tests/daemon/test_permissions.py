@@ -25,7 +25,7 @@ from protocol.keys import Keys
 from protocol.messages import DoneEvent
 from tests.daemon.helpers import check_stream, collect
 from tests.support.environment import clean_environment
-from tests.support.processes import WORKER_COMMAND, WorkerFactory
+from tests.support.processes import MODEL, WORKER_COMMAND, WorkerFactory
 from tests.support.waiting import run
 from worker.daemon.permissions import check_permissions, probes, redis_user
 from worker.local_redis import LocalCluster, RedisServer
@@ -190,8 +190,9 @@ def test_the_documented_minimum_acl_serves_a_job_end_to_end(
     prefix: str,
 ) -> None:
     """A user with exactly the README's minimum ACL line: the worker starts, serves a job to
-    a client of the same user, `group list` works, a clean stop removes the consumer, and
-    Redis denied nothing along the way."""
+    a client of the same user, `group list` works, a clean stop removes the consumer (of both
+    streams it reads: the default one and its model's), and Redis denied nothing along the
+    way."""
     user, url = acl_user(documented_minimum_acl(prefix))
     worker = workers.start("acl-minimum", redis_url=url)
 
@@ -212,11 +213,15 @@ def test_the_documented_minimum_acl_serves_a_job_end_to_end(
     )
     assert listed.returncode == 0, listed.stderr
     rows = [json.loads(line) for line in listed.stdout.splitlines()]
-    assert [(r["name"], r["pending"], r["heartbeat"]) for r in rows] == [("acl-minimum", 0, True)]
+    keys = Keys(prefix)
+    streams = (keys.default_stream, keys.model_stream(MODEL))
+    assert sorted((r["name"], r["stream"], r["pending"], r["heartbeat"]) for r in rows) == [
+        ("acl-minimum", stream.stream, 0, True) for stream in streams
+    ]
     worker.signal(signal.SIGTERM)
     assert worker.wait(30) == 0, worker.log_tail()
-    keys = Keys(prefix)
-    assert admin.xinfo_consumers(keys.jobs, keys.group) == []
+    for stream in streams:
+        assert admin.xinfo_consumers(stream.stream, stream.group) == [], stream
     assert denials(admin, user) == [], denials(admin, user)
 
 

@@ -45,24 +45,27 @@ class FakeQueue:
 class Sourced(Metrics):
     """Metrics with the fake sources a refresh reads."""
 
-    def __init__(self, sources: MetricSources) -> None:
+    def __init__(self, sources: list[MetricSources]) -> None:
         super().__init__(0)
         self.sources = sources
+        self.publisher = SimpleNamespace(round_trips=17)
 
     async def refresh_now(self) -> None:
-        await self.refresh(self.sources)
+        await self.refresh(self.sources, self.publisher)  # type: ignore[arg-type]
+
+
+def source(model: str, group: dict[str, Any] | None, hit_rate: float | None) -> MetricSources:
+    runner = SimpleNamespace(in_flight={"r1": "1-0", "r2": "2-0"}, outcomes={"completed": 5})
+    return MetricSources(
+        model=model,
+        engine=FakeEngine(hit_rate),  # type: ignore[arg-type]
+        runner=runner,  # type: ignore[arg-type]
+        queue=FakeQueue(group),  # type: ignore[arg-type]
+    )
 
 
 def metrics(group: dict[str, Any] | None, hit_rate: float | None) -> Sourced:
-    runner = SimpleNamespace(in_flight={"r1": "1-0", "r2": "2-0"}, outcomes={"completed": 5})
-    publisher = SimpleNamespace(round_trips=17)
-    sources = MetricSources(
-        engine=FakeEngine(hit_rate),  # type: ignore[arg-type]
-        runner=runner,  # type: ignore[arg-type]
-        publisher=publisher,  # type: ignore[arg-type]
-        queue=FakeQueue(group),  # type: ignore[arg-type]
-    )
-    return Sourced(sources)
+    return Sourced([source("tiny", group, hit_rate)])
 
 
 def samples(m: Metrics) -> dict[str, float]:
@@ -77,21 +80,38 @@ def samples(m: Metrics) -> dict[str, float]:
 
 def test_refresh_copies_the_sources() -> None:
     m = metrics({"name": "g", "lag": 3, "pending": 2}, 0.25)
-    assert samples(m)["mlxw_requests_in_flight"] == 0  # nothing before the first refresh
+    # Nothing before the first refresh (no model known yet: no per-model sample at all).
+    assert samples(m).get("mlxw_requests_in_flight{model=tiny}", 0) == 0
     asyncio.run(m.refresh_now())
     found = samples(m)
-    assert found["mlxw_requests_in_flight"] == 2
-    assert found["mlxw_jobs_total{outcome=completed}"] == 5
-    assert found["mlxw_tokens_generated_total"] == 300
-    assert found["mlxw_engine_steps_total"] == 42
-    assert found["mlxw_engine_thread_cpu_seconds_total"] == 1.5
-    assert found["mlxw_engine_step_seconds_total"] == 2.0
-    assert found["mlxw_engine_model_seconds_total"] == 1.75
+    assert found["mlxw_requests_in_flight{model=tiny}"] == 2
+    assert found["mlxw_jobs_total{model=tiny,outcome=completed}"] == 5
+    assert found["mlxw_tokens_generated_total{model=tiny}"] == 300
+    assert found["mlxw_engine_steps_total{model=tiny}"] == 42
+    assert found["mlxw_engine_thread_cpu_seconds_total{model=tiny}"] == 1.5
+    assert found["mlxw_engine_step_seconds_total{model=tiny}"] == 2.0
+    assert found["mlxw_engine_model_seconds_total{model=tiny}"] == 1.75
     assert found["mlxw_redis_round_trips_total"] == 17
-    assert found["mlxw_group_lag"] == 3
-    assert found["mlxw_group_pending"] == 2
-    assert found["mlxw_prefix_cache_hit_rate"] == 0.25
+    assert found["mlxw_group_lag{model=tiny}"] == 3
+    assert found["mlxw_group_pending{model=tiny}"] == 2
+    assert found["mlxw_prefix_cache_hit_rate{model=tiny}"] == 0.25
     assert found["mlxw_metrics_refreshed_timestamp_seconds"] > 0
+
+
+def test_each_model_has_its_own_series() -> None:
+    """Two models: one labelled sample per model; a gap in one model's figures (its group
+    unknown, no prefix cache) leaves the other's samples in place."""
+    m = Sourced([source("tiny", {"lag": 3, "pending": 2}, 0.25), source("small", None, None)])
+    asyncio.run(m.refresh_now())
+    found = samples(m)
+    assert found["mlxw_requests_in_flight{model=tiny}"] == 2
+    assert found["mlxw_requests_in_flight{model=small}"] == 2
+    assert found["mlxw_jobs_total{model=small,outcome=completed}"] == 5
+    assert found["mlxw_group_lag{model=tiny}"] == 3
+    assert "mlxw_group_lag{model=small}" not in found
+    assert "mlxw_group_pending{model=small}" not in found
+    assert found["mlxw_prefix_cache_hit_rate{model=tiny}"] == 0.25
+    assert "mlxw_prefix_cache_hit_rate{model=small}" not in found
 
 
 def test_unknown_values_are_gaps_not_zeros() -> None:
@@ -99,32 +119,44 @@ def test_unknown_values_are_gaps_not_zeros() -> None:
     m = metrics(None, None)
     asyncio.run(m.refresh_now())
     found = samples(m)
-    assert "mlxw_group_lag" not in found
-    assert "mlxw_group_pending" not in found
-    assert "mlxw_prefix_cache_hit_rate" not in found
-    assert found["mlxw_requests_in_flight"] == 2
+    assert "mlxw_group_lag{model=tiny}" not in found
+    assert "mlxw_group_pending{model=tiny}" not in found
+    assert "mlxw_prefix_cache_hit_rate{model=tiny}" not in found
+    assert found["mlxw_requests_in_flight{model=tiny}"] == 2
     m = metrics({"lag": None, "pending": 0}, None)  # Redis may not know the lag
     asyncio.run(m.refresh_now())
-    assert "mlxw_group_lag" not in samples(m)
-    assert samples(m)["mlxw_group_pending"] == 0
+    assert "mlxw_group_lag{model=tiny}" not in samples(m)
+    assert samples(m)["mlxw_group_pending{model=tiny}"] == 0
 
 
 def test_done_hook_feeds_the_histograms() -> None:
     m = metrics({}, None)
     m.observe_done(
-        "r1", Usage(prompt_tokens=3, completion_tokens=8, ttft_ms=40.0, duration_ms=900.0)
+        "tiny", Usage(prompt_tokens=3, completion_tokens=8, ttft_ms=40.0, duration_ms=900.0)
     )
     # Never reached the engine (expired, aborted while queued): not a generation.
-    m.observe_done("r2", Usage(prompt_tokens=0, completion_tokens=0, duration_ms=1.0))
+    m.observe_done("tiny", Usage(prompt_tokens=0, completion_tokens=0, duration_ms=1.0))
     found = samples(m)
-    assert found["mlxw_ttft_seconds_count"] == 1
-    assert found["mlxw_ttft_seconds_sum"] == 0.04
-    assert found["mlxw_ttft_seconds_bucket{le=0.05}"] == 1
-    assert found["mlxw_job_duration_seconds_count"] == 1
-    assert found["mlxw_job_duration_seconds_sum"] == 0.9
+    assert found["mlxw_ttft_seconds_count{model=tiny}"] == 1
+    assert found["mlxw_ttft_seconds_sum{model=tiny}"] == 0.04
+    assert found["mlxw_ttft_seconds_bucket{le=0.05,model=tiny}"] == 1
+    assert found["mlxw_job_duration_seconds_count{model=tiny}"] == 1
+    assert found["mlxw_job_duration_seconds_sum{model=tiny}"] == 0.9
+
+
+def test_done_hook_labels_each_model() -> None:
+    m = metrics({}, None)
+    m.observe_done("tiny", Usage(prompt_tokens=3, completion_tokens=8, ttft_ms=40.0))
+    m.observe_done("small", Usage(prompt_tokens=3, completion_tokens=8, ttft_ms=400.0))
+    m.observe_done("small", Usage(prompt_tokens=3, completion_tokens=8, ttft_ms=20.0))
+    found = samples(m)
+    assert found["mlxw_ttft_seconds_count{model=tiny}"] == 1
+    assert found["mlxw_ttft_seconds_count{model=small}"] == 2
 
 
 def test_registries_are_independent() -> None:
     first, second = metrics({}, None), metrics({}, None)
-    first.observe_done("r", Usage(prompt_tokens=1, completion_tokens=1, ttft_ms=1.0))
-    assert samples(second)["mlxw_ttft_seconds_count"] == 0
+    first.observe_done("tiny", Usage(prompt_tokens=1, completion_tokens=1, ttft_ms=1.0))
+    assert samples(first)["mlxw_ttft_seconds_count{model=tiny}"] == 1
+    # (A labelled histogram shows no sample until its label is first observed.)
+    assert samples(second).get("mlxw_ttft_seconds_count{model=tiny}", 0) == 0

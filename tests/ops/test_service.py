@@ -18,7 +18,7 @@ import pytest
 from protocol.client import Client
 from protocol.messages import DeltaEvent, DoneEvent, Event
 from tests.ops.helpers import NotifySocket, scrape, service_worker
-from tests.support.processes import READY_TIMEOUT
+from tests.support.processes import MODEL, READY_TIMEOUT
 from tests.support.waiting import wait_until
 from worker.local_redis import RedisServer, free_port
 
@@ -97,7 +97,9 @@ def test_sigterm_with_a_job_in_flight_drains_and_exits_0(
             elapsed = time.monotonic() - signalled
             assert rc == 0, worker.log_text()[-4000:]
             await asyncio.wait_for(following, 10)
-            pending = await client.redis.xpending(client.keys.jobs, client.keys.group)
+            # The job ran from the model's stream (forwarded there from the default one).
+            stream = client.keys.model_stream(MODEL)
+            pending = await client.redis.xpending(stream.stream, stream.group)
             assert pending["pending"] == 0  # acknowledged: nobody runs it again
             return events, elapsed
 
@@ -115,21 +117,24 @@ def test_sigterm_with_a_job_in_flight_drains_and_exits_0(
     assert done.usage.completion_tokens == max_tokens
 
 
+# One model's series carry its label.
+LABEL = f'model="{MODEL}"'
+
 # Every family the issue names, as exposition sample names.
 METRIC_SAMPLES = (
-    "mlxw_requests_in_flight",
-    'mlxw_jobs_total{outcome="completed"}',
-    "mlxw_tokens_generated_total",
-    "mlxw_ttft_seconds_count",
+    f"mlxw_requests_in_flight{{{LABEL}}}",
+    f'mlxw_jobs_total{{{LABEL},outcome="completed"}}',
+    f"mlxw_tokens_generated_total{{{LABEL}}}",
+    f"mlxw_ttft_seconds_count{{{LABEL}}}",
     "mlxw_ttft_seconds_bucket",
-    "mlxw_job_duration_seconds_count",
-    "mlxw_group_lag",
-    "mlxw_group_pending",
-    "mlxw_engine_steps_total",
-    "mlxw_engine_thread_cpu_seconds_total",
-    "mlxw_engine_step_seconds_total",
-    "mlxw_engine_model_seconds_total",
-    "mlxw_prefix_cache_hit_rate",
+    f"mlxw_job_duration_seconds_count{{{LABEL}}}",
+    f"mlxw_group_lag{{{LABEL}}}",
+    f"mlxw_group_pending{{{LABEL}}}",
+    f"mlxw_engine_steps_total{{{LABEL}}}",
+    f"mlxw_engine_thread_cpu_seconds_total{{{LABEL}}}",
+    f"mlxw_engine_step_seconds_total{{{LABEL}}}",
+    f"mlxw_engine_model_seconds_total{{{LABEL}}}",
+    f"mlxw_prefix_cache_hit_rate{{{LABEL}}}",
     "mlxw_redis_round_trips_total",
 )
 
@@ -163,12 +168,14 @@ def test_metrics_endpoint_after_a_job(
     try:
         worker.wait_ready()
         before = scrape(port)
-        assert before["mlxw_ttft_seconds_count"] == 0
+        # Nothing observed yet (a labelled histogram shows no sample before its first one).
+        assert before.get(f"mlxw_ttft_seconds_count{{{LABEL}}}", 0) == 0
         done = asyncio.run(one_job())
 
         def refreshed() -> dict[str, Any] | None:
             samples = scrape(port)
-            return samples if samples.get('mlxw_jobs_total{outcome="completed"}') == 1 else None
+            completed = samples.get(f'mlxw_jobs_total{{{LABEL},outcome="completed"}}')
+            return samples if completed == 1 else None
 
         samples = wait_until(refreshed, 10, "the completed job in the metrics")
     finally:
@@ -176,13 +183,17 @@ def test_metrics_endpoint_after_a_job(
     present = {name.split("{")[0] for name in samples if name is not None}
     for name in METRIC_SAMPLES:
         assert name in samples or name in present, f"{name} missing from /metrics"
-    assert samples["mlxw_requests_in_flight"] == 0
-    assert samples["mlxw_tokens_generated_total"] >= done.usage.completion_tokens == 8
-    assert samples["mlxw_ttft_seconds_count"] == 1
-    assert samples["mlxw_job_duration_seconds_count"] == 1
-    assert samples["mlxw_engine_steps_total"] >= 8
-    assert samples["mlxw_engine_thread_cpu_seconds_total"] > 0
+
+    def sample(name: str) -> Any:
+        return samples[f"{name}{{{LABEL}}}"]
+
+    assert sample("mlxw_requests_in_flight") == 0
+    assert sample("mlxw_tokens_generated_total") >= done.usage.completion_tokens == 8
+    assert sample("mlxw_ttft_seconds_count") == 1
+    assert sample("mlxw_job_duration_seconds_count") == 1
+    assert sample("mlxw_engine_steps_total") >= 8
+    assert sample("mlxw_engine_thread_cpu_seconds_total") > 0
     assert samples["mlxw_redis_round_trips_total"] >= 1
-    assert samples["mlxw_group_pending"] == 0
-    assert samples["mlxw_group_lag"] == 0
-    assert 0 <= samples["mlxw_prefix_cache_hit_rate"] <= 1
+    assert sample("mlxw_group_pending") == 0
+    assert sample("mlxw_group_lag") == 0
+    assert 0 <= sample("mlxw_prefix_cache_hit_rate") <= 1

@@ -34,7 +34,13 @@ from protocol.codec_job import decode_job, encode_job
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.messages import DoneEvent, ErrorEvent, Job
-from tests.reliability.streams import check_log, dead_letters, read_log_entries, wait_settled
+from tests.reliability.streams import (
+    check_log,
+    dead_letters,
+    read_log_entries,
+    stray_dead_letters,
+    wait_settled,
+)
 from tests.reliability.workers import ONE_BLAS_THREAD, start_workers
 from tests.support.drivers import (
     DriverResult,
@@ -313,7 +319,7 @@ def _verify(
     keys: Keys,
     followed: dict[str, dict[str, Any]],
 ) -> DriverResult:
-    problems: list[str] = []
+    problems: list[str] = stray_dead_letters(client, keys)
     dead = dead_letters(client, keys)
     dead_by_rid = {row["request_id"].decode(): row for row in dead if "request_id" in row}
     dead_by_job = {row["job"]: row for row in dead}

@@ -22,8 +22,9 @@ Scenarios (each prints the markdown table README's "Reliability" section quotes)
 Every scenario runs through the same code (``faults_harness``): entries submitted and
 followed concurrently through one Client, every replay log checked entry by entry
 (``check_log``), every subscriber's stream against its log (``check_followed``), greedy texts
-against a direct engine run, the dead-letter stream, the job stream and the group's pending
-list at the end, and the workers' logs (burst logging, no prompt or job bytes in them).
+against a direct engine run, the model stream's dead letters, the default and the model job
+streams and their groups' pending lists at the end (entries are queued on the default stream
+and forwarded), and the workers' logs (burst logging, no prompt or job bytes in them).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from tests.reliability.streams import (
     check_log,
     dead_letters,
     read_log_entries,
+    stray_dead_letters,
     wait_settled,
 )
 from tests.support.processes import WorkerProcess
@@ -152,7 +153,10 @@ class Tally:
                 self.longest_restart,
             ),
             ("greedy texts different from the reference", self.mismatches),
-            ("job stream empty, nothing pending", "yes" if self.settled else "NO"),
+            (
+                "job streams (default, model) empty, nothing pending",
+                "yes" if self.settled else "NO",
+            ),
             ("worker log lines naming a prompt or job bytes", self.leaks),
             (
                 "redis_failing / redis_recovered log lines",
@@ -173,7 +177,8 @@ def verify(
     tally = Tally(jobs=sum(s.valid for s in specs), invalid=sum(not s.valid for s in specs))
     tally.settled = wait_settled(admin, keys)
     if not tally.settled:
-        tally.problems.append("the job stream is not empty or entries are still pending")
+        tally.problems.append("the job streams are not empty or entries are still pending")
+    tally.problems += stray_dead_letters(admin, keys)
     dead = dead_letters(admin, keys)
     tally.dead_letters = len(dead)
     for spec in specs:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.client import Client
+from protocol.control import count_live_workers
 from protocol.errors import ClientError
 from protocol.keys import Keys
 from tests.reliability.faults_checks import JobSpec, Tally, admin_redis, verify
@@ -67,6 +68,11 @@ class Driven:
     stats: list[dict[str, Any]]
     stats_error: str | None
     seconds: float
+    # Live heartbeats when the stats command went out: a broadcast waits for that many replies.
+    stats_heartbeats: int | None = None
+    # After a stats reply went missing: the workers that answered a ping broadcast then (a
+    # lost command, or a control channel that stays deaf).
+    pinged_after_miss: list[str] | None = None
 
 
 async def drive(
@@ -116,13 +122,22 @@ async def drive(
         await asyncio.gather(*tasks)
         stats: list[dict[str, Any]] = []
         stats_error = None
+        heartbeats = None
+        with contextlib.suppress(*CONNECTION_ERRORS):  # only for the report of a miss
+            heartbeats = await count_live_workers(await client.connect(), client.keys)
+        pinged = None
         try:
             replies = await client.stats(timeout=5)
             stats = [dict(reply.result or {}) for reply in replies]
         except (ClientError, *CONNECTION_ERRORS) as exc:
             stats_error = f"{type(exc).__name__}: {exc}"
+        if stats_error is None and len(stats) < (heartbeats or 0):
+            with contextlib.suppress(ClientError, *CONNECTION_ERRORS):
+                pinged = sorted(reply.worker_id for reply in await client.ping(timeout=5))
     seconds = time.monotonic() - started
-    return Driven(followed, escaped, fault_values, failures, stats, stats_error, seconds)
+    return Driven(
+        followed, escaped, fault_values, failures, stats, stats_error, seconds, heartbeats, pinged
+    )
 
 
 def publisher_total(stats: Sequence[Mapping[str, Any]], name: str) -> int:
@@ -183,7 +198,7 @@ def run_stage(stage: Stage, title: str, directory: Path) -> Outcome:
     if driven.stats_error is not None:
         problems.append(f"ctl stats failed: {driven.stats_error}")
     elif len(driven.stats) != len(stage.workers):
-        problems.append(f"{len(driven.stats)} stats replies from {len(stage.workers)} workers")
+        problems.append(_missing_stats(driven, stage.workers))
     values: dict[str, Any] = {
         **{name: value for name, value in vars(tally).items() if name not in ("logs", "problems")},
         **driven.fault,
@@ -224,6 +239,33 @@ def run_stage(stage: Stage, title: str, directory: Path) -> Outcome:
         json.dumps({**values, "problems": problems}, default=str, indent=1)
     )
     return Outcome(DriverResult(title, rows, problems, values), driven, tally)
+
+
+def _missing_stats(driven: Driven, workers: Sequence[WorkerProcess]) -> str:
+    """Which workers did not answer ``ctl stats``, with what their logs say about control
+    replies and Redis failures, so that a rare miss can be told apart: a heartbeat missing
+    when the command went out (the broadcast then waits for fewer replies), a lost command, or
+    a reply that failed."""
+    answered = {reply.get("worker_id") for reply in driven.stats}
+    silent = [w for w in workers if w.worker_id not in answered]
+    notes = []
+    for process in silent:
+        events = [
+            f"{e.get('timestamp')} {e.get('event')} {e.get('operation') or e.get('kind') or ''}"
+            for e in process.log_events()
+            if e.get("event") in _STATS_CLUES
+        ]
+        notes.append(f"{process.worker_id}: {events[-4:]}")
+    return (
+        f"{len(driven.stats)} stats replies from {len(workers)} workers "
+        f"({driven.stats_heartbeats} live heartbeats when sent; a ping then answered by "
+        f"{driven.pinged_after_miss}; silent: {'; '.join(notes)})"
+    )
+
+
+_STATS_CLUES = frozenset(
+    {"control_reply_failed", "control_command_failed", "redis_failing", "redis_recovered"}
+)
 
 
 def longest_pause(times: Sequence[float]) -> float:

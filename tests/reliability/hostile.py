@@ -5,11 +5,12 @@
 Garbage bytes, msgpack that is not a map, wrong types, missing fields, huge strings, deep
 nesting, negative or enormous max_tokens, unknown versions, entries without a ``job`` field,
 and protocol-valid jobs with absurd sampling values, plus 5 % valid greedy jobs and a
-sprinkle of hostile control messages, all queued on one worker. The protocol's own decoder
-is the oracle for each entry: what it refuses must be dead-lettered with its code (and get an
-``error`` event when it names a readable request id); what it accepts must end with exactly
-one terminal event. The worker must survive all of it with bounded memory, and the valid
-jobs must come out with the greedy text of a direct engine run.
+sprinkle of hostile control messages, all queued on one worker's default stream, which
+forwards every entry (as it is, garbage included) to its model's stream. The protocol's own
+decoder is the oracle for each entry: what it refuses must be dead-lettered on the model's
+stream with its code (and get an ``error`` event when it names a readable request id); what
+it accepts must end with exactly one terminal event. The worker must survive all of it with
+bounded memory, and the valid jobs must come out with the greedy text of a direct engine run.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ from protocol.client import Client
 from protocol.keys import Keys
 from protocol.messages import DoneEvent, ErrorEvent
 from tests.reliability.hostile_entries import MIB, Entry, Generator, pack
-from tests.reliability.streams import check_log, dead_letters, read_log_entries
+from tests.reliability.streams import (
+    check_log,
+    dead_letters,
+    read_log_entries,
+    settled_now,
+    stray_dead_letters,
+)
 from tests.reliability.workers import worker_process
 from tests.support.drivers import (
     DriverResult,
@@ -43,7 +50,7 @@ from tests.support.drivers import (
     work_directory,
 )
 from tests.support.events import terminal_summary
-from tests.support.processes import WorkerProcess
+from tests.support.processes import MODEL, WorkerProcess
 from tests.support.prompts import random_prompts
 from tests.support.references import tiny_reference
 from worker.local_redis import RedisServer
@@ -227,6 +234,7 @@ def _hostile_control(keys: Keys, rng: random.Random) -> bytes:
             {"kind": "cache_save", "name": "a/b"},
             {"kind": "nonsense"},
             {"kind": "ping", "reply_to": keys.jobs},  # must not EXPIRE the job stream
+            {"kind": "ping", "reply_to": keys.model_stream(MODEL).stream},  # nor the model's
             {"kind": "ping", "reply_to": "elsewhere:list"},
             {"kind": "stats", "id": "bad id"},
             {"kind": "abort"},
@@ -242,8 +250,7 @@ def _hostile_control(keys: Keys, rng: random.Random) -> bytes:
 def _wait_drained(client: redis.Redis, keys: Keys, process: WorkerProcess, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and process.running():
-        pending = client.xpending(keys.jobs, keys.group)["pending"]
-        if client.xlen(keys.jobs) == 0 and pending == 0:
+        if settled_now(client, keys):
             return True
         time.sleep(0.25)
     return False
@@ -260,15 +267,15 @@ async def _ping_and_memory(url: str, prefix: str, worker_id: str) -> tuple[bool,
 def _verify(
     entries: list[Entry], references: dict[str, str], client: redis.Redis, keys: Keys
 ) -> DriverResult:
-    problems: list[str] = []
-    dead = {row["entry_id"].decode(): row for row in dead_letters(client, keys)}
+    problems: list[str] = stray_dead_letters(client, keys)
+    dead = _DeadLetters(dead_letters(client, keys))
     counts: Counter[str] = Counter()
     absurd_endings: Counter[str] = Counter()
     latencies: list[float] = []
     run_times: list[float] = []
     for entry in entries:
         where = f"entry {entry.index} ({entry.kind})"
-        row = dead.pop(entry.entry_id, None)
+        row = dead.pop(entry.data or b"")
         if entry.code is not None:
             counts["bad"] += 1
             if row is None:
@@ -317,10 +324,15 @@ def _verify(
                 problems.append(f"{where}: {terminal} is not the greedy text {want!r}")
         else:
             absurd_endings[terminal_summary(terminal)] += 1
-    problems += [f"unexpected dead letter {entry_id}: {row}" for entry_id, row in dead.items()]
+    problems += [
+        f"unexpected dead letter {row.get('entry_id')!r}: {row.get('code')!r}, "
+        f"job {row.get('job', b'')[:64]!r}"
+        for row in dead.left()
+    ]
     # Hostile control commands named these as reply_to: the worker must not have touched them.
-    if client.ttl(keys.jobs) != -1:
-        problems.append(f"the job stream got a TTL ({client.ttl(keys.jobs)} s)")
+    for stream in (keys.jobs, keys.model_stream(MODEL).stream):
+        if client.ttl(stream) != -1:
+            problems.append(f"the job stream {stream} got a TTL ({client.ttl(stream)} s)")
     if client.exists("elsewhere:list"):
         problems.append("a control command made the worker write a key outside its prefix")
     endings = ", ".join(f"{name} {count}" for name, count in sorted(absurd_endings.items()))
@@ -333,6 +345,26 @@ def _verify(
         f"{percentile(latencies, 50):.2f} / {percentile(latencies, 99):.2f}" if latencies else "-"
     )
     return DriverResult("Hostile input", problems=problems, values=values)
+
+
+class _DeadLetters:
+    """The model stream's dead letters, found by the job bytes they hold. A dead letter's
+    ``entry_id`` is the forwarded entry's id in the model's stream, not the id the producer
+    got from XADD on the default stream, so an entry is matched by its bytes: entries with
+    the same bytes (an empty ``{}``, a missing ``job`` field, forwarded as an empty one) meet
+    the same fate, so which of them takes which dead letter does not matter."""
+
+    def __init__(self, rows: list[dict[str, bytes]]) -> None:
+        self.by_job: dict[bytes, list[dict[str, bytes]]] = {}
+        for row in rows:
+            self.by_job.setdefault(row.get("job", b""), []).append(row)
+
+    def pop(self, job: bytes) -> dict[str, bytes] | None:
+        rows = self.by_job.get(job)
+        return rows.pop(0) if rows else None
+
+    def left(self) -> list[dict[str, bytes]]:
+        return [row for rows in self.by_job.values() for row in rows]
 
 
 def generation_seconds(log: Any) -> float:

@@ -1,6 +1,10 @@
 """Client-side pieces of the reliability drivers: submitting across Redis outages, following a
 request across reconnects, and checking a request's replay log entry by entry.
 
+Jobs are queued on the default stream (``keys.jobs``), as a producer that names no model does:
+the workers forward each entry to the stream of their model (``MODEL``, the reliability
+workers' only model), where it runs, is acknowledged or is dead-lettered.
+
 Imports only ``protocol`` and redis-py (no MLX), so producer processes start fast.
 """
 
@@ -23,6 +27,7 @@ from protocol.keys import Keys
 from protocol.messages import DeltaEvent, DoneEvent, Event, QueuedEvent, ResetEvent
 from protocol.replay_log import publish_events
 from tests.support.events import text_after_last_reset
+from tests.support.processes import MODEL
 
 # What a client sees while Redis restarts under it.
 CONNECTION_ERRORS = (RedisError, ConnectionError, OSError)
@@ -40,7 +45,8 @@ async def submit_raw(
     A plain retry after an ambiguous failure (the command ran, its reply was lost to a Redis
     restart) would queue the job twice, and two entries of one request would run as two
     attempts 1 at once. So a retry first looks whether the entry is already there: still in
-    the job stream, already started (its log grew past the marker), or dead-lettered.
+    the default stream, forwarded to the model's stream, dead-lettered, or already started
+    (its log grew past the marker).
     """
     keys = client.keys
     failures = 0
@@ -68,14 +74,15 @@ async def submit_raw(
 
 
 async def _already_queued(client: Client, data: bytes, request_id: str | None) -> bool:
+    """Looked for in the order an entry moves (default stream, model stream, then dead letters
+    or a started log), so one that moves on during the look is still found further along."""
     keys = client.keys
-    if request_id is not None and await client.redis.xlen(keys.log(request_id)) > 1:
-        return True
-    for stream in (keys.jobs, keys.dead):
+    model = keys.model_stream(MODEL)
+    for stream in (keys.jobs, model.stream, model.dead):
         for _entry_id, fields in await client.redis.xrange(stream, "-", "+"):
             if fields.get(JOB_FIELD.encode()) == data:
                 return True
-    return False
+    return request_id is not None and await client.redis.xlen(keys.log(request_id)) > 1
 
 
 # -- following ------------------------------------------------------------------------------
@@ -291,26 +298,45 @@ def check_followed(followed: Followed, log: LogCheck) -> list[str]:
     return problems
 
 
-def wait_settled(admin: Any, keys: Keys, timeout: float = 60.0) -> bool:
-    """The job stream empty and nothing pending in the group (a worker acknowledges and
-    deletes an entry just after its terminal event); False after ``timeout``."""
+def settled_now(admin: Any, keys: Keys, model: str = MODEL) -> bool:
+    """Everything forwarded (the default stream empty, nothing pending on it), and the
+    model's stream empty with nothing pending (a worker acknowledges and deletes an entry
+    just after its terminal event)."""
+    stream = keys.model_stream(model)
+    return all(
+        admin.xlen(name) == 0 and admin.xpending(name, group)["pending"] == 0
+        for name, group in ((keys.jobs, keys.group), (stream.stream, stream.group))
+    )
+
+
+def wait_settled(admin: Any, keys: Keys, timeout: float = 60.0, model: str = MODEL) -> bool:
+    """``settled_now``, waited for; False after ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with suppress(*CONNECTION_ERRORS):
-            if admin.xlen(keys.jobs) == 0 and admin.xpending(keys.jobs, keys.group)["pending"] == 0:
+            if settled_now(admin, keys, model):
                 return True
         time.sleep(0.2)
     return False
 
 
-def dead_letters(redis: Any, keys: Keys) -> list[dict[str, bytes]]:
-    """Every entry of the dead-letter stream (field names decoded, values as bytes)."""
+def dead_letters(redis: Any, keys: Keys, model: str = MODEL) -> list[dict[str, bytes]]:
+    """Every entry of the model stream's dead letters (field names decoded, values as bytes):
+    jobs queued on the default stream are forwarded there first, and dead-lettered there."""
     rows: list[dict[str, bytes]] = []
     start: bytes | str = "-"
-    while batch := redis.xrange(keys.dead, start, "+", count=1000):
+    while batch := redis.xrange(keys.model_stream(model).dead, start, "+", count=1000):
         rows += [{k.decode(): v for k, v in fields.items()} for _, fields in batch]
         start = b"(" + batch[-1][0]
     return rows
+
+
+def stray_dead_letters(redis: Any, keys: Keys) -> list[str]:
+    """Problems if the default stream has dead letters: every entry is forwarded from there
+    (garbage included), so jobs are dead-lettered on a model's stream, never on the default
+    stream's."""
+    count = int(redis.xlen(keys.dead))
+    return [f"{count} dead letters on the default stream ({keys.dead})"] if count else []
 
 
 def _short(values: Sequence[int]) -> str:

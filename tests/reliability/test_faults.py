@@ -27,7 +27,7 @@ def _assert_every_job_ended_once(result: DriverResult) -> None:
     assert values["duplicate_endings"] == 0
     assert values["repeated_seqs"] == 0
     assert values["bad_logs"] == 0
-    assert values["settled"], "the job stream must be empty and nothing pending"
+    assert values["settled"], "the job streams (default, model) must be empty, nothing pending"
     assert values["leaks"] == 0, "no worker log line may carry a prompt or job bytes"
     assert values["exit_codes"] == [0] * len(values["exit_codes"])
 

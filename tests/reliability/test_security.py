@@ -21,7 +21,7 @@ from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.messages import DoneEvent, ErrorEvent
 from tests.reliability.workers import worker_process
-from tests.support.processes import mlx_worker
+from tests.support.processes import MODEL, mlx_worker
 from tests.support.prompts import random_prompts
 from tests.support.references import tiny_reference
 from worker.local_redis import RedisServer, free_port
@@ -35,7 +35,7 @@ MINIMAL_COMMANDS = (
     "hello ping info xadd xrange xrevrange xreadgroup xgroup|create xautoclaim xclaim xpending "
     "xack xdel xinfo|groups xinfo|consumers xgroup|delconsumer evalsha script|load "
     "publish subscribe unsubscribe spublish ssubscribe sunsubscribe get set del "
-    "exists expire pexpire rpush blpop scan"
+    "exists expire pexpire rpush blpop scan xlen time"
 )
 ACL_MINIMAL = ("~mlxw:*", "&mlxw:*", "-@all", *(f"+{name}" for name in MINIMAL_COMMANDS.split()))
 
@@ -177,6 +177,14 @@ def test_acl_user_confined_to_the_prefix_runs_everything_and_nothing_else(
             assert completed.returncode == status, (command, completed.stdout, completed.stderr)
         submitted, _ = timed_mlx_worker("submit", "hello", "--max-tokens", "4", "--redis-url", url)
         assert submitted.returncode == 0, submitted.stderr
+        for command in (
+            ("submit", "hi", "--max-tokens", "2", "--model", MODEL),
+            ("ctl", "stats", "--model", MODEL),
+            ("models",),
+            ("group", "list"),
+        ):
+            completed, _ = timed_mlx_worker(*command, "--redis-url", url)
+            assert completed.returncode == 0, (command, completed.stdout, completed.stderr)
 
         async def main() -> None:
             async with Client(url) as client:
@@ -188,7 +196,7 @@ def test_acl_user_confined_to_the_prefix_runs_everything_and_nothing_else(
                     else None
                 )
                 long_id = await client.submit("a long one", max_tokens=400, temperature=0.0)
-                while admin.xlen(keys.log(long_id)) < 5:  # (the admin: XLEN is not granted)
+                while admin.xlen(keys.log(long_id)) < 5:
                     await asyncio.sleep(0.05)
                 first.kill()
                 second.start()
@@ -201,7 +209,9 @@ def test_acl_user_confined_to_the_prefix_runs_everything_and_nothing_else(
         health, _ = timed_mlx_worker("health", "--worker-id", "acl-2", "--redis-url", url)
         assert health.returncode == 0, health.stderr
         assert second.stop() == 0
-        assert admin.xlen(keys.dead) == 1
+        # Forwarded from the default stream to the model's, and dead-lettered there.
+        assert admin.xlen(keys.model_stream(MODEL).dead) == 1
+        assert admin.xlen(keys.dead) == 0
         denied = admin.acl_log()
         assert denied == [], denied
 
@@ -401,17 +411,19 @@ def test_control_commands_stay_inside_the_cache_dir_and_the_reply_lists(
                     assert answer["error"]["code"] == "invalid_field", answer
                 replies = await client.cache_save("inside-ok")
                 assert [r.ok for r in replies] == [True], replies
-                for reply_to in (keys.jobs, "victim", "other:reply:{x}", f"{prefix}:reply:x"):
+                for reply_to in (*streams, "victim", "other:reply:{x}", f"{prefix}:reply:x"):
                     await client.redis.publish(keys.control, _command(prefix, "ping", reply_to))
                 assert [r.ok for r in await client.ping()] == [True]
 
+        streams = (keys.jobs, keys.model_stream(MODEL).stream)
         asyncio.run(main())
         assert list(outside.iterdir()) == []
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
             ["caches", "outside", "worker-ctl-1.log"]
         )
         assert (caches / "inside-ok").is_dir()
-        assert admin.ttl(keys.jobs) == -1 and admin.type(keys.jobs) == b"stream"
+        for stream in streams:  # the default stream, and the model's the job ran on
+            assert admin.ttl(stream) == -1 and admin.type(stream) == b"stream", stream
         assert admin.get("victim") == b"keep me" and admin.ttl("victim") == -1
         assert not admin.exists("other:reply:{x}", f"{prefix}:reply:x")
         refused = [e for e in process.log_events() if e["event"].startswith("control_command")]
@@ -460,12 +472,15 @@ def test_prompt_and_max_tokens_caps_hold(tmp_path: Path, password_server: RedisS
                     await client.submit(prompt_token_ids=[1] * 32769)
                 for data in jobs.values():
                     await client.redis.xadd(keys.jobs, {"job": data})
-                while await client.redis.xlen(keys.jobs) > 0:
+                # Forwarded to the model's stream, then worked off there.
+                while await client.redis.xlen(keys.jobs) + await client.redis.xlen(stream) > 0:
                     await asyncio.sleep(0.05)
                 return {rid: await _ending(client, rid) for rid in cases}
 
+        stream = keys.model_stream(MODEL).stream
         endings = asyncio.run(main())
-        dead = {fields[b"job"]: fields for _, fields in admin.xrange(keys.dead)}
+        assert admin.xlen(keys.dead) == 0
+        dead = {fields[b"job"]: fields for _, fields in admin.xrange(keys.model_stream(MODEL).dead)}
         for rid, (_, code, event) in cases.items():
             end = endings[rid]
             if code is None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from redis.exceptions import RedisError
+from redis.exceptions import MovedError, RedisError
 
 from protocol.keys import Keys
 from tests.support.environment import FAST_ENV, clean_environment
@@ -28,6 +28,10 @@ from tests.support.waiting import wait_until
 # worker.cli` where the venv has none.
 _SCRIPT = Path(sys.executable).with_name("mlx-worker")
 WORKER_COMMAND = (str(_SCRIPT),) if _SCRIPT.exists() else (sys.executable, "-m", "worker.cli")
+
+# The model test workers serve (its fleet name too): jobs naming no model run on it, from its
+# stream (``keys.model_stream(MODEL)``), where its dead letters go as well.
+MODEL = "tiny"
 
 # Loading the model and joining the group takes a few seconds alone on a quiet machine.
 READY_TIMEOUT = 60.0
@@ -73,7 +77,7 @@ class WorkerProcess:
         *,
         prefix: str,
         redis_url: str | None = None,
-        model: str = "tiny",
+        model: str = MODEL,
         cache_dir: Path | None = None,
         flags: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
@@ -166,10 +170,17 @@ class WorkerProcess:
         return any(event.get("event") == "worker_ready" for event in events)
 
     def heartbeat_alive(self) -> bool:
-        """Whether the worker's heartbeat key exists (on a single server's URL)."""
+        """Whether the worker's heartbeat key exists (a single server's URL, or a Cluster
+        node's: a MOVED reply says which)."""
         assert self.redis_url is not None, "the heartbeat is read through the worker's URL"
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=2, socket_connect_timeout=2)
+        options: dict[str, Any] = {"socket_timeout": 2, "socket_connect_timeout": 2}
+        client: redis.Redis | redis.RedisCluster = redis.Redis.from_url(self.redis_url, **options)
         try:
+            try:
+                return bool(client.exists(self.keys.worker(self.worker_id)))
+            except MovedError:
+                client.close()
+            client = redis.RedisCluster.from_url(self.redis_url, **options)
             return bool(client.exists(self.keys.worker(self.worker_id)))
         except RedisError:
             return False
@@ -266,7 +277,7 @@ class WorkerFactory:
         *,
         redis_url: str | None = None,
         prefix: str | None = None,
-        model: str = "tiny",
+        model: str = MODEL,
         cache_dir: Path | None = None,
         max_concurrency: int | None = 4,
         lease_seconds: float | None = 5.0,

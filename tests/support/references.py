@@ -51,7 +51,11 @@ class GreedyReference:
 
 
 @functools.cache
+def model_reference(model: str) -> GreedyReference:
+    """A model's reference, one per process, on a model object of its own: an engine takes
+    ownership of the model it runs."""
+    return GreedyReference(load_model(model))
+
+
 def tiny_reference() -> GreedyReference:
-    """The tiny model's reference, one per process, on a model object of its own: an engine
-    takes ownership of the model it runs."""
-    return GreedyReference(load_model("tiny"))
+    return model_reference("tiny")

@@ -83,12 +83,12 @@ class Level:
     raw: list[Run] = field(default_factory=list)
 
 
-def _pct(values: list[float], q: float) -> float:
+def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _through_redis(
+async def through_redis(
     client: Client, prompts: list[list[int]], max_tokens: int
 ) -> tuple[int, list[float], list[float], float]:
     start = time.perf_counter()
@@ -124,7 +124,7 @@ async def _worker_counters(client: Client) -> tuple[int, int]:
     return int(publisher.get("steps", 0)), int(publisher.get("round_trips", 0))
 
 
-def _process_cpu(pid: int) -> float | None:
+def process_cpu(pid: int) -> float | None:
     """User + system CPU seconds of a process, from /proc (Linux); None where there is none."""
     try:
         after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -137,7 +137,7 @@ def _cpu_of(pids: dict[str, list[int]]) -> dict[str, float | None]:
     """CPU seconds of each named group of processes (summed); None where one is unreadable."""
     cpu: dict[str, float | None] = {}
     for name, group in pids.items():
-        known = [s for s in (_process_cpu(pid) for pid in group) if s is not None]
+        known = [s for s in (process_cpu(pid) for pid in group) if s is not None]
         cpu[name] = sum(known) if group and len(known) == len(group) else None
     return cpu
 
@@ -162,7 +162,7 @@ def run_e2e(topology: Topology, prompts: list[list[int]], max_tokens: int) -> Ru
         async with Client(topology.url, prefix=topology.prefix) as client:
             steps_before, trips_before = await _worker_counters(client)
             cpu_before = _cpu_of(pids)
-            tokens, ttfts, latencies, seconds = await _through_redis(client, prompts, max_tokens)
+            tokens, ttfts, latencies, seconds = await through_redis(client, prompts, max_tokens)
             cpu_after = _cpu_of(pids)
             steps_after, trips_after = await _worker_counters(client)
         steps = steps_after - steps_before
@@ -214,7 +214,7 @@ def _start_worker(
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _stop_worker(process: subprocess.Popen[bytes]) -> None:
+def stop_worker(process: subprocess.Popen[bytes]) -> None:
     process.terminate()
     process.wait(timeout=60)
 
@@ -250,7 +250,7 @@ def _start_topologies(
         log_path = os.path.join(tempfile.gettempdir(), f"mlxw-{prefix}.log")
         print(f"{'Redis' if name == SINGLE else name}: {what}; worker log: {log_path}")
         process = _start_worker(url, prefix, args, log_path)
-        stack.callback(_stop_worker, process)
+        stack.callback(stop_worker, process)
         path = f"end to end, {name}" if args.cluster else "end to end (Redis + worker + client)"
         topologies.append(Topology(name, path, url, prefix, process))
     for topology in topologies:  # the workers load the model meanwhile
@@ -293,14 +293,14 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
 
 def _triple(values: list[float]) -> tuple[float, float, float]:
     """Average, p50 and p99 of one run's values."""
-    return statistics.fmean(values), _pct(values, 0.5), _pct(values, 0.99)
+    return statistics.fmean(values), pct(values, 0.5), pct(values, 0.99)
 
 
 def _median_triple(triples: list[tuple[float, float, float]]) -> str:
     return " / ".join(f"{statistics.median(t[i] for t in triples) * 1e3:.0f}" for i in range(3))
 
 
-def _ratio(a: list[Run], b: list[Run]) -> float:
+def ratio(a: list[Run], b: list[Run]) -> float:
     """Median over rotations of a's tok/s over b's in the same rotation."""
     return statistics.median(
         x.tokens_per_second / y.tokens_per_second for x, y in zip(a, b, strict=True)
@@ -335,24 +335,24 @@ def _cpu_line(repeats: list[Run]) -> str | None:
 def _summary(level: Level) -> list[str]:
     """The ratios of one concurrency: one topology as the bench always printed them; two
     side by side, and the Cluster against the single node."""
-    engine_vs_raw = f"engine / raw BatchGenerator = {_ratio(level.engine, level.raw):.3f}"
+    engine_vs_raw = f"engine / raw BatchGenerator = {ratio(level.engine, level.raw):.3f}"
     if len(level.e2e) == 1:
         (e2e,) = level.e2e.values()
         cpu = _cpu_line(e2e)
         return [
             f"concurrency {level.concurrency}: end-to-end / engine alone tok/s = "
-            f"{_ratio(e2e, level.engine):.3f}; {engine_vs_raw}",
+            f"{ratio(e2e, level.engine):.3f}; {engine_vs_raw}",
             *([f"  end to end, {cpu}"] if cpu else []),
         ]
     lines = [f"concurrency {level.concurrency}: {engine_vs_raw}"]
     for name, e2e in level.e2e.items():
         cpu = _cpu_line(e2e)
         lines.append(
-            f"  {name}: end-to-end / engine alone tok/s = {_ratio(e2e, level.engine):.3f}, "
+            f"  {name}: end-to-end / engine alone tok/s = {ratio(e2e, level.engine):.3f}, "
             f"round trips / step {_per_step(e2e)}" + (f"; {cpu}" if cpu else "")
         )
     single, cluster = level.e2e[SINGLE], level.e2e[CLUSTER]
-    versus = _ratio(cluster, single)
+    versus = ratio(cluster, single)
     lines.append(
         f"  cluster / single = {versus:.2f} (goal ≥ {CLUSTER_GOAL:.2f}: "
         f"{'met' if versus >= CLUSTER_GOAL else 'MISSED'}; end-to-end tok/s, median of "

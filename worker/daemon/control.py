@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,26 +63,26 @@ class ControlListener:
         hub: ChannelHub,
         keys: Keys,
         worker_id: str,
-        engine: EngineCore,
+        engines: Mapping[str, EngineCore],
         cache_dir: Path,
         reply_ttl: int,
         limits: Limits,
         abort_job: Callable[[str], Awaitable[dict[str, Any]]],
-        extra_stats: Callable[[], Awaitable[dict[str, Any]]],
+        stats: Callable[[str | None], Awaitable[dict[str, Any]]],
     ) -> None:
-        """``abort_job`` runs the abort command (the worker knows where a request is: running,
-        in its backlog, or only in the stream); ``extra_stats`` adds the worker's own figures
-        to the stats reply."""
+        """``engines``: the worker's, by model name; ``abort_job`` runs the abort command (the
+        worker knows where a request is: running, in its backlog, or only in the stream);
+        ``stats`` gives the stats reply (of one model, or of all for None)."""
         self.redis = redis
         self.hub = hub
         self.keys = keys
         self.worker_id = worker_id
-        self.engine = engine
+        self.engines = engines
         self.cache_dir = cache_dir
         self.reply_ttl = reply_ttl
         self.limits = limits
         self.abort_job = abort_job
-        self.extra_stats = extra_stats
+        self.stats = stats
         self.handled = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -116,6 +116,10 @@ class ControlListener:
             if rejected is not None and answered:
                 # It says where to answer: tell the sender why.
                 await self._reply(rejected, self._error(rejected, exc.code, exc.message))
+            return
+        if command.model is not None and command.model not in self.engines:
+            # For the workers of another model: they answer it, this one stays silent (the
+            # sender counts only the heartbeats that advertise the model).
             return
         if not self._is_reply_list(command.reply_to):
             # RPUSH + EXPIRE on a key the sender picked would let anyone who may publish here
@@ -164,37 +168,51 @@ class ControlListener:
                 raise CommandRefused("missing_field", "abort needs request_id")
             return await self.abort_job(command.request_id)
         if kind == "stats":
-            cache = self.engine.cache_stats()
-            return {
-                "engine": self.engine.stats().as_dict(),
-                "prefix_cache": cache.as_dict() if cache is not None else None,
-                **(await self.extra_stats()),
-            }
+            return await self.stats(command.model)
         if kind == "cache_save":
+            model, engine = self._one_engine(command)
             path = cache_path(self.cache_dir, command.name)
             self.cache_dir.mkdir(parents=True, exist_ok=True)
-            saved = await asyncio.to_thread(self.engine.save_cache_to_disk, str(path))
+            saved = await asyncio.to_thread(engine.save_cache_to_disk, str(path))
             if not saved:
                 raise CommandRefused("internal", "the prefix cache could not be saved (see logs)")
-            cache = self.engine.cache_stats()
+            cache = engine.cache_stats()
             entries = cache.entries if cache is not None else 0
-            return {"saved": True, "name": command.name, "entries": entries}
+            return {"saved": True, "name": command.name, "entries": entries, "model": model}
         if kind == "cache_load":
+            model, engine = self._one_engine(command)
             path = cache_path(self.cache_dir, command.name)
             if not path.is_dir():
                 raise CommandRefused("not_found", f"no saved cache named {command.name!r}")
             try:
-                loaded = await asyncio.to_thread(self.engine.load_cache_checked, str(path))
+                loaded = await asyncio.to_thread(engine.load_cache_checked, str(path))
             except IncompatibleCacheError as exc:
                 # Not `loaded: 0`: the operator must learn the cache is unusable here, and why.
                 raise CommandRefused(
                     "incompatible_cache", f"cache {command.name!r}: {exc.reason}"
                 ) from exc
-            return {"loaded": loaded, "name": command.name}
+            return {"loaded": loaded, "name": command.name, "model": model}
         if kind == "cache_clear":
-            cleared = await asyncio.to_thread(self.engine.clear_runtime_caches)
-            return {"cleared": cleared or {}}
+            cleared: dict[str, Any] = {
+                model: await asyncio.to_thread(engine.clear_runtime_caches) or {}
+                for model, engine in self.engines.items()
+                if command.model in (None, model)
+            }
+            # A worker of one model answers as before models: what was dropped, by cache.
+            return {"cleared": next(iter(cleared.values())) if len(self.engines) == 1 else cleared}
         raise CommandRefused("unknown_command", f"unknown command {kind!r}")
+
+    def _one_engine(self, command: ControlCommand) -> tuple[str, EngineCore]:
+        """The engine a cache save or load is for: the command's model, or the worker's only
+        one. A saved cache holds one model's state, so a worker of several needs the name."""
+        if command.model is not None:
+            return command.model, self.engines[command.model]
+        if len(self.engines) == 1:
+            return next(iter(self.engines.items()))
+        raise CommandRefused(
+            "invalid_field",
+            f"{command.kind} needs model: this worker serves {', '.join(self.engines)}",
+        )
 
     def _error(self, command: ControlCommand, code: str, message: str) -> ControlReply:
         return ControlReply(

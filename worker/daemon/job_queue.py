@@ -14,9 +14,9 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from protocol.connection import RedisClient, as_text
-from protocol.constants import JOB_FIELD
+from protocol.constants import FORWARDED_FROM_FIELD, JOB_FIELD
 from protocol.group import remove_idle_consumer
-from protocol.keys import Keys
+from protocol.keys import JobStream
 from protocol.lua import run_script
 
 # KEYS[1] job stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids. Re-claiming only
@@ -63,6 +63,13 @@ class Delivery:
     entry_id: str
     job_bytes: bytes | None
     times_delivered: int
+    # The id the job first had in the default stream, for a job forwarded from there: the
+    # job's arrival, from which its usage timings count, is that entry's time.
+    forwarded_from: str | None = None
+
+    @property
+    def arrival_id(self) -> str:
+        return self.forwarded_from or self.entry_id
 
 
 DEFAULT_DEAD_LETTER_MAXLEN = 10_000
@@ -73,7 +80,7 @@ class JobQueue:
         self,
         *,
         redis: RedisClient,
-        keys: Keys,
+        stream: JobStream,
         consumer: str,
         lease_ms: int,
         dead_letter_maxlen: int = DEFAULT_DEAD_LETTER_MAXLEN,
@@ -81,7 +88,7 @@ class JobQueue:
         if dead_letter_maxlen < 1:
             raise ValueError(f"dead_letter_maxlen must be > 0, got {dead_letter_maxlen}")
         self.redis = redis
-        self.keys = keys
+        self.stream = stream
         self.consumer = consumer
         self.lease_ms = lease_ms
         self.dead_letter_maxlen = dead_letter_maxlen
@@ -91,7 +98,9 @@ class JobQueue:
         """Create the consumer group (and the stream) unless it exists; also after Redis lost
         its data, which takes the group with it."""
         try:
-            await self.redis.xgroup_create(self.keys.jobs, self.keys.group, id="0", mkstream=True)
+            await self.redis.xgroup_create(
+                self.stream.stream, self.stream.group, id="0", mkstream=True
+            )
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -107,8 +116,8 @@ class JobQueue:
         """Take over entries idle longer than the lease (their worker died), following the
         XAUTOCLAIM cursor across calls so the whole pending list is visited over time."""
         reply: Any = await self.redis.xautoclaim(
-            self.keys.jobs,
-            self.keys.group,
+            self.stream.stream,
+            self.stream.group,
             self.consumer,
             min_idle_time=self.lease_ms,
             start_id=self._reclaim_cursor,
@@ -125,15 +134,15 @@ class JobQueue:
         lost: Any = await run_script(
             self.redis,
             EXTEND_LEASES,
-            [self.keys.jobs],
-            [self.keys.group, self.consumer, *entry_ids],
+            [self.stream.stream],
+            [self.stream.group, self.consumer, *entry_ids],
         )
         return [as_text(entry_id) for entry_id in lost]
 
     async def ack(self, entry_id: str) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(self.keys.jobs, self.keys.group, entry_id)
-            pipe.xdel(self.keys.jobs, entry_id)
+            pipe.xack(self.stream.stream, self.stream.group, entry_id)
+            pipe.xdel(self.stream.stream, entry_id)
             await pipe.execute()
 
     async def dead_letter(
@@ -151,12 +160,14 @@ class JobQueue:
         }
         if request_id is not None:
             fields["request_id"] = request_id
+        if delivery.forwarded_from is not None:
+            fields[FORWARDED_FROM_FIELD] = delivery.forwarded_from
         pairs = [item for field in fields.items() for item in field]
         moved = await run_script(
             self.redis,
             DEAD_LETTER,
-            [self.keys.jobs, self.keys.dead],
-            [self.keys.group, self.consumer, delivery.entry_id, self.dead_letter_maxlen, *pairs],
+            [self.stream.stream, self.stream.dead],
+            [self.stream.group, self.consumer, delivery.entry_id, self.dead_letter_maxlen, *pairs],
         )
         return bool(moved)
 
@@ -164,13 +175,13 @@ class JobQueue:
         """Remove this worker's consumer from the group unless it still holds pending entries
         (jobs left for a restart or for another worker to reclaim); True when it is gone. For
         a clean stop: otherwise every stopped worker's id stays in the group forever."""
-        return await remove_idle_consumer(self.redis, self.keys, self.consumer)
+        return await remove_idle_consumer(self.redis, self.stream, self.consumer)
 
     async def group_info(self) -> dict[str, Any]:
         """Lag and pending count of our group (for stats)."""
-        groups: Any = await self.redis.xinfo_groups(self.keys.jobs)
+        groups: Any = await self.redis.xinfo_groups(self.stream.stream)
         for group in groups:
-            if as_text(group.get("name", group.get(b"name", b""))) == self.keys.group:
+            if as_text(group.get("name", group.get(b"name", b""))) == self.stream.group:
                 return {
                     as_text(k): (as_text(v) if isinstance(v, bytes) else v)
                     for k, v in group.items()
@@ -179,9 +190,9 @@ class JobQueue:
 
     async def _read(self, stream_id: str, count: int, block_ms: int | None) -> list[Delivery]:
         reply: Any = await self.redis.xreadgroup(
-            self.keys.group,
+            self.stream.group,
             self.consumer,
-            {self.keys.jobs: stream_id},
+            {self.stream.stream: stream_id},
             count=count,
             block=block_ms,
         )
@@ -195,8 +206,8 @@ class JobQueue:
             return []
         ids = [as_text(entry_id) for entry_id, _ in live]
         pending: Any = await self.redis.xpending_range(
-            self.keys.jobs,
-            self.keys.group,
+            self.stream.stream,
+            self.stream.group,
             min=ids[0],
             max=ids[-1],
             count=len(ids) + 64,
@@ -206,11 +217,13 @@ class JobQueue:
         deliveries = []
         for entry_id, (_, fields) in zip(ids, live, strict=True):
             job = fields.get(JOB_FIELD.encode(), fields.get(JOB_FIELD))
+            origin = fields.get(FORWARDED_FROM_FIELD.encode())
             deliveries.append(
                 Delivery(
                     entry_id=entry_id,
                     job_bytes=job if isinstance(job, bytes) else None,
                     times_delivered=counts.get(entry_id, 1),
+                    forwarded_from=as_text(origin) if isinstance(origin, bytes) else None,
                 )
             )
         return deliveries

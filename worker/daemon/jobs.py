@@ -80,8 +80,11 @@ class JobRunner:
         max_deliveries: int,
         default_stream_interval: int,
         worker_id: str,
+        model: str,
     ) -> None:
+        """``model``: the fleet's name of the engine's model; the queue is its stream."""
         self.engine = engine
+        self.model = model
         self.worker_id = worker_id
         self.redis = redis
         self.keys = keys
@@ -150,6 +153,14 @@ class JobRunner:
                 "dead_lettered",
                 error=("dead_lettered", message),
                 dead=("dead_lettered", message),
+            )
+        if job.model is not None and job.model != self.model:
+            right = self.keys.model_stream(job.model).stream
+            return EarlyEnd.invalid(
+                "invalid_field",
+                f"job names model {job.model!r} but was queued on the stream of model "
+                f"{self.model!r} ({self.queue.stream.stream}): queue it on {right} or "
+                f"{self.keys.jobs}",
             )
         rid = job.request_id
         if await retry_until_done(lambda: self.redis.exists(self.keys.abort(rid)), "abort check"):
@@ -326,9 +337,9 @@ class JobRunner:
         """Start publishing a begun attempt after the log's ``last_seq``; every attempt after
         the first opens with a reset. Usage timings count from the job's arrival (its
         ``delivery``'s entry id) when there is one."""
-        arrival = stream_id_time(delivery.entry_id) if delivery is not None else None
+        arrival = stream_id_time(delivery.arrival_id) if delivery is not None else None
         written = self.publisher.open(
-            request_id, attempt, run, last_seq + 1, metadata, arrival=arrival
+            request_id, attempt, run, last_seq + 1, metadata, arrival=arrival, model=self.model
         )
         if attempt > 1:
             self.publisher.reset(request_id)

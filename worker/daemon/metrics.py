@@ -8,6 +8,9 @@ loop and off the engine's data structures, and keeps the group query (a Redis ro
 the scrape. The latency histograms are the exception: they need every observation, so the
 publisher's ``on_done`` hook feeds them as each request finishes.
 
+Series of one model's engine, jobs and stream carry a ``model`` label: a worker may serve
+several models, and a fleet's dashboards and autoscalers look at each model's queue.
+
 The registry is private (not prometheus-client's global one), so a process can hold several
 workers, as the tests do.
 """
@@ -45,9 +48,10 @@ DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
-    """Everything the collector renders, taken at one moment on the event loop."""
+class ModelSnapshot:
+    """One model's figures (each series carries its ``model`` label)."""
 
+    model: str
     in_flight: int = 0
     outcomes: Mapping[str, int] = field(default_factory=dict)
     tokens_generated: int = 0
@@ -55,22 +59,29 @@ class Snapshot:
     engine_thread_cpu_seconds: float = 0.0
     engine_step_seconds: float = 0.0
     engine_model_seconds: float = 0.0
-    redis_round_trips: int = 0
     # None when Redis could not be asked (down) or did not know (``lag`` can be NULL).
     group_lag: int | None = None
     group_pending: int | None = None
     # None when the engine runs without a prefix cache.
     prefix_cache_hit_rate: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything the collector renders, taken at one moment on the event loop."""
+
+    models: tuple[ModelSnapshot, ...] = ()
+    redis_round_trips: int = 0
     taken_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class MetricSources:
-    """Where a refresh reads its figures: the worker's own counters, not copies of them."""
+    """Where a refresh reads one model's figures: the worker's own counters, not copies."""
 
+    model: str
     engine: EngineCore
     runner: JobRunner
-    publisher: EventPublisher
     queue: JobQueue
 
 
@@ -83,12 +94,14 @@ class Metrics:
         self.ttft = Histogram(
             "mlxw_ttft_seconds",
             "Time from a job's arrival in the queue (its entry id) to its first generated token.",
+            ["model"],
             buckets=TTFT_BUCKETS,
             registry=self.registry,
         )
         self.duration = Histogram(
             "mlxw_job_duration_seconds",
             "Time from a job's arrival in the queue to its end, for jobs that generated.",
+            ["model"],
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
@@ -108,40 +121,48 @@ class Metrics:
             server.shutdown()
             server.server_close()
 
-    def observe_done(self, request_id: str, usage: Usage) -> None:
+    def observe_done(self, model: str | None, usage: Usage) -> None:
         """``EventPublisher.on_done`` hook. Jobs that never reached the engine (expired,
         aborted while queued) have no first token; their near-zero durations would only
         blur the histogram of real generations, so they are left out."""
         if usage.ttft_ms is None:
             return
-        self.ttft.observe(usage.ttft_ms / 1000)
-        self.duration.observe(usage.duration_ms / 1000)
+        label = model or ""
+        self.ttft.labels(model=label).observe(usage.ttft_ms / 1000)
+        self.duration.labels(model=label).observe(usage.duration_ms / 1000)
 
-    async def refresh(self, sources: MetricSources) -> None:
+    async def refresh(self, sources: list[MetricSources], publisher: EventPublisher) -> None:
         """Take a new snapshot (event loop; called periodically by the worker)."""
-        lag = pending = None
-        try:
-            group = await sources.queue.group_info()
-            lag, pending = _int_or_none(group.get("lag")), _int_or_none(group.get("pending"))
-        except REDIS_FAILURES as exc:
-            # The other counters matter most exactly when Redis is down: publish them anyway.
-            log.debug("metrics_group_info_failed", error=describe(exc))
-        engine = sources.engine.stats()
-        cache = sources.engine.cache_stats()
         self.collector.snapshot = Snapshot(
-            in_flight=len(sources.runner.in_flight),
-            outcomes=dict(sources.runner.outcomes),
-            tokens_generated=engine.scheduler.total_completion_tokens,
-            engine_steps=engine.steps_executed,
-            engine_thread_cpu_seconds=engine.engine_thread_cpu_seconds,
-            engine_step_seconds=engine.step_seconds,
-            engine_model_seconds=engine.scheduler.model_seconds,
-            redis_round_trips=sources.publisher.round_trips,
-            group_lag=lag,
-            group_pending=pending,
-            prefix_cache_hit_rate=cache.hit_rate if cache is not None else None,
+            models=tuple([await _model_snapshot(source) for source in sources]),
+            redis_round_trips=publisher.round_trips,
             taken_at=time.time(),
         )
+
+
+async def _model_snapshot(source: MetricSources) -> ModelSnapshot:
+    lag = pending = None
+    try:
+        group = await source.queue.group_info()
+        lag, pending = _int_or_none(group.get("lag")), _int_or_none(group.get("pending"))
+    except REDIS_FAILURES as exc:
+        # The other counters matter most exactly when Redis is down: publish them anyway.
+        log.debug("metrics_group_info_failed", error=describe(exc))
+    engine = source.engine.stats()
+    cache = source.engine.cache_stats()
+    return ModelSnapshot(
+        model=source.model,
+        in_flight=len(source.runner.in_flight),
+        outcomes=dict(source.runner.outcomes),
+        tokens_generated=engine.scheduler.total_completion_tokens,
+        engine_steps=engine.steps_executed,
+        engine_thread_cpu_seconds=engine.engine_thread_cpu_seconds,
+        engine_step_seconds=engine.step_seconds,
+        engine_model_seconds=engine.scheduler.model_seconds,
+        group_lag=lag,
+        group_pending=pending,
+        prefix_cache_hit_rate=cache.hit_rate if cache is not None else None,
+    )
 
 
 class SnapshotCollector(Collector):
@@ -158,71 +179,91 @@ class SnapshotCollector(Collector):
         return _families(self.snapshot)
 
 
-def _families(snapshot: Snapshot) -> Iterator[Metric]:
-    yield GaugeMetricFamily(
-        "mlxw_requests_in_flight", "Jobs running in the engine.", value=snapshot.in_flight
-    )
-    jobs = CounterMetricFamily(
-        "mlxw_jobs", "Jobs handled, by outcome (completed, expired, ...).", labels=["outcome"]
-    )
-    for outcome, count in sorted(snapshot.outcomes.items()):
-        jobs.add_metric([outcome], count)
-    yield jobs
-    yield CounterMetricFamily(
-        "mlxw_tokens_generated", "Tokens generated by the engine.", value=snapshot.tokens_generated
-    )
-    yield CounterMetricFamily(
+# Per-model series: (name, kind, help, the ModelSnapshot field).
+_MODEL_SERIES: tuple[
+    tuple[str, type[GaugeMetricFamily] | type[CounterMetricFamily], str, str], ...
+] = (
+    ("mlxw_requests_in_flight", GaugeMetricFamily, "Jobs running in the engine.", "in_flight"),
+    (
+        "mlxw_tokens_generated",
+        CounterMetricFamily,
+        "Tokens generated by the engine.",
+        "tokens_generated",
+    ),
+    (
         "mlxw_engine_steps",
+        CounterMetricFamily,
         "Engine steps (one batched decode or prefill each).",
-        value=snapshot.engine_steps,
-    )
-    yield CounterMetricFamily(
+        "engine_steps",
+    ),
+    (
         "mlxw_engine_thread_cpu_seconds",
+        CounterMetricFamily,
         "CPU time of the engine thread; near 1 s per second means serving is host-bound.",
-        value=snapshot.engine_thread_cpu_seconds,
-    )
-    yield CounterMetricFamily(
+        "engine_thread_cpu_seconds",
+    ),
+    (
         "mlxw_engine_step_seconds",
+        CounterMetricFamily,
         "Wall time of engine steps.",
-        value=snapshot.engine_step_seconds,
-    )
-    yield CounterMetricFamily(
+        "engine_step_seconds",
+    ),
+    (
         "mlxw_engine_model_seconds",
+        CounterMetricFamily,
         "Of the engine step time, the part inside mlx-lm's BatchGenerator (model, sampling,"
         " device wait); the rest is the engine's own host work.",
-        value=snapshot.engine_model_seconds,
+        "engine_model_seconds",
+    ),
+    (
+        "mlxw_group_lag",
+        GaugeMetricFamily,
+        "Job entries of the model's stream not yet delivered to the group (an autoscaling signal).",
+        "group_lag",
+    ),
+    (
+        "mlxw_group_pending",
+        GaugeMetricFamily,
+        "Job entries of the model's stream delivered to the group's workers and not yet"
+        " acknowledged.",
+        "group_pending",
+    ),
+    (
+        "mlxw_prefix_cache_hit_rate",
+        GaugeMetricFamily,
+        "Share of prefix-cache lookups that found a cached prefix.",
+        "prefix_cache_hit_rate",
+    ),
+)
+
+
+def _families(snapshot: Snapshot) -> Iterator[Metric]:
+    for name, kind, documentation, attribute in _MODEL_SERIES:
+        family = kind(name, documentation, labels=["model"])
+        for model in snapshot.models:
+            value = getattr(model, attribute)
+            if value is not None:  # unknown: a gap, rather than a false zero
+                family.add_metric([model.model], value)
+        yield family
+    jobs = CounterMetricFamily(
+        "mlxw_jobs",
+        "Jobs handled, by model and outcome (completed, expired, ...).",
+        labels=["model", "outcome"],
     )
+    for model in snapshot.models:
+        for outcome, count in sorted(model.outcomes.items()):
+            jobs.add_metric([model.model, outcome], count)
+    yield jobs
     yield CounterMetricFamily(
         "mlxw_redis_round_trips",
         "Pipelines the event publisher sent to Redis (one per engine step at most).",
         value=snapshot.redis_round_trips,
-    )
-    yield _optional_gauge(
-        "mlxw_group_lag", "Job entries not yet delivered to the group.", snapshot.group_lag
-    )
-    yield _optional_gauge(
-        "mlxw_group_pending",
-        "Job entries delivered to the group's workers and not yet acknowledged.",
-        snapshot.group_pending,
-    )
-    yield _optional_gauge(
-        "mlxw_prefix_cache_hit_rate",
-        "Share of prefix-cache lookups that found a cached prefix.",
-        snapshot.prefix_cache_hit_rate,
     )
     yield GaugeMetricFamily(
         "mlxw_metrics_refreshed_timestamp_seconds",
         "When these values were taken; stalls when the worker's event loop does.",
         value=snapshot.taken_at,
     )
-
-
-def _optional_gauge(name: str, documentation: str, value: float | None) -> GaugeMetricFamily:
-    """A gauge with no sample when the value is unknown: a gap, rather than a false zero."""
-    gauge = GaugeMetricFamily(name, documentation)
-    if value is not None:
-        gauge.add_metric([], value)
-    return gauge
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -55,6 +55,7 @@ class _Stream:
     arrival: float
     opened: float
     written: asyncio.Future[None]
+    model: str | None = None  # the fleet's name of the model running it (for on_done)
 
 
 @dataclass(slots=True)
@@ -124,10 +125,10 @@ class EventPublisher:
         redis: RedisClient,
         keys: Keys,
         log_ttl: int,
-        on_done: Callable[[str, Usage], None] | None = None,
+        on_done: Callable[[str | None, Usage], None] | None = None,
     ) -> None:
-        """``on_done`` observes each done event's usage (metrics); a plain hook, so the
-        publisher knows nothing of who listens."""
+        """``on_done`` observes each done event's model and usage (metrics); a plain hook, so
+        the publisher knows nothing of who listens."""
         self.redis = redis
         self.keys = keys
         self.log_ttl = log_ttl
@@ -157,6 +158,7 @@ class EventPublisher:
         metadata: Mapping[str, Any] | None,
         *,
         arrival: float | None = None,
+        model: str | None = None,
     ) -> asyncio.Future[None]:
         """Start publishing a request (its attempt begun with ``run``; ``arrival`` when its job
         was queued, default now). The future resolves once its terminal event is in Redis,
@@ -172,6 +174,7 @@ class EventPublisher:
             arrival=now if arrival is None else arrival,
             opened=now,
             written=asyncio.get_running_loop().create_future(),
+            model=model,
         )
         self._streams[request_id] = stream
         return stream.written
@@ -201,7 +204,7 @@ class EventPublisher:
             # Called from the engine's step listener: an observer's bug must not cost the
             # step's other outputs.
             try:
-                self.on_done(request_id, usage)
+                self.on_done(stream.model, usage)
             except Exception:
                 log.exception("on_done_observer_failed")
 

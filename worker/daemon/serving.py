@@ -1,8 +1,9 @@
 """A serving worker's tasks, from ready to stopped.
 
-On one event loop: the consumer (reads only as many jobs as there are free slots), the
-reclaimer (XAUTOCLAIM of jobs whose worker died), the lease keeper (re-claims our running jobs
-so they never look idle), the abort-marker poll, the heartbeat, the control listener, the
+On one event loop: per model lane (worker/daemon/lane.py) the consumer (reads only as many jobs
+as there are free slots), the reclaimer (XAUTOCLAIM of jobs whose worker died) and the lease
+keeper (re-claims our running jobs so they never look idle); the default stream's forwarder;
+the abort-marker poll, the heartbeat, the control listener, the
 publisher and the metrics refresh. Stopping: no new reads, in-flight jobs get
 ``drain_timeout`` to finish, the rest are aborted without acknowledgement (another worker
 re-runs them), then the consumer leaves the group if it holds nothing.
@@ -13,23 +14,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
-import json
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from importlib.metadata import version
 from typing import Any
 
 import structlog
 from redis.exceptions import OutOfMemoryError, ResponseError
 
-from protocol.codec_job import readable_request_id
 from protocol.connection import RedisClient, exists_each
 from protocol.constants import DEFAULT_ABORT_TTL_SECONDS
+from protocol.heartbeat import Heartbeat
 from protocol.keys import Keys
 from worker.daemon.control import CommandRefused, ControlListener
-from worker.daemon.job_queue import Delivery, JobQueue
-from worker.daemon.jobs import JobRunner
+from worker.daemon.forwarder import DefaultStreamForwarder
+from worker.daemon.lane import ModelLane
 from worker.daemon.metrics import Metrics, MetricSources
 from worker.daemon.publisher import EventPublisher
 from worker.daemon.redis_retry import (
@@ -37,17 +38,16 @@ from worker.daemon.redis_retry import (
     REDIS_REFUSED,
     Outage,
     describe,
-    retry_until_done,
 )
 from worker.daemon.sd_notify import Notifier
 from worker.daemon.settings import WorkerSettings
-from worker.engine import EngineCore
 
 log = structlog.get_logger(__name__)
 
 # How often the abort markers of running jobs are checked: the marker alone stops a job
 # within this (the abort command is the faster path).
 ABORT_POLL_SECONDS = 0.5
+WORKER_VERSION = version("mlx-redis-worker")
 
 
 class Serving:
@@ -59,31 +59,33 @@ class Serving:
         settings: WorkerSettings,
         redis: RedisClient,
         keys: Keys,
-        engine: EngineCore,
-        queue: JobQueue,
+        lanes: list[ModelLane],
+        forwarder: DefaultStreamForwarder,
         publisher: EventPublisher,
-        runner: JobRunner,
         metrics: Metrics | None,
-        backlog: list[Delivery],
         stop: asyncio.Event,
         started_at: float,
     ) -> None:
-        """``backlog``: jobs already delivered to this consumer (a restart under the same id),
-        run before new ones; ``stop``: set to stop serving."""
+        """``lanes``: one per model, the default model's first when it is served here;
+        ``stop``: set to stop serving."""
         self.settings = settings
         self.redis = redis
         self.keys = keys
-        self.engine = engine
-        self.queue = queue
+        self.lanes = lanes
+        self.forwarder = forwarder
         self.publisher = publisher
-        self.runner = runner
         self.metrics = metrics
         self.notifier = Notifier()
-        self._backlog = backlog
         self._stop = stop
         self.started_at = started_at
-        self._slot_freed = asyncio.Event()
-        self._jobs: dict[str, asyncio.Task[None]] = {}  # entry id -> task
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(lane.jobs) for lane in self.lanes)
+
+    def lane(self, model: str | None) -> list[ModelLane]:
+        """The lanes a command for ``model`` concerns (all of them for None)."""
+        return [lane for lane in self.lanes if model is None or lane.name == model]
 
     async def serve(self, control: ControlListener, on_ready: Callable[[], None]) -> int:
         """Serve until the stop event; ``on_ready`` is called once every task runs."""
@@ -92,134 +94,76 @@ class Serving:
             asyncio.create_task(self.publisher.run(), name="publisher"),
             asyncio.create_task(control.listen(), name="control"),
             self._periodic(settings.heartbeat_interval, self._heartbeat),
-            self._periodic(settings.lease_refresh_interval, self._extend_leases),
             self._periodic(ABORT_POLL_SECONDS, self._stop_aborted),
-            asyncio.create_task(self.notifier.keep_alive(self.engine.is_running), name="watchdog"),
+            asyncio.create_task(self.notifier.keep_alive(self._engines_running), name="watchdog"),
+        ]
+        background += [
+            self._periodic(settings.lease_refresh_interval, lane.extend_leases)
+            for lane in self.lanes
         ]
         if self.metrics is not None:
-            sources = MetricSources(
-                engine=self.engine, runner=self.runner, publisher=self.publisher, queue=self.queue
-            )
-            metrics = self.metrics
+            sources = [
+                MetricSources(
+                    model=lane.name, engine=lane.engine, runner=lane.runner, queue=lane.queue
+                )
+                for lane in self.lanes
+            ]
+            metrics, publisher = self.metrics, self.publisher
 
             async def refresh_metrics() -> None:
-                await metrics.refresh(sources)
+                await metrics.refresh(sources, publisher)
 
             background.append(self._periodic(settings.heartbeat_interval, refresh_metrics))
-        readers = [
-            asyncio.create_task(self._consume(), name="consumer"),
-            self._periodic(settings.reclaim_interval, self._reclaim),
-        ]
+        readers = [asyncio.create_task(self.forwarder.consume(), name="forwarder")]
+        readers.append(self._periodic(settings.reclaim_interval, self.forwarder.reclaim))
+        for lane in self.lanes:
+            readers.append(asyncio.create_task(lane.consume(), name=f"consumer {lane.name}"))
+            readers.append(self._periodic(settings.reclaim_interval, lane.reclaim))
+        models = [lane.name for lane in self.lanes]
         log.info(
             "worker_ready",
             worker_id=settings.worker_id,
-            backlog=len(self._backlog),
-            model=settings.model,
+            backlog=sum(len(lane.backlog) for lane in self.lanes),
+            models=models,
+            default_model=self.forwarder.default_model,
             max_concurrency=settings.max_concurrency,
         )
-        self.notifier.ready(status=f"serving {settings.model} as {settings.worker_id}")
+        self.notifier.ready(status=f"serving {', '.join(models)} as {settings.worker_id}")
         on_ready()
         await self._stop.wait()
-        log.info("worker_stopping", in_flight=len(self._jobs))
-        self.notifier.stopping(status=f"draining {len(self._jobs)} jobs")
+        log.info("worker_stopping", in_flight=self.in_flight)
+        self.notifier.stopping(status=f"draining {self.in_flight} jobs")
         await _cancel(readers)
         await self._drain()
         await _cancel(background)
         await self._leave()
         return 0
 
+    def _engines_running(self) -> bool:
+        return all(lane.engine.is_running() for lane in self.lanes)
+
     async def _leave(self) -> None:
         """Say goodbye in Redis: no heartbeat, and no consumer unless it still holds jobs."""
         with contextlib.suppress(*REDIS_FAILURES):
             await self.redis.delete(self.keys.worker(self.settings.worker_id))
-        try:
-            # Jobs left pending (abandoned after the drain timeout) keep the consumer: they
-            # wait for a restart under this id, or for another worker to reclaim them.
-            left = await self.queue.leave_group()
-        except REDIS_FAILURES as exc:
-            log.warning("consumer_not_removed", error=describe(exc))
-        else:
-            log.info("consumer_removed" if left else "consumer_kept_with_pending_jobs")
+        queues = [self.forwarder.queue, *(lane.queue for lane in self.lanes)]
+        for queue in queues:
+            try:
+                # Jobs left pending (abandoned after the drain timeout) keep the consumer: they
+                # wait for a restart under this id, or for another worker to reclaim them.
+                left = await queue.leave_group()
+            except REDIS_FAILURES as exc:
+                log.warning("consumer_not_removed", stream=queue.stream.stream, error=describe(exc))
+            else:
+                log.info(
+                    "consumer_removed" if left else "consumer_kept_with_pending_jobs",
+                    stream=queue.stream.stream,
+                )
 
     async def _drain(self) -> None:
-        jobs = list(self._jobs.values())
-        if jobs:
-            _, still_running = await asyncio.wait(jobs, timeout=self.settings.drain_timeout)
-            if still_running:
-                log.warning("drain_timeout_abandoning", jobs=len(still_running))
-                await self.runner.abandon_all()
-                await asyncio.wait(still_running, timeout=10)
+        await asyncio.gather(*(lane.drain(self.settings.drain_timeout) for lane in self.lanes))
         if not await self.publisher.drain(timeout=10):
             log.warning("publisher_not_drained", **dataclasses.asdict(self.publisher.stats()))
-
-    # -- reading jobs ------------------------------------------------------------------------
-
-    async def _consume(self) -> None:
-        while not self._stop.is_set():
-            free = self.settings.max_concurrency - len(self._jobs)
-            if free <= 0:
-                self._slot_freed.clear()
-                await self._slot_freed.wait()
-                continue
-            if self._backlog:
-                batch, self._backlog = self._backlog[:free], self._backlog[free:]
-                self._start(batch)
-                continue
-            deliveries = await retry_until_done(
-                functools.partial(self.queue.read_new, free, self.settings.read_block_ms),
-                "read jobs",
-                on_failure=self._recreate_group_if_lost,
-            )
-            if self._stop.is_set():
-                # Stopping, and the cancel of this task was lost (redis-py can swallow one
-                # that lands as its read completes): start nothing more. What this read took
-                # stays pending for us: a restart or another worker's reclaim runs it.
-                return
-            self._start(deliveries)
-
-    async def _reclaim(self) -> None:
-        """Take over jobs whose worker died (or gave the attempt up). Also while every slot is
-        busy: what does not fit waits in the backlog, leases kept, and the consumer serves the
-        backlog before reading new jobs. So orphaned jobs, older than anything new, run next
-        instead of waiting until the stream runs dry."""
-        room = self.settings.max_concurrency - len(self._backlog)
-        if room > 0:
-            claimed = await self.queue.reclaim(room)
-            if claimed:
-                log.info("jobs_reclaimed", count=len(claimed))
-            self._start(claimed)
-
-    async def _extend_leases(self) -> None:
-        lost = await self.queue.extend_leases(
-            list(self._jobs) + [d.entry_id for d in self._backlog]
-        )
-        if lost:
-            log.warning("leases_lost", entries=lost)
-            self._backlog = [d for d in self._backlog if d.entry_id not in lost]
-            self.runner.lose_entries(lost)
-
-    def _start(self, deliveries: list[Delivery], *, now: bool = False) -> None:
-        """Run the deliveries, as many as there are free slots (``now``: all of them; for jobs
-        that end before they reach the engine) and keep the rest in the backlog."""
-        for delivery in deliveries:
-            if delivery.entry_id in self._jobs:
-                continue
-            if len(self._jobs) >= self.settings.max_concurrency and not now:
-                # The consumer's read and the reclaimer both sized their batch from the same
-                # free slots: what does not fit waits in the backlog (ours, its lease kept)
-                # instead of overfilling the engine, whose full queue would fail the job.
-                if all(d.entry_id != delivery.entry_id for d in self._backlog):
-                    self._backlog.append(delivery)
-                continue
-            task = asyncio.create_task(self.runner.run(delivery))
-            self._jobs[delivery.entry_id] = task
-            task.add_done_callback(functools.partial(self._job_done, delivery.entry_id))
-
-    def _job_done(self, entry_id: str, task: asyncio.Task[None]) -> None:
-        self._jobs.pop(entry_id, None)
-        self._slot_freed.set()
-        if not task.cancelled() and (failure := task.exception()) is not None:
-            log.error("job_task_failed", entry_id=entry_id, error=describe(failure))
 
     # -- aborts ------------------------------------------------------------------------------
 
@@ -227,16 +171,12 @@ class Serving:
         """The abort command: stop the request wherever it is, as far as this worker can."""
         # The marker a producer sets (rule 5), so the command alone is enough.
         await self.redis.set(self.keys.abort(request_id), b"1", ex=DEFAULT_ABORT_TTL_SECONDS)
-        if self.runner.running(request_id):
-            return {"aborted": await self.runner.abort(request_id), "state": "running"}
-        waiting = [d for d in self._backlog if readable_request_id(d.job_bytes) == request_id]
-        if waiting:  # ours, waiting for a slot: it starts, sees its marker and ends at once
-            self._backlog = [d for d in self._backlog if d not in waiting]
-            self._start(waiting, now=True)
-            return {"aborted": True, "state": "queued"}
+        for lane in self.lanes:
+            if (here := await lane.abort_here(request_id)) is not None:
+                return here
         if not await self.redis.exists(self.keys.log(request_id)):
             raise CommandRefused("not_found", f"request {request_id!r} is unknown or expired")
-        state = await self.runner.end_waiting(request_id)
+        state = await self.lanes[0].runner.end_waiting(request_id)
         return {"aborted": state == "queued", "state": state}
 
     async def _stop_aborted(self) -> None:
@@ -244,10 +184,10 @@ class Serving:
         command, which may have gone to a worker that was not listening) stops a job within
         ``ABORT_POLL_SECONDS``. Also catches a command that arrived while the job was between
         its start checks and the engine. One round trip for all of them."""
-        running = list(self.runner.in_flight)
-        marked = await exists_each(self.redis, [self.keys.abort(rid) for rid in running])
-        for request_id, is_marked in zip(running, marked, strict=True):
-            if is_marked and await self.runner.abort(request_id):
+        running = [(lane, rid) for lane in self.lanes for rid in lane.runner.in_flight]
+        marked = await exists_each(self.redis, [self.keys.abort(rid) for _, rid in running])
+        for (lane, request_id), is_marked in zip(running, marked, strict=True):
+            if is_marked and await lane.runner.abort(request_id):
                 log.info("job_aborted_by_marker", request_id=request_id)
 
     # -- periodic ----------------------------------------------------------------------------
@@ -269,60 +209,67 @@ class Serving:
                 raise
             except REDIS_FAILURES as exc:
                 outage.failed(exc)
-                await self._recreate_group_if_lost(exc)
+                for lane in self.lanes:
+                    await lane.recreate_group_if_lost(exc)
+                if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+                    with contextlib.suppress(*REDIS_FAILURES):
+                        await self.forwarder.queue.ensure_group()
             else:
                 outage.recovered()
             await asyncio.sleep(seconds)
 
-    async def _recreate_group_if_lost(self, exc: BaseException) -> None:
-        """Redis lost its data (restart without persistence, failover to an empty replica):
-        the group went with it. Re-create it so the worker serves again."""
-        if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
-            log.warning("consumer_group_missing_recreating")
-            with contextlib.suppress(*REDIS_FAILURES):
-                await self.queue.ensure_group()
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            worker_id=self.settings.worker_id,
+            pid=os.getpid(),
+            started_at=self.started_at,
+            in_flight=self.in_flight,
+            default_model=self.forwarder.default_model,
+            models={lane.name: lane.served() for lane in self.lanes},
+            version=WORKER_VERSION,
+        )
 
     async def _heartbeat(self) -> None:
-        beat = {
-            "worker_id": self.settings.worker_id,
-            "pid": os.getpid(),
-            "started_at": self.started_at,
-            "in_flight": len(self._jobs),
-            "model": self.settings.model,
-        }
         key, ttl_ms = (
             self.keys.worker(self.settings.worker_id),
             int(self.settings.heartbeat_ttl * 1000),
         )
         try:
-            await self.redis.set(key, json.dumps(beat), px=ttl_ms)
+            await self.redis.set(key, self.heartbeat().encode(), px=ttl_ms)
         except OutOfMemoryError:
             # A full Redis (noeviction) refuses the write but not a new TTL: keep the last beat
             # alive, so a live worker does not look dead while memory is being freed.
             if not await self.redis.pexpire(key, ttl_ms):
                 raise
 
-    async def stats(self) -> dict[str, Any]:
-        try:
-            group = await self.queue.group_info()
-        except REDIS_FAILURES as exc:
-            group = {"error": describe(exc)}
+    async def stats(self, model: str | None) -> dict[str, Any]:
+        """The worker's figures for the ``stats`` reply: per model (only ``model``'s when
+        given), and the first of those at the top level as well, as before models."""
+        lanes = self.lane(model)
+        per_model = {lane.name: await lane.stats() for lane in lanes}
+        first = per_model[lanes[0].name] if lanes else {}
         return {
+            **{key: first.get(key) for key in ("engine", "prefix_cache", "group")},
+            "jobs": _jobs_total(per_model.values()),
+            "models": per_model,
+            "default_model": self.forwarder.default_model,
+            "forwarded": self.forwarder.forwarded,
             "worker_id": self.settings.worker_id,
-            "jobs": dataclasses.asdict(self.runner.stats()),
             "publisher": dataclasses.asdict(self.publisher.stats()),
-            "group": group,
-            "memory": await self._memory(),
+            "memory": await self._memory(lanes),
             "uptime_seconds": time.time() - self.started_at,
         }
 
-    async def _memory(self) -> dict[str, Any]:
-        """The process's resident memory and MLX's allocator figures. MLX is asked on the engine
-        thread (the one thread that touches MLX), between two steps; a step longer than a second
-        (a long prefill) leaves them out rather than hold up the reply."""
+    async def _memory(self, lanes: list[ModelLane]) -> dict[str, Any]:
+        """The process's resident memory and MLX's allocator figures (one allocator for every
+        engine of the process). MLX is asked on an engine thread (the one thread that touches
+        that engine's MLX work), between two steps; a step longer than a second (a long
+        prefill) leaves them out rather than hold up the reply."""
         memory: dict[str, Any] = {"rss_bytes": _rss_bytes()}
+        if not lanes:
+            return memory
         try:
-            mlx = await asyncio.to_thread(self.engine.memory_stats, 1.0)
+            mlx = await asyncio.to_thread(lanes[0].engine.memory_stats, 1.0)
         except Exception as exc:  # engine stopped, or busy past the timeout: say so, don't fail
             memory["mlx_error"] = f"{type(exc).__name__}: {exc}"
         else:
@@ -332,6 +279,16 @@ class Serving:
                 mlx_peak_memory_bytes=mlx.peak_bytes,
             )
         return memory
+
+
+def _jobs_total(lanes: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The lanes' ``jobs`` figures added up."""
+    in_flight: list[str] = []
+    outcomes: Counter[str] = Counter()
+    for lane in lanes:
+        in_flight += lane["jobs"]["in_flight"]
+        outcomes.update(lane["jobs"]["outcomes"])
+    return {"in_flight": in_flight, "outcomes": dict(outcomes)}
 
 
 def _rss_bytes() -> int | None:

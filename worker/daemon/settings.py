@@ -32,8 +32,45 @@ def default_worker_id() -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model a worker serves: its name in the fleet (jobs name it, its stream is tagged
+    with it) and where it is loaded from (a fixture name, a folder or a hub id)."""
+
+    name: str
+    source: str
+
+
+def parse_models(value: str) -> tuple[ServedModel, ...]:
+    """``[NAME=]SOURCE`` items, comma-separated. Without ``NAME=``, the name is the source's
+    last path component (``tiny``, ``~/models/qwen3-8b`` -> ``qwen3-8b``)."""
+    served = []
+    for item in value.split(","):
+        item = item.strip()
+        name, equals, source = item.partition("=")
+        if not equals:
+            name, source = Path(item.rstrip("/")).name, item
+        if not source:
+            raise ValueError(f"model {item!r}: give [NAME=]SOURCE")
+        if not is_valid_id(name):
+            raise ValueError(
+                f"model name {name!r} (of {item!r}) must be {ID_RULE}; name it: NAME={source}"
+            )
+        served.append(ServedModel(name, source))
+    names = [m.name for m in served]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model names must differ, got {', '.join(names)}")
+    return tuple(served)
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerSettings:
+    # The models to serve: [NAME=]SOURCE, comma-separated (--model repeated).
     model: str = "smollm2"
+    # The model jobs that name none run with (the default stream is forwarded to its stream):
+    # give every worker of a fleet the same. None: this worker's first model.
+    default_model: str | None = None
+    # What the models' weights may take, in MiB; None: the memory the machine has available.
+    memory_limit_mb: int | None = None
     # redis:// or rediss:// (a single server, or any node of a Cluster), or
     # redis+sentinel://host:port[,host:port…]/service_name[/db].
     redis_url: str = DEFAULT_REDIS_URL
@@ -101,6 +138,19 @@ class WorkerSettings:
         if not is_valid_id(self.worker_id):
             raise ValueError(f"worker_id must be {ID_RULE}, got {self.worker_id!r}")
         check_redis_url(self.redis_url)
+        parse_models(self.model)
+        if self.default_model is not None and not is_valid_id(self.default_model):
+            raise ValueError(f"default_model must be {ID_RULE}, got {self.default_model!r}")
+        if self.memory_limit_mb is not None and self.memory_limit_mb <= 0:
+            raise ValueError("memory_limit_mb must be > 0")
+
+    @property
+    def models(self) -> tuple[ServedModel, ...]:
+        return parse_models(self.model)
+
+    @property
+    def default_model_name(self) -> str:
+        return self.default_model or self.models[0].name
 
     @property
     def lease_refresh_interval(self) -> float:
@@ -151,6 +201,8 @@ def _read_config(path: str, types: Mapping[str, str]) -> dict[str, Any]:
         name = key.replace("-", "_")
         if name not in types:
             raise ValueError(f"config file {path}: unknown setting {key!r}")
+        if name == "model" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            value = ",".join(value)  # model = ["chat=…", "small=…"]: several models
         settings[name] = _typed(value, types[name], f"config file {path}: {key}")
     return settings
 
