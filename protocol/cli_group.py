@@ -12,13 +12,11 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from protocol.cli_output import ExitCode, aligned, json_line
-from protocol.connection import connect
+from protocol.cli_output import ExitCode, admin_connection, aligned, json_line
 from protocol.group import DEFAULT_PRUNE_IDLE_SECONDS, Consumer, list_all_consumers, prune
 from protocol.keys import Keys
 
 # Short: the verb runs a handful of commands and must not hang on a stalled Redis.
-_SOCKET_TIMEOUT = 10.0
 
 
 def add_group_command(
@@ -64,12 +62,7 @@ def add_group_command(
 async def run_group(args: argparse.Namespace, out: TextIO) -> int:
     """Execute ``group list`` or ``group prune``; Redis errors propagate to the caller."""
     keys = Keys(args.prefix)
-    redis = await connect(
-        args.redis_url,
-        topology=args.redis_topology,
-        socket_timeout=_SOCKET_TIMEOUT,
-        socket_connect_timeout=_SOCKET_TIMEOUT,
-    )
+    redis = await admin_connection(args)
     try:
         if args.group_command == "list":
             consumers = await list_all_consumers(redis, keys)

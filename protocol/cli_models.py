@@ -10,12 +10,10 @@ import argparse
 from typing import Any, TextIO
 
 from protocol.catalogue import DefaultStreamStatus, Fleet, QueueStatus, fleet_models
-from protocol.cli_output import ExitCode, aligned, duration, json_line
-from protocol.connection import connect
+from protocol.cli_output import ExitCode, admin_connection, aligned, duration, json_line
 from protocol.keys import Keys
 
 # Short: the verb runs a handful of commands and must not hang on a stalled Redis.
-_SOCKET_TIMEOUT = 10.0
 _HEADER = ("MODEL", "WORKERS", "FREE/MAX", "QUEUED", "LAG", "PENDING", "OLDEST", "DEAD")
 
 
@@ -52,12 +50,7 @@ def add_models_command(
 
 async def run_models(args: argparse.Namespace, out: TextIO) -> int:
     """Execute ``models``; Redis errors propagate to the caller."""
-    redis = await connect(
-        args.redis_url,
-        topology=args.redis_topology,
-        socket_timeout=_SOCKET_TIMEOUT,
-        socket_connect_timeout=_SOCKET_TIMEOUT,
-    )
+    redis = await admin_connection(args)
     try:
         fleet = await fleet_models(redis, Keys(args.prefix))
     finally:

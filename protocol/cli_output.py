@@ -6,6 +6,7 @@ log-probability of -inf can produce, become null.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import json
@@ -13,6 +14,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from protocol.connection import RedisClient, connect
 from protocol.messages import ControlReply, DoneEvent, ErrorEvent, Event, UnknownEvent
 
 
@@ -34,6 +36,20 @@ EXIT_CODES_HELP = """exit status:
   3  the request was aborted or expired (finish_reason abort / expired)
   4  unknown request, or its replay log expired
   5  timed out waiting for an event or a control reply"""
+
+
+# The fleet commands (group, models) make a few calls each; a dead server must not hang them.
+ADMIN_SOCKET_TIMEOUT = 10.0
+
+
+async def admin_connection(args: argparse.Namespace) -> RedisClient:
+    """The connection of a fleet command (``group``, ``models``), from its common flags."""
+    return await connect(
+        args.redis_url,
+        topology=args.redis_topology,
+        socket_timeout=ADMIN_SOCKET_TIMEOUT,
+        socket_connect_timeout=ADMIN_SOCKET_TIMEOUT,
+    )
 
 
 def exit_code_for(event: DoneEvent | ErrorEvent) -> ExitCode:
