@@ -25,12 +25,16 @@ from protocol.keys import JobStream, Keys
 _SCAN_COUNT = 1000
 
 
+async def heartbeat_keys(redis: RedisClient, keys: Keys) -> list[str]:
+    """The key of every live worker's heartbeat (SCAN of every node), sorted."""
+    return sorted({as_text(key) async for key in redis.scan_iter(keys.worker_pattern, _SCAN_COUNT)})
+
+
 async def live_heartbeats(redis: RedisClient, keys: Keys) -> list[Heartbeat]:
     """Every live worker's heartbeat, by worker id; values that do not decode are left out."""
-    found = {as_text(key) async for key in redis.scan_iter(keys.worker_pattern, _SCAN_COUNT)}
-    if not found:
+    names = await heartbeat_keys(redis, keys)
+    if not names:
         return []
-    names = sorted(found)
     # One round trip (one per node on a Cluster, where the keys are on different slots).
     async with redis.pipeline(transaction=False) as pipe:
         for name in names:

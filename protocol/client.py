@@ -396,30 +396,6 @@ class Client:
     ) -> list[ControlReply]:
         return await self._command("cache_clear", worker_id, timeout, model=model)
 
-    async def control(
-        self,
-        kind: str,
-        *,
-        worker_id: str | None = None,
-        model: str | None = None,
-        request_id: str | None = None,
-        name: str | None = None,
-        timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
-        require_reply: bool = True,
-    ) -> list[ControlReply]:
-        """Send any control command (``kind``, with its fields) and return the replies: to
-        every worker, to one (``worker_id``), or to those serving ``model``. ControlTimeout
-        when no reply came and ``require_reply``."""
-        return await self._command(
-            kind,
-            worker_id,
-            timeout,
-            request_id=request_id,
-            name=name,
-            model=model,
-            required=require_reply,
-        )
-
     async def _command(
         self,
         kind: str,

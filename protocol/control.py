@@ -13,7 +13,7 @@ from typing import Final
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protocol.catalogue import live_heartbeats
+from protocol.catalogue import heartbeat_keys, live_heartbeats
 from protocol.codec_control import decode_reply, encode_command
 from protocol.connection import RedisClient, publish, raise_if_cancelled
 from protocol.errors import ControlTimeout, ProtocolError
@@ -94,10 +94,7 @@ async def send_command(
 
 async def count_live_workers(redis: RedisClient, keys: Keys) -> int:
     """How many workers have an unexpired heartbeat."""
-    count = 0
-    async for _key in redis.scan_iter(match=keys.worker_pattern, count=1000):
-        count += 1
-    return count
+    return len(await heartbeat_keys(redis, keys))
 
 
 async def count_serving_workers(redis: RedisClient, keys: Keys, model: str) -> int:

@@ -184,29 +184,6 @@ class SyncClient:
             self._client.cache_clear(worker_id=worker_id, model=model, timeout=timeout)
         )
 
-    def control(
-        self,
-        kind: str,
-        *,
-        worker_id: str | None = None,
-        model: str | None = None,
-        request_id: str | None = None,
-        name: str | None = None,
-        timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
-        require_reply: bool = True,
-    ) -> list[ControlReply]:
-        return self._call(
-            self._client.control(
-                kind,
-                worker_id=worker_id,
-                model=model,
-                request_id=request_id,
-                name=name,
-                timeout=timeout,
-                require_reply=require_reply,
-            )
-        )
-
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 

@@ -259,7 +259,7 @@ def test_control_with_a_model_waits_for_that_models_workers_only(
             assert [r.worker_id for r in replies] == ["w1"]
             replies = await client.ping(timeout=10)
             assert sorted(r.worker_id for r in replies) == ["w1", "w2", "w3"]
-            replies = await client.control("cache_save", name="x", model="a", timeout=10)
+            replies = await client.cache_save("x", model="a", timeout=10)
             assert sorted(r.worker_id for r in replies) == ["w1", "w2"]
             assert time.monotonic() - started < 5
             # Every worker heard every broadcast; the command carried the model.

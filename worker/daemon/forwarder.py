@@ -86,6 +86,7 @@ class DefaultStreamForwarder:
             deliveries = await retry_until_done(
                 functools.partial(self.queue.read_new, FORWARD_BATCH, self.read_block_ms),
                 "read the default stream",
+                on_failure=self.queue.recreate_group_if_lost,
             )
             await self.forward(deliveries)
 
@@ -115,8 +116,8 @@ class DefaultStreamForwarder:
         appended = await retry_until_done(
             functools.partial(run_script_each, self.redis, FORWARD, calls), "forward jobs"
         )
-        for delivery in deliveries:
-            await retry_until_done(functools.partial(self.queue.ack, delivery.entry_id), "ack")
+        entry_ids = [delivery.entry_id for delivery in deliveries]
+        await retry_until_done(functools.partial(self.queue.ack, *entry_ids), "ack")
         self.forwarded += sum(appended)
         log.debug("jobs_forwarded", count=sum(appended), repeated=len(appended) - sum(appended))
 

@@ -8,9 +8,11 @@ the delivery count is not bumped). The delivery count decides when a job is dead
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 from redis.exceptions import ResponseError
 
 from protocol.connection import RedisClient, as_text
@@ -18,6 +20,9 @@ from protocol.constants import FORWARDED_FROM_FIELD, JOB_FIELD
 from protocol.group import remove_idle_consumer
 from protocol.keys import JobStream
 from protocol.lua import run_script
+from worker.daemon.redis_retry import REDIS_FAILURES
+
+log = structlog.get_logger(__name__)
 
 # KEYS[1] job stream; ARGV[1] group, ARGV[2] consumer, ARGV[3..] entry ids. Re-claiming only
 # what is still ours, atomically: a plain XCLAIM would take back a job that another worker
@@ -139,11 +144,20 @@ class JobQueue:
         )
         return [as_text(entry_id) for entry_id in lost]
 
-    async def ack(self, entry_id: str) -> None:
+    async def ack(self, *entry_ids: str) -> None:
+        """Acknowledge and delete entries (any number: one round trip)."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(self.stream.stream, self.stream.group, entry_id)
-            pipe.xdel(self.stream.stream, entry_id)
+            pipe.xack(self.stream.stream, self.stream.group, *entry_ids)
+            pipe.xdel(self.stream.stream, *entry_ids)
             await pipe.execute()
+
+    async def recreate_group_if_lost(self, exc: BaseException) -> None:
+        """Redis lost its data (restart without persistence, failover to an empty replica):
+        the group went with it. Re-create it so the stream is served again."""
+        if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+            log.warning("consumer_group_missing_recreating", stream=self.stream.stream)
+            with contextlib.suppress(*REDIS_FAILURES):
+                await self.ensure_group()
 
     async def dead_letter(
         self, delivery: Delivery, code: str, message: str, request_id: str | None

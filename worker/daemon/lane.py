@@ -9,13 +9,11 @@ them. Lanes share the worker's Redis connection, publisher, heartbeat and contro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 from typing import Any
 
 import structlog
-from redis.exceptions import ResponseError
 
 from protocol.codec_job import readable_request_id
 from protocol.heartbeat import ServedModel
@@ -69,7 +67,7 @@ class ModelLane:
             deliveries = await retry_until_done(
                 functools.partial(self.queue.read_new, free, self.read_block_ms),
                 f"read jobs of {self.name}",
-                on_failure=self.recreate_group_if_lost,
+                on_failure=self.queue.recreate_group_if_lost,
             )
             if self._stop.is_set():
                 # Stopping, and the cancel of this task was lost (redis-py can swallow one
@@ -119,14 +117,6 @@ class ModelLane:
         self._slot_freed.set()
         if not task.cancelled() and (failure := task.exception()) is not None:
             log.error("job_task_failed", entry_id=entry_id, error=describe(failure))
-
-    async def recreate_group_if_lost(self, exc: BaseException) -> None:
-        """Redis lost its data (restart without persistence, failover to an empty replica):
-        the group went with it. Re-create it so the lane serves again."""
-        if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
-            log.warning("consumer_group_missing_recreating", stream=self.queue.stream.stream)
-            with contextlib.suppress(*REDIS_FAILURES):
-                await self.queue.ensure_group()
 
     # -- aborts ------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from importlib.metadata import version
 from typing import Any
 
 import structlog
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import OutOfMemoryError
 
 from protocol.connection import RedisClient, exists_each
 from protocol.constants import DEFAULT_ABORT_TTL_SECONDS
@@ -30,6 +30,7 @@ from protocol.heartbeat import Heartbeat
 from protocol.keys import Keys
 from worker.daemon.control import CommandRefused, ControlListener
 from worker.daemon.forwarder import DefaultStreamForwarder
+from worker.daemon.job_queue import JobQueue
 from worker.daemon.lane import ModelLane
 from worker.daemon.metrics import Metrics, MetricSources
 from worker.daemon.publisher import EventPublisher
@@ -83,7 +84,12 @@ class Serving:
     def in_flight(self) -> int:
         return sum(len(lane.jobs) for lane in self.lanes)
 
-    def lane(self, model: str | None) -> list[ModelLane]:
+    @property
+    def queues(self) -> list[JobQueue]:
+        """Every job stream this worker reads: the default one, then each model's."""
+        return [self.forwarder.queue, *(lane.queue for lane in self.lanes)]
+
+    def lanes_for(self, model: str | None) -> list[ModelLane]:
         """The lanes a command for ``model`` concerns (all of them for None)."""
         return [lane for lane in self.lanes if model is None or lane.name == model]
 
@@ -146,8 +152,7 @@ class Serving:
         """Say goodbye in Redis: no heartbeat, and no consumer unless it still holds jobs."""
         with contextlib.suppress(*REDIS_FAILURES):
             await self.redis.delete(self.keys.worker(self.settings.worker_id))
-        queues = [self.forwarder.queue, *(lane.queue for lane in self.lanes)]
-        for queue in queues:
+        for queue in self.queues:
             try:
                 # Jobs left pending (abandoned after the drain timeout) keep the consumer: they
                 # wait for a restart under this id, or for another worker to reclaim them.
@@ -209,11 +214,8 @@ class Serving:
                 raise
             except REDIS_FAILURES as exc:
                 outage.failed(exc)
-                for lane in self.lanes:
-                    await lane.recreate_group_if_lost(exc)
-                if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
-                    with contextlib.suppress(*REDIS_FAILURES):
-                        await self.forwarder.queue.ensure_group()
+                for queue in self.queues:
+                    await queue.recreate_group_if_lost(exc)
             else:
                 outage.recovered()
             await asyncio.sleep(seconds)
@@ -245,7 +247,7 @@ class Serving:
     async def stats(self, model: str | None) -> dict[str, Any]:
         """The worker's figures for the ``stats`` reply: per model (only ``model``'s when
         given), and the first of those at the top level as well, as before models."""
-        lanes = self.lane(model)
+        lanes = self.lanes_for(model)
         per_model = {lane.name: await lane.stats() for lane in lanes}
         first = per_model[lanes[0].name] if lanes else {}
         return {

@@ -109,10 +109,9 @@ class Worker:
                 if self._stop.is_set():
                     log.info("worker_stopped_before_serving", waiting_for="model")
                     return 0
-                model, tokenizer = served.model, served.tokenizer
                 engines[served.name] = EngineCore(
-                    model,
-                    tokenizer,
+                    served.model,
+                    served.tokenizer,
                     EngineConfig(model_name=served.source, scheduler_config=scheduler),
                 )
             return await self._serve(redis, hub, forwarding, queues, engines)
