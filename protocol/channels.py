@@ -88,7 +88,7 @@ class ChannelHub:
         await asyncio.gather(*readers, return_exceptions=True)
         if self._pubsub is not None:
             with contextlib.suppress(RedisError, OSError):
-                await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+                await self._pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
 
     async def _join(self, name: bytes, inbox: Inbox, confirm_timeout: float) -> None:
         listeners = self._inboxes.get(name)

@@ -53,7 +53,7 @@ CTL_COMMANDS: Final = ("stats", "ping", "abort", "cache-save", "cache-load", "ca
 def add_commands(subparsers: Any) -> None:
     """Register submit, stream, ctl, group and models on an argparse ``add_subparsers()``
     object."""
-    connection = _connection_options()
+    connection = connection_options()
     formatter = argparse.RawDescriptionHelpFormatter
 
     submit = subparsers.add_parser(
@@ -336,7 +336,7 @@ async def _control(client: Client, args: argparse.Namespace, out: TextIO) -> int
     return ExitCode.OK if all(reply.ok for reply in replies) else ExitCode.ERROR
 
 
-def _connection_options() -> argparse.ArgumentParser:
+def connection_options() -> argparse.ArgumentParser:
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument(
         "--redis-url",

@@ -124,6 +124,9 @@ class Client:
         self.require_worker = require_worker
         self._served: frozenset[str] = frozenset()
         self._served_at = -float("inf")
+        # The catalogue read in progress, shared by every caller that wants one meanwhile (a
+        # burst of submits after an idle spell reads it once, not once per submit).
+        self._reading_served: asyncio.Future[frozenset[str]] | None = None
 
     @property
     def redis(self) -> RedisClient:
@@ -223,13 +226,23 @@ class Client:
         return job.request_id
 
     async def served_models(self) -> frozenset[str]:
-        """The models live workers serve now (their heartbeats advertise them)."""
+        """The models live workers serve now (their heartbeats advertise them). Callers that
+        ask while a read is under way share its answer."""
+        if self._reading_served is None or self._reading_served.done():
+            self._reading_served = asyncio.ensure_future(self._read_served())
+        return await asyncio.shield(self._reading_served)
+
+    async def _read_served(self) -> frozenset[str]:
         redis = await self.connect()
         async with self._commands:
             with _unavailable_as("the fleet's models could not be read"):
                 served = frozenset(await served_models(redis, self.keys))
         self._served, self._served_at = served, time.monotonic()
         return served
+
+    async def serves(self, model: str) -> bool:
+        """Whether a live worker serves ``model`` (a positive answer is cached briefly)."""
+        return model in await self._models_for(model)
 
     async def _models_for(self, model: str) -> frozenset[str]:
         """The served models, for a job naming ``model``: a read that found it is trusted

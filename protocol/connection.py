@@ -95,7 +95,7 @@ def retry_forever(
     tries (``call_with_retry``); only for operations safe to repeat. Cancel the caller to stop."""
     # redis-py annotates the errors as RedisErrors; it catches whatever it is given (OSError,
     # RedisClusterException: a Cluster reshuffling its slots).
-    return Retry(backoff, retries=-1, supported_errors=errors)  # type: ignore[arg-type]
+    return Retry(backoff, retries=-1, supported_errors=errors)  # type: ignore[arg-type, unused-ignore]
 
 
 async def publish(redis: RedisClient, channel: str, message: bytes) -> int:
@@ -265,7 +265,7 @@ async def _sentinel_master(address: SentinelAddress, options: dict[str, Any]) ->
         name: value for name, value in options.items() if name.startswith("socket_")
     }
     sentinel_options.update(address.sentinel_options)
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
         list(address.sentinels), sentinel_kwargs=sentinel_options, **options
     )
     master: Redis = sentinel.master_for(

@@ -122,6 +122,24 @@ class Keys:
         """A worker's heartbeat key (expires when the worker stops refreshing it)."""
         return f"{self.prefix}:worker:{{{_checked(worker_id, 'worker id')}}}"
 
+    def activity(self, worker_id: str) -> str:
+        """A worker's activity: its running requests and recent token counts (a JSON value,
+        expiring with the heartbeat)."""
+        return f"{self.prefix}:activity:{{{_checked(worker_id, 'worker id')}}}"
+
+    def gateway_request(self, request_id: str) -> str:
+        """What an OpenAI-compatible gateway needs to stream a request again (its response
+        shape and owner), in the request's slot; it expires with the request's log."""
+        return f"{self.prefix}:gateway:{{{_checked(request_id, 'request id')}}}"
+
+    def quota(self, key_name: str) -> str:
+        """One gateway API key's rate-limit bucket and in-flight requests (one hash)."""
+        return f"{self.prefix}:quota:{{{_checked(key_name, 'API key name')}}}"
+
+    def quota_in_flight(self, key_name: str) -> str:
+        """One gateway API key's in-flight requests, by lease expiry (a sorted set)."""
+        return f"{self.prefix}:quota:{{{_checked(key_name, 'API key name')}}}:in_flight"
+
     @property
     def worker_pattern(self) -> str:
         """A SCAN MATCH pattern for every heartbeat key."""

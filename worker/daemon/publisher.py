@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from protocol.activity import RequestActivity
 from protocol.connection import RedisClient
 from protocol.keys import Keys
 from protocol.messages import (
@@ -35,6 +36,7 @@ from protocol.messages import (
     Usage,
 )
 from protocol.replay_log import Outcome, publish_events
+from worker.daemon.activity import TokenHistory
 from worker.daemon.redis_retry import retry_until_done
 from worker.engine import RequestOutput
 
@@ -56,6 +58,7 @@ class _Stream:
     opened: float
     written: asyncio.Future[None]
     model: str | None = None  # the fleet's name of the model running it (for on_done)
+    tokens: int = 0  # completion tokens this attempt streamed so far
 
 
 @dataclass(slots=True)
@@ -133,6 +136,7 @@ class EventPublisher:
         self.keys = keys
         self.log_ttl = log_ttl
         self.on_done = on_done
+        self.token_history = TokenHistory()
         self._streams: dict[str, _Stream] = {}
         self._drafts: list[_Draft] = []
         self._unsent_delta: dict[str, _Draft] = {}
@@ -227,8 +231,11 @@ class EventPublisher:
         """Engine step listener (event loop thread)."""
         self.steps += 1
         for output in outputs:
-            if output.request_id not in self._streams:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
                 continue
+            stream.tokens += len(output.new_token_ids)
+            self.token_history.add(len(output.new_token_ids))
             if output.new_token_ids or output.new_text:
                 self._add_delta(output)
             if output.finished:
@@ -261,6 +268,19 @@ class EventPublisher:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
         return self._idle.is_set() and not self._drafts and not self._failed
+
+    def running(self) -> list[RequestActivity]:
+        """The requests being published now, with their tokens so far (for the activity key)."""
+        return [
+            RequestActivity(
+                request_id=stream.request_id,
+                model=stream.model,
+                attempt=stream.attempt,
+                tokens=stream.tokens,
+                started_at=stream.opened,
+            )
+            for stream in self._streams.values()
+        ]
 
     def stats(self) -> PublisherStats:
         return PublisherStats(

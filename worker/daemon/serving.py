@@ -3,7 +3,7 @@
 On one event loop: per model lane (worker/daemon/lane.py) the consumer (reads only as many jobs
 as there are free slots), the reclaimer (XAUTOCLAIM of jobs whose worker died) and the lease
 keeper (re-claims our running jobs so they never look idle); the default stream's forwarder;
-the abort-marker poll, the heartbeat, the control listener, the
+the abort-marker poll, the heartbeat and the activity key, the control listener, the
 publisher and the metrics refresh. Stopping: no new reads, in-flight jobs get
 ``drain_timeout`` to finish, the rest are aborted without acknowledgement (another worker
 re-runs them), then the consumer leaves the group if it holds nothing.
@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 from redis.exceptions import OutOfMemoryError
 
+from protocol.activity import Activity
 from protocol.connection import RedisClient, exists_each
 from protocol.constants import DEFAULT_ABORT_TTL_SECONDS
 from protocol.heartbeat import Heartbeat
@@ -48,6 +49,8 @@ log = structlog.get_logger(__name__)
 # How often the abort markers of running jobs are checked: the marker alone stops a job
 # within this (the abort command is the faster path).
 ABORT_POLL_SECONDS = 0.5
+# How often the activity key (running requests' token counts, for dashboards) is rewritten.
+ACTIVITY_SECONDS = 1.0
 WORKER_VERSION = version("mlx-redis-worker")
 
 
@@ -100,6 +103,7 @@ class Serving:
             asyncio.create_task(self.publisher.run(), name="publisher"),
             asyncio.create_task(control.listen(), name="control"),
             self._periodic(settings.heartbeat_interval, self._heartbeat),
+            self._periodic(ACTIVITY_SECONDS, self._activity),
             self._periodic(ABORT_POLL_SECONDS, self._stop_aborted),
             asyncio.create_task(self.notifier.keep_alive(self._engines_running), name="watchdog"),
         ]
@@ -151,7 +155,8 @@ class Serving:
     async def _leave(self) -> None:
         """Say goodbye in Redis: no heartbeat, and no consumer unless it still holds jobs."""
         with contextlib.suppress(*REDIS_FAILURES):
-            await self.redis.delete(self.keys.worker(self.settings.worker_id))
+            worker_id = self.settings.worker_id
+            await self.redis.delete(self.keys.worker(worker_id), self.keys.activity(worker_id))
         for queue in self.queues:
             try:
                 # Jobs left pending (abandoned after the drain timeout) keep the consumer: they
@@ -243,6 +248,23 @@ class Serving:
             # alive, so a live worker does not look dead while memory is being freed.
             if not await self.redis.pexpire(key, ttl_ms):
                 raise
+
+    def activity(self) -> Activity:
+        history = self.publisher.token_history
+        return Activity(
+            worker_id=self.settings.worker_id,
+            at=time.time(),
+            bucket_seconds=history.bucket_seconds,
+            buckets=history.buckets(),
+            requests=tuple(self.publisher.running()),
+        )
+
+    async def _activity(self) -> None:
+        """Best effort: a full Redis (noeviction) refuses it, and dashboards do without."""
+        key = self.keys.activity(self.settings.worker_id)
+        ttl_ms = int(self.settings.heartbeat_ttl * 1000)
+        with contextlib.suppress(OutOfMemoryError):
+            await self.redis.set(key, self.activity().encode(), px=ttl_ms)
 
     async def stats(self, model: str | None) -> dict[str, Any]:
         """The worker's figures for the ``stats`` reply: per model (only ``model``'s when
