@@ -155,6 +155,32 @@ def test_a_positive_answer_is_reused_briefly_and_a_miss_is_read_again(
     run(main())
 
 
+def test_concurrent_submits_after_an_idle_spell_share_one_catalogue_read(
+    redis_url: str, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads = 0
+    real = client_module.served_models
+
+    async def counted(redis: RedisClient, keys: Keys) -> set[str]:
+        nonlocal reads
+        reads += 1
+        await asyncio.sleep(0.05)  # a read that takes a while, as a SCAN of many keys does
+        return await real(redis, keys)
+
+    monkeypatch.setattr(client_module, "served_models", counted)
+
+    async def main() -> None:
+        async with Client(redis_url, prefix=keys.prefix) as client:
+            await serve(client.redis, keys, "w1", "a")
+            await asyncio.gather(*(client.submit("hi", model="a") for _ in range(32)))
+            assert reads == 1
+            assert len(await job_entries(client.redis, keys.model_stream("a"))) == 32
+            await client.served_models()  # the shared read is over: the next one is new
+            assert reads == 2
+
+    run(main())
+
+
 def test_an_invalid_model_is_refused_before_redis(redis_url: str, keys: Keys) -> None:
     async def main() -> None:
         async with Client(redis_url, prefix=keys.prefix) as client:
