@@ -9,7 +9,7 @@ STAMP  := .stamps
 demo: models
 	$(BIN)/mlx-worker demo
 
-test: models
+test: models $(STAMP)/test-system
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 check: lint typecheck
@@ -42,6 +42,11 @@ models: $(STAMP)/models
 
 $(STAMP)/system:
 	bash ops/install-system-deps.sh
+	@mkdir -p $(STAMP) && touch $@
+
+# Only the tests need these (a browser for the status page's test): `demo` does without.
+$(STAMP)/test-system:
+	bash ops/install-test-deps.sh
 	@mkdir -p $(STAMP) && touch $@
 
 $(STAMP)/venv: $(STAMP)/system pyproject.toml

@@ -12,6 +12,7 @@ from typing import Any
 import worker  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 from protocol.cli import add_commands as add_client_commands
 from worker.daemon.settings import WorkerSettings, load_settings
+from worker.gateway.cli import add_gateway_commands
 from worker.logs import configure_logging, one_line, tell_operator
 
 Command = Callable[[argparse.Namespace], int]
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_commands(commands)
     _add_daemon_commands(commands)
     add_client_commands(commands)  # submit, stream, ctl, group: the protocol's own client CLI
+    add_gateway_commands(commands)  # gateway, api-key: the OpenAI-compatible HTTP front
     _add_demo_command(commands)
     return parser
 
@@ -126,6 +128,17 @@ def _add_bench_commands(commands: Any) -> None:
     models.add_argument("--repeat", type=int, default=3, help="rotations of both layouts")
     models.add_argument("--redis-url", default=None, help="default: a private redis-server")
     models.set_defaults(func=_lazy("worker.bench.models_bench", "run_models_bench"))
+
+    gateway = benches.add_parser(
+        "gateway", help="OpenAI gateway vs the protocol client: tok/s and TTFT, same run"
+    )
+    gateway.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
+    gateway.add_argument("--concurrency", type=int, default=32, help="streams at once")
+    gateway.add_argument("--prompt-tokens", type=int, default=32)
+    gateway.add_argument("--max-tokens", type=int, default=64)
+    gateway.add_argument("--repeat", type=int, default=3, help="rotations of both paths")
+    gateway.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    gateway.set_defaults(func=_lazy("worker.bench.gateway_bench", "run_gateway_bench"))
 
     scheduler = benches.add_parser(
         "scheduler", help="the engine's own host work per token, model replayed"

@@ -175,3 +175,30 @@ def test_newsyslog_example_lines() -> None:
         int(mode, 8)
         assert int(count) > 0 and int(size) > 0
         assert "N" in flags and not set(flags) & set("JZX")
+
+
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None,
+    reason="no systemd-analyze here: the parser test stands in for it",
+)
+def test_gateway_unit_verifies(tmp_path: Path) -> None:
+    unit = tmp_path / "mlx-gateway.service"
+    text = (OPS / "systemd" / "mlx-gateway.service").read_text()
+    unit.write_text(text.replace("/opt/mlx-redis-worker/.venv", str(VENV)))
+    completed = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output
+    assert not [line for line in output.splitlines() if "mlx-gateway.service" in line], output
+
+
+def test_gateway_unit_runs_the_gateway_with_keys() -> None:
+    unit = parse_unit((OPS / "systemd" / "mlx-gateway.service").read_text())
+    assert one(unit, "Service", "ExecStart").endswith("mlx-worker --log-format json gateway")
+    assert environment(unit)["MLXW_API_KEYS"].endswith("api-keys.toml")
+    assert one(unit, "Service", "MemoryDenyWriteExecute") == "yes"  # no MLX in the gateway

@@ -9,6 +9,8 @@ keeping their own copies.
 - ``events``: what a subscriber makes of a request's events.
 - ``engines``: engines on real models for the engine tests.
 - ``drivers``: what the reliability drivers share (result table, work directory, CLI tail).
+- ``sse``: a raw HTTP client for the gateway: SSE messages with their ids, a TCP connection
+  dropped at will (mid-stream or before the answer).
 
 Redis servers, Clusters and Sentinels come from ``worker.local_redis``.
 """
