@@ -133,7 +133,7 @@ def process_cpu(pid: int) -> float | None:
     return (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_of(pids: dict[str, list[int]]) -> dict[str, float | None]:
+def cpu_of(pids: dict[str, list[int]]) -> dict[str, float | None]:
     """CPU seconds of each named group of processes (summed); None where one is unreadable."""
     cpu: dict[str, float | None] = {}
     for name, group in pids.items():
@@ -142,7 +142,7 @@ def _cpu_of(pids: dict[str, list[int]]) -> dict[str, float | None]:
     return cpu
 
 
-async def _redis_pids(url: str, prefix: str) -> list[int]:
+async def redis_pids(url: str, prefix: str) -> list[int]:
     """The Redis server processes behind ``url`` (every node of a Cluster), from INFO."""
     async with Client(url, prefix=prefix) as client:
         redis = client.redis
@@ -161,9 +161,9 @@ def run_e2e(topology: Topology, prompts: list[list[int]], max_tokens: int) -> Ru
         }
         async with Client(topology.url, prefix=topology.prefix) as client:
             steps_before, trips_before = await _worker_counters(client)
-            cpu_before = _cpu_of(pids)
+            cpu_before = cpu_of(pids)
             tokens, ttfts, latencies, seconds = await through_redis(client, prompts, max_tokens)
-            cpu_after = _cpu_of(pids)
+            cpu_after = cpu_of(pids)
             steps_after, trips_after = await _worker_counters(client)
         steps = steps_after - steps_before
         cpu = {
@@ -255,7 +255,7 @@ def _start_topologies(
         topologies.append(Topology(name, path, url, prefix, process))
     for topology in topologies:  # the workers load the model meanwhile
         asyncio.run(_wait_ready(topology.url, topology.prefix, topology.process))
-        topology.redis_pids = asyncio.run(_redis_pids(topology.url, topology.prefix))
+        topology.redis_pids = asyncio.run(redis_pids(topology.url, topology.prefix))
     return topologies
 
 

@@ -127,7 +127,7 @@ def _prepare(args: argparse.Namespace) -> list[Model]:
     return models
 
 
-def _start_worker(
+def start_worker(
     url: str, prefix: str, worker_id: str, models: list[Model], concurrency: int
 ) -> Worker:
     model_flags = [flag for m in models for flag in ("--model", f"{m.name}={m.source}")]
@@ -154,7 +154,7 @@ def _start_worker(
     return Worker(worker_id, models, process, log_path)
 
 
-async def _wait_ready(client: Client, workers: list[Worker]) -> None:
+async def wait_ready(client: Client, workers: list[Worker]) -> None:
     """Each worker answers a ping addressed to it and its heartbeat lists its models."""
     deadline = time.monotonic() + READY_TIMEOUT
     for worker in workers:
@@ -247,7 +247,7 @@ async def _measure(
     url: str, prefix: str, layout: str, workers: list[Worker], results: Results, max_tokens: int
 ) -> LayoutRun:
     async with Client(url, prefix=prefix) as client:
-        await _wait_ready(client, workers)
+        await wait_ready(client, workers)
         await _load(client, results.models, WARMUP_TOKENS, warmup=True)
         pids = [w.process.pid for w in workers]
         cpu_before = _total([process_cpu(pid) for pid in pids])
@@ -267,7 +267,7 @@ def _run_layout(url: str, layout: str, results: Results, args: argparse.Namespac
     with contextlib.ExitStack() as stack:
         workers: list[Worker] = []
         for worker_id, models in groups:
-            worker = _start_worker(url, prefix, worker_id, models, args.concurrency)
+            worker = start_worker(url, prefix, worker_id, models, args.concurrency)
             stack.callback(stop_worker, worker.process)
             workers.append(worker)
         return asyncio.run(_measure(url, prefix, layout, workers, results, args.max_tokens))
