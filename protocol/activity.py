@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.heartbeat import int_or_zero, number_or_zero, worker_document
 from protocol.identifiers import is_valid_id
 
 
@@ -62,13 +63,8 @@ class Activity:
 def decode_activity(raw: bytes | str | None) -> Activity | None:
     """The activity in ``raw``; None for a value that is not one. Entries of the wrong shape
     are left out rather than fail the whole view."""
-    if raw is None:
-        return None
-    try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("worker_id"), str):
+    value = worker_document(raw)
+    if value is None:
         return None
     bucket_seconds = value.get("bucket_seconds")
     if (
@@ -87,10 +83,9 @@ def decode_activity(raw: bytes | str | None) -> Activity | None:
         for request in (_request(item) for item in _list(value.get("requests")))
         if request is not None
     )
-    at = value.get("at")
     return Activity(
         worker_id=value["worker_id"],
-        at=float(at) if isinstance(at, int | float) and not isinstance(at, bool) else 0.0,
+        at=number_or_zero(value.get("at")),
         bucket_seconds=bucket_seconds,
         buckets=buckets,
         requests=requests,
@@ -106,9 +101,9 @@ def _request(item: Any) -> RequestActivity | None:
     return RequestActivity(
         request_id=request_id,
         model=model if isinstance(model, str) else None,
-        attempt=item["attempt"] if _is_int(item.get("attempt")) else 0,
-        tokens=item["tokens"] if _is_int(item.get("tokens")) else 0,
-        started_at=float(item["started_at"]) if _is_number(item.get("started_at")) else 0.0,
+        attempt=int_or_zero(item.get("attempt")),
+        tokens=int_or_zero(item.get("tokens")),
+        started_at=number_or_zero(item.get("started_at")),
     )
 
 
@@ -118,7 +113,3 @@ def _list(value: Any) -> list[Any]:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return _is_int(value) or isinstance(value, float)

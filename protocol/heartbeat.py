@@ -64,6 +64,24 @@ class Heartbeat:
 def decode_heartbeat(raw: bytes | str | None) -> Heartbeat | None:
     """The heartbeat in ``raw``; None for a value that is not one (missing, not JSON, no
     worker id). Fields of the wrong type read as absent rather than fail the whole fleet view."""
+    value = worker_document(raw)
+    if value is None:
+        return None
+    default_model = value.get("default_model", value.get("model"))
+    return Heartbeat(
+        worker_id=value["worker_id"],
+        pid=int_or_zero(value.get("pid")),
+        started_at=number_or_zero(value.get("started_at")),
+        in_flight=int_or_zero(value.get("in_flight")),
+        default_model=default_model if isinstance(default_model, str) else None,
+        models=_models(value.get("models")),
+        version=value["version"] if isinstance(value.get("version"), str) else None,
+    )
+
+
+def worker_document(raw: bytes | str | None) -> dict[str, Any] | None:
+    """A worker's JSON value (heartbeat, activity) as a dict naming its worker; None for a
+    missing value, one that is not JSON, or one without a ``worker_id``."""
     if raw is None:
         return None
     try:
@@ -72,16 +90,7 @@ def decode_heartbeat(raw: bytes | str | None) -> Heartbeat | None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("worker_id"), str):
         return None
-    default_model = value.get("default_model", value.get("model"))
-    return Heartbeat(
-        worker_id=value["worker_id"],
-        pid=_int(value.get("pid")),
-        started_at=_number(value.get("started_at")),
-        in_flight=_int(value.get("in_flight")),
-        default_model=default_model if isinstance(default_model, str) else None,
-        models=_models(value.get("models")),
-        version=value["version"] if isinstance(value.get("version"), str) else None,
-    )
+    return value
 
 
 def _models(value: Any) -> dict[str, ServedModel]:
@@ -89,20 +98,22 @@ def _models(value: Any) -> dict[str, ServedModel]:
         return {}
     return {
         name: ServedModel(
-            max_concurrency=_int(served.get("max_concurrency")),
-            free_slots=_int(served.get("free_slots")),
-            in_flight=_int(served.get("in_flight")),
+            max_concurrency=int_or_zero(served.get("max_concurrency")),
+            free_slots=int_or_zero(served.get("free_slots")),
+            in_flight=int_or_zero(served.get("in_flight")),
         )
         for name, served in value.items()
         if isinstance(name, str) and isinstance(served, dict)
     }
 
 
-def _int(value: Any) -> int:
+def int_or_zero(value: Any) -> int:
+    """An integer field (not a bool), or 0."""
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def _number(value: Any) -> float:
+def number_or_zero(value: Any) -> float:
+    """A number field (not a bool), or 0.0."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return 0.0
     return float(value)

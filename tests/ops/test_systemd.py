@@ -118,8 +118,12 @@ def test_installed_unit_follows_the_options(tmp_path: Path, drain_timeout: str) 
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
     rendered = tmp_path / "mlx-worker.service"  # verify wants the real unit name and suffix
     rendered.write_text(run_script("install-systemd.sh", "--print", "--venv", str(VENV)))
+    assert_verifies(rendered)
+
+
+def assert_verifies(unit: Path) -> None:
     completed = subprocess.run(
-        ["systemd-analyze", "verify", str(rendered)],
+        ["systemd-analyze", "verify", str(unit)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -128,7 +132,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output
     # verify only warns (exit 0) about unknown keys or bad values: any line about our file fails.
-    assert not [line for line in output.splitlines() if "mlx-worker.service" in line], output
+    assert not [line for line in output.splitlines() if unit.name in line], output
 
 
 def test_install_dry_run_prints_the_systemctl_commands() -> None:
@@ -185,16 +189,7 @@ def test_gateway_unit_verifies(tmp_path: Path) -> None:
     unit = tmp_path / "mlx-gateway.service"
     text = (OPS / "systemd" / "mlx-gateway.service").read_text()
     unit.write_text(text.replace("/opt/mlx-redis-worker/.venv", str(VENV)))
-    completed = subprocess.run(
-        ["systemd-analyze", "verify", str(unit)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    output = completed.stdout + completed.stderr
-    assert completed.returncode == 0, output
-    assert not [line for line in output.splitlines() if "mlx-gateway.service" in line], output
+    assert_verifies(unit)
 
 
 def test_gateway_unit_runs_the_gateway_with_keys() -> None:
