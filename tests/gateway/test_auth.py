@@ -23,6 +23,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from protocol.sync_client import SyncClient
 from tests.gateway.conftest import Fleet
 from tests.support.gateway import GatewayFactory, GatewayProcess
 from tests.support.processes import mlx_worker
@@ -317,3 +318,29 @@ def test_the_status_routes_need_an_operator_key_as_bearer_or_basic_password(
         assert get(route, basic(operator))[0] == 200, route
     status, _, body = get("/status.json", basic(operator))
     assert fleet.worker.worker_id in [w["worker_id"] for w in json.loads(body)["workers"]]
+
+
+def test_a_slot_outlives_its_lease_while_held_and_frees_itself_when_its_gateway_dies(
+    fleet: Fleet, gateways: GatewayFactory, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys.toml"
+    secret = add_key(keys, key_name("leased"), "--max-concurrent", "1")
+    lease = ("--quota-lease-seconds", "2")
+    holder, other = (gateways.start("--api-keys", str(keys), *lease) for _ in range(2))
+    stream = client(holder, secret).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=600, temperature=0, stream=True
+    )
+    request_id = next(stream).id
+    try:
+        time.sleep(3)  # past the lease: the holding gateway keeps refreshing it
+        error = refused(lambda: ask(client(other, secret)), openai.RateLimitError)
+        assert error.code == "concurrency_limit_exceeded"
+        assert holder.process is not None
+        holder.process.kill()  # no release: only the lease's expiry frees the slot
+        holder.process.wait(10)
+        admitted = wait_until(lambda: _admitted(client(other, secret)), 5.0, "the slot back")
+        assert admitted.choices[0].finish_reason == "length"
+    finally:
+        stream.close()
+        with SyncClient(fleet.redis_url, prefix=fleet.prefix) as protocol_client:
+            protocol_client.abort(request_id)  # its gateway died: nobody else stops it

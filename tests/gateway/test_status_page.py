@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import openai
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Error as PlaywrightError
 
 from protocol.activity import RequestActivity
 from protocol.catalogue import DefaultStreamStatus, ModelStatus, QueueStatus
@@ -23,6 +25,7 @@ from protocol.catalogue import Fleet as Catalogue
 from protocol.heartbeat import Heartbeat, ServedModel
 from tests.gateway.conftest import Fleet
 from tests.support.gateway import GatewayFactory
+from tests.support.processes import mlx_worker
 from worker.gateway.fleet_status import DeadLetter, FleetStatus, RunningRequest
 from worker.gateway.status_page import render_fragment, render_page
 
@@ -207,3 +210,36 @@ def test_status_page_is_live_in_a_browser(
     page.unroute("**/status/fragment")
     page.wait_for_selector('#status[data-stale="false"]', state="attached", timeout=10_000)
     assert page.evaluate("window.loadedOnce") is True
+
+
+def test_with_keys_a_browser_opens_the_page_with_an_operator_key_as_password(
+    fleet: Fleet, gateways: GatewayFactory, browser: Browser, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys.toml"
+    added = mlx_worker("api-key", "add", "ops", "--file", str(keys), "--operator")
+    assert added.returncode == 0, added.stderr
+    gateway = gateways.start("--api-keys", str(keys))
+
+    # Without credentials: a 401 whose challenge makes a browser ask for them (a headless one
+    # cannot ask, and fails the navigation instead).
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{gateway.url}/", timeout=5)
+    assert refused.value.code == 401
+    assert refused.value.headers["WWW-Authenticate"].startswith("Basic ")
+    with pytest.raises(PlaywrightError, match="ERR_INVALID_AUTH_CREDENTIALS"):
+        browser.new_page().goto(f"{gateway.url}/")
+
+    context = browser.new_context(
+        http_credentials={"username": "ops", "password": added.stdout.strip()}
+    )
+    page = context.new_page()
+    answer = page.goto(f"{gateway.url}/")
+    assert answer is not None and answer.status == 200
+    page.wait_for_selector(f'tr.worker[data-worker-id="{fleet.worker.worker_id}"]')
+    # The page's own refreshes carry the credentials too: a fresh fragment replaces the first.
+    first = page.get_attribute(".fragment", "data-at")
+    page.wait_for_function(
+        "seen => document.querySelector('.fragment')?.dataset.at !== seen", arg=first
+    )
+    assert page.get_attribute("#status", "data-stale") == "false"
+    context.close()

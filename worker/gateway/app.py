@@ -48,7 +48,7 @@ from worker.gateway.auth import Authenticator
 from worker.gateway.errors import ApiError
 from worker.gateway.fleet_status import FleetStatus, read_fleet_status
 from worker.gateway.openai_api import CompletionRequest, Kind, check_request_id, parse_request
-from worker.gateway.quotas import Quotas
+from worker.gateway.quotas import LEASE_SECONDS, Quotas
 from worker.gateway.shaping import DONE_MESSAGE, ResponseShape, Shaper, sse_data, sse_message
 from worker.gateway.status_page import render_fragment, render_page
 
@@ -75,6 +75,8 @@ class GatewaySettings:
     event_timeout: float = 600.0
     log_ttl: int = DEFAULT_LOG_TTL_SECONDS
     status_page: bool = True
+    # How long a request's concurrency slot outlives a gateway that stopped refreshing it.
+    quota_lease_seconds: float = LEASE_SECONDS
     limits: Limits = DEFAULT_LIMITS
 
 
@@ -106,7 +108,7 @@ class Gateway:
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         redis = await self.client.connect()
-        self._quotas = Quotas(redis, self.client.keys)
+        self._quotas = Quotas(redis, self.client.keys, self.settings.quota_lease_seconds)
         leases = asyncio.create_task(self.quotas.keep_leases(), name="quota leases")
         log.info(
             "gateway_ready",

@@ -57,6 +57,12 @@ def add_gateway_commands(commands: Any) -> None:
         default=DEFAULT_LOG_TTL_SECONDS,
         help="seconds a request can be resumed after its last event (the replay log's TTL)",
     )
+    gateway.add_argument(
+        "--quota-lease-seconds",
+        type=float,
+        default=30.0,
+        help="how long a request's concurrency slot outlives a gateway that died (default 30)",
+    )
     gateway.add_argument("--no-status-page", action="store_true", help="serve no status page")
     gateway.set_defaults(func=run_gateway)
 
@@ -95,6 +101,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         event_timeout=args.event_timeout,
         log_ttl=args.log_ttl,
         status_page=not args.no_status_page,
+        quota_lease_seconds=args.quota_lease_seconds,
     )
     try:
         app = build_app(settings)
