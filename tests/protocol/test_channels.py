@@ -120,13 +120,11 @@ def test_shard_channels_on_every_cluster_node_through_one_hub(redis_cluster: Loc
                 for channel in channels:
                     assert await publish(redis, channel, channel.encode()) == 1
                 got = {await _next(inbox) for _ in channels}
+            # Left: a message on any of the channels reaches nobody. (SPUBLISH's count, not
+            # PUBSUB SHARDNUMSUB, whose reply redis-py 8's Cluster client fails to parse.)
             remaining = 0
             for channel in channels:
-                node = redis.get_node_from_key(channel)  # type: ignore[union-attr]
-                reply = await redis.execute_command(  # type: ignore[no-untyped-call]
-                    "PUBSUB", "SHARDNUMSUB", channel, target_nodes=node
-                )
-                remaining += int(reply[1] if isinstance(reply, list) else reply[channel.encode()])
+                remaining += await publish(redis, channel, b"after")
             return got, len(nodes), remaining
         finally:
             await hub.aclose()

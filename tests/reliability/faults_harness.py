@@ -126,6 +126,10 @@ async def drive(
         with contextlib.suppress(*CONNECTION_ERRORS):  # only for the report of a miss
             heartbeats = await count_live_workers(await client.connect(), client.keys)
         pinged = None
+        # Control commands are pub/sub broadcasts: a worker whose subscription is still being
+        # restored after a fault (a failover) misses one. The figures are read once every
+        # live worker answers a ping again, so a miss below means a worker that stays deaf.
+        await _until_all_answer(client, heartbeats or 0, seconds=15)
         try:
             replies = await client.stats(timeout=5)
             stats = [dict(reply.result or {}) for reply in replies]
@@ -138,6 +142,15 @@ async def drive(
     return Driven(
         followed, escaped, fault_values, failures, stats, stats_error, seconds, heartbeats, pinged
     )
+
+
+async def _until_all_answer(client: Client, workers: int, *, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ClientError, *CONNECTION_ERRORS):
+            if len(await client.ping(timeout=1)) >= workers:
+                return
+        await asyncio.sleep(0.2)
 
 
 def publisher_total(stats: Sequence[Mapping[str, Any]], name: str) -> int:
