@@ -44,6 +44,8 @@ def encode_event(event: Event) -> bytes:
         fields["finish_reason"] = event.finish_reason
         fields["output_text"] = event.output_text
         fields["usage"] = _usage_fields(event.usage)
+        if event.output_valid is not None:
+            fields["output_valid"] = event.output_valid
     elif isinstance(event, ErrorEvent):
         fields["code"] = event.code
         fields["message"] = event.message
@@ -110,6 +112,7 @@ def _done_event(reader: FieldReader, common: _Common) -> Event:
         output_text=reader.required_string("output_text", max_len=reader.limits.max_str_len),
         usage=_usage(reader),
         metadata=reader.metadata("metadata"),
+        output_valid=reader.boolean("output_valid"),
     )
 
 

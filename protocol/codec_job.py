@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from protocol.errors import ProtocolError
-from protocol.fields import FieldReader
+from protocol.fields import FieldReader, json_like_problem
 from protocol.identifiers import ID_RULE, is_valid_id, new_request_id
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import SYSTEM_PREFIX, ChatMessage, Job, PrefixBoundary
@@ -26,7 +26,7 @@ def encode_job(job: Job) -> bytes:
             continue
         if name == "messages":
             value = [{"role": m.role, "content": m.content} for m in value]
-        elif name == "metadata":
+        elif name in ("metadata", "response_format"):
             value = dict(value)
         elif isinstance(value, tuple):
             value = list(value)
@@ -83,6 +83,7 @@ def _decode_job(data: object, limits: Limits) -> Job:
         deadline=reader.number("deadline"),
         metadata=reader.metadata("metadata"),
         model=_model(reader),
+        response_format=_response_format(reader),
     )
 
 
@@ -100,6 +101,43 @@ def _model(reader: FieldReader) -> str | None:
     if value is not None and not is_valid_id(value):
         raise reader.error("invalid_field", "model", f"must be {ID_RULE}")
     return value
+
+
+# Each response_format type and the one field it takes beside ``type``.
+RESPONSE_FORMATS: Final = {
+    "json_object": None,
+    "json_schema": "schema",
+    "regex": "pattern",
+    "grammar": "lark",
+}
+
+
+def _response_format(reader: FieldReader) -> dict[str, Any] | None:
+    value = reader.mapping("response_format")
+    if value is None:
+        return None
+    where = FieldReader(value, f"{reader.what}.response_format", reader.limits)
+    where.request_id = reader.request_id
+    kind = where.required_string("type")
+    if kind not in RESPONSE_FORMATS:
+        raise where.error("invalid_field", "type", f"must be one of {', '.join(RESPONSE_FORMATS)}")
+    field = RESPONSE_FORMATS[kind]
+    extra = set(value) - {"type", *([field] if field else [])}
+    if extra:
+        # key=str: msgpack map keys may be bytes as well as str, which do not compare.
+        name = min(extra, key=str)
+        raise where.error("invalid_field", name, f"is not a field of a {kind!r} response_format")
+    if field is None:
+        return {"type": kind}
+    if field == "schema":
+        schema = where.mapping("schema", required=True)
+        problem = json_like_problem(schema, reader.limits.max_schema_depth)
+        if problem is not None:
+            code = "limit_exceeded" if "deeply" in problem else "invalid_field"
+            raise where.error(code, "schema", problem)
+        return {"type": kind, "schema": schema}
+    text = where.required_string(field, non_empty=True, max_len=reader.limits.max_str_len)
+    return {"type": kind, field: text}
 
 
 def readable_model(data: object) -> str | None:

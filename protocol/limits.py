@@ -31,6 +31,7 @@ class Limits:
     max_logprobs: int = 20
     max_metadata_bytes: int = 16 * _KIB
     max_metadata_depth: int = 8
+    max_schema_depth: int = 32
 
     def __post_init__(self) -> None:
         for limit in fields(self):

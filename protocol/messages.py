@@ -64,6 +64,7 @@ class JobOptions(TypedDict, total=False):
     deadline: float
     metadata: Mapping[str, Any]
     model: str
+    response_format: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +104,9 @@ class Job:
     metadata: Mapping[str, Any] | None = None
     # The fleet's name of the model to run it with; None: the fleet's default model.
     model: str | None = None
+    # What the output must match: {"type": "json_object"} | {"type": "json_schema", "schema":
+    # {...}} | {"type": "regex", "pattern": "..."} | {"type": "grammar", "lark": "..."}.
+    response_format: Mapping[str, Any] | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The set sampling fields, ready for ``SamplingParams(**kwargs)`` (lists, not tuples)."""
@@ -183,6 +187,9 @@ class DoneEvent(EventBase):
     output_text: str
     usage: Usage
     metadata: Mapping[str, Any] | None = None
+    # For a job with a response_format: whether output_text matches it (False when cut by
+    # max_tokens or aborted); None for an unconstrained job.
+    output_valid: bool | None = None
 
     type: ClassVar[str] = "done"
     terminal: ClassVar[bool] = True

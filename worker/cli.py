@@ -149,6 +149,18 @@ def _add_bench_commands(commands: Any) -> None:
     scheduler.add_argument("--repeat", type=int, default=7, help="rotations of all paths")
     scheduler.set_defaults(func=_lazy("worker.bench.scheduler_bench", "run_scheduler_bench"))
 
+    structured = benches.add_parser(
+        "structured", help="JSON-schema constrained decoding: validity, tok/s, compile time"
+    )
+    structured.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
+    structured.add_argument("--schemas", type=int, default=200, help="size of the schema suite")
+    structured.add_argument("--seed", type=int, default=0, help="of the schema suite")
+    structured.add_argument("--batch", type=int, default=8, help="requests in flight at once")
+    structured.add_argument("--max-tokens", type=int, default=256)
+    structured.add_argument("--temperature", type=float, default=0.7)
+    structured.add_argument("--repeat", type=int, default=4, help="rotations of both paths")
+    structured.set_defaults(func=_lazy("worker.bench.structured_bench", "run_structured_bench"))
+
 
 def _add_load_flags(bench: argparse.ArgumentParser) -> None:
     """The generation load of the engine and end-to-end benches."""

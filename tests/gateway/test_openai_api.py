@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 from openai.types import Completion
@@ -472,6 +473,122 @@ def test_an_unknown_model_is_a_404_model_not_found(client: openai.OpenAI, stream
         assert "no-such-model" in error.message
 
 
+# -- structured output ---------------------------------------------------------------------
+
+# Enums, a bounded integer and a boolean: a few tokens, so even the tiny model ends it.
+SCHEMA: Any = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["color", "n", "ok"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA: Any = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+STRUCTURED_TOKENS = 48
+
+
+def raw_chunks(gateway: GatewayProcess, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON chunks of a streamed chat, as sent (this gateway's extensions included)."""
+    request = urllib.request.Request(
+        f"{gateway.base_url}/chat/completions",
+        data=json.dumps({"model": MODEL, "stream": True, **body}).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        raw = answer.read().decode()
+    blocks = [block for block in raw.replace("\r\n", "\n").split("\n\n") if block.strip()]
+    data = [
+        line.removeprefix("data: ")
+        for block in blocks
+        for line in block.split("\n")
+        if line.startswith("data: ")
+    ]
+    assert data[-1] == "[DONE]"
+    return [json.loads(line) for line in data[:-1]]
+
+
+def test_a_json_schema_answer_validates_streamed_or_not(
+    client: openai.OpenAI, gateway: GatewayProcess
+) -> None:
+    fields = {"max_tokens": STRUCTURED_TOKENS, "response_format": JSON_SCHEMA}
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=CHAT, temperature=0, **fields
+    )
+    answer = raw.parse()
+    content = answer.choices[0].message.content
+    assert answer.choices[0].finish_reason == "stop"
+    assert content is not None
+    jsonschema.validate(json.loads(content), SCHEMA)
+    assert raw.http_response.json()["choices"][0]["output_valid"] is True
+
+    chunks = chat_chunks(client, **fields)
+    assert chat_text(chunks) == content  # greedy: the same answer
+    assert finish_reasons(chunks) == ["stop"]
+
+    sent = raw_chunks(gateway, {"messages": CHAT, "temperature": 0, **fields})
+    closing = sent[-1]["choices"][0]
+    assert closing["finish_reason"] == "stop"
+    assert closing["output_valid"] is True
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in sent)
+    assert streamed == content
+    assert all("output_valid" not in c["choices"][0] for c in sent[:-1])
+
+
+def test_a_json_schema_completion_validates(client: openai.OpenAI) -> None:
+    raw = client.completions.with_raw_response.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=STRUCTURED_TOKENS,
+        temperature=0,
+        extra_body={"response_format": JSON_SCHEMA},
+    )
+    choice = raw.http_response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["output_valid"] is True
+    jsonschema.validate(json.loads(choice["text"]), SCHEMA)
+    assert raw.parse().choices[0].text == choice["text"]
+
+
+def test_a_plain_answer_has_no_output_valid(client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=CHAT, max_tokens=2, temperature=0
+    )
+    assert "output_valid" not in raw.http_response.json()["choices"][0]
+
+
+def test_json_object_gives_a_json_object(client: openai.OpenAI) -> None:
+    answer = chat(client, max_tokens=STRUCTURED_TOKENS, response_format={"type": "json_object"})
+    content = answer.choices[0].message.content
+    assert answer.choices[0].finish_reason == "stop"
+    assert content is not None and isinstance(json.loads(content), dict)
+
+
+UNENFORCEABLE: Any = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "p",
+        "schema": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    },
+}
+
+
+def test_a_schema_the_worker_cannot_enforce_is_a_400_invalid_job(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, max_tokens=STRUCTURED_TOKENS, response_format=UNENFORCEABLE)
+    error = caught.value
+    assert error.status_code == 400
+    assert error.code == "invalid_job"
+    assert error.type == "invalid_request_error"
+    assert "uniqueItems" in error.message
+    # Streamed, the refusal comes as the stream's error (its head was already sent).
+    with pytest.raises(openai.APIError) as streamed:
+        chat_chunks(client, max_tokens=STRUCTURED_TOKENS, response_format=UNENFORCEABLE)
+    assert streamed.value.code == "invalid_job"
+    assert "uniqueItems" in streamed.value.message
+
+
 # -- refusals -------------------------------------------------------------------------------
 
 IMAGE_PARTS: Any = [
@@ -500,7 +617,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("chat", {"messages": [{"role": "user", "content": IMAGE_PARTS}]}, "messages[0].content"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format"),
     ("text", {"prompt": ["one", "two"]}, "prompt"),
     ("text", {"max_tokens": DEFAULT_LIMITS.max_tokens + 1}, "max_tokens"),
     ("text", {"logprobs": 6}, "logprobs"),

@@ -231,7 +231,17 @@ REFUSALS: list[tuple[Kind, Any, str]] = [
     ("chat", chat(logit_bias={"50256": -100}), "logit_bias"),
     ("chat", chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
     ("chat", chat(prediction={"type": "content", "content": "x"}), "prediction"),
-    ("chat", chat(response_format={"type": "json_object"}), "response_format"),
+    ("chat", chat(response_format={"type": "xml"}), "response_format"),
+    (
+        "chat",
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        "response_format.json_schema.schema",
+    ),
+    (
+        "chat",
+        chat(response_format={"type": "regex", "pattern": "a", "lark": "b"}),
+        "response_format",
+    ),
     ("chat", chat(response_format="json"), "response_format"),
     ("chat", chat(top_logprobs=2), "top_logprobs"),
     ("chat", chat(logprobs=False, top_logprobs=2), "top_logprobs"),
@@ -320,3 +330,18 @@ def test_an_unknown_model_name_shape_is_model_not_found() -> None:
 def test_a_range_error_says_the_limit() -> None:
     error = refusal("chat", chat(temperature=3))
     assert "temperature" in error.message and "2" in error.message
+
+
+def test_response_formats_map_onto_the_jobs() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    openai_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    cases: list[tuple[Any, Any]] = [
+        ({"type": "text"}, None),
+        ({"type": "json_object"}, {"type": "json_object"}),
+        (openai_schema, {"type": "json_schema", "schema": schema}),
+        ({"type": "regex", "pattern": "[0-9]+"}, {"type": "regex", "pattern": "[0-9]+"}),
+        ({"type": "grammar", "lark": 'start: "a"'}, {"type": "grammar", "lark": 'start: "a"'}),
+    ]
+    for given, expected in cases:
+        job = parse("chat", chat(response_format=given)).job
+        assert (dict(job.response_format) if job.response_format else None) == expected

@@ -54,6 +54,17 @@ JOBS = [
         temperature=0.0,
         prefix_boundary="system",
     ),
+    Job(
+        request_id="req-5",
+        prompt="A person as JSON:",
+        response_format={
+            "type": "json_schema",
+            "schema": {"type": "object", "properties": {"age": {"type": "integer"}}},
+        },
+    ),
+    Job(
+        request_id="req-6", prompt="Digits:", response_format={"type": "regex", "pattern": "[0-9]+"}
+    ),
 ]
 
 EVENTS = [
@@ -77,6 +88,7 @@ EVENTS = [
         output_text="Hé x",
         usage=Usage(10, 4, cached_tokens=8, ttft_ms=12.5, tokens_per_second=80.0, duration_ms=60),
         metadata=METADATA,
+        output_valid=False,
     ),
     DoneEvent(
         request_id="r",

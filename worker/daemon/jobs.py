@@ -34,7 +34,7 @@ from protocol.replay_log import (
 from worker.daemon.job_queue import Delivery, JobQueue
 from worker.daemon.publisher import AttemptLost, EventPublisher
 from worker.daemon.redis_retry import retry_until_done
-from worker.engine import EngineCore, QueueFullError, SamplingParams
+from worker.engine import EngineCore, QueueFullError, ResponseFormat, SamplingParams
 from worker.engine.prompt import chat_prompt
 
 log = structlog.get_logger(__name__)
@@ -174,7 +174,7 @@ class JobRunner:
         rid = job.request_id
         try:
             prompt, prefix_boundary = self._prompt(job)
-            params = SamplingParams(**job.sampling_kwargs())
+            params = SamplingParams(**job.sampling_kwargs(), response_format=_response_format(job))
             self.in_flight[rid] = delivery.entry_id
             log.info("job_started", attempt=delivery.times_delivered, prompt_kind=_prompt_kind(job))
             await self.engine.add_request(
@@ -417,3 +417,17 @@ def _prompt_kind(job: Job) -> str:
     if job.prompt is not None:
         return "prompt"
     return "prompt_token_ids" if job.prompt_token_ids is not None else "messages"
+
+
+def _response_format(job: Job) -> ResponseFormat | None:
+    """The engine's form of the job's response_format (the decoder checked its shape; the
+    engine checks that it can enforce it, or refuses the job)."""
+    if job.response_format is None:
+        return None
+    fields = dict(job.response_format)
+    return ResponseFormat(
+        fields.pop("type"),
+        schema=fields.get("schema"),
+        pattern=fields.get("pattern"),
+        lark=fields.get("lark"),
+    )

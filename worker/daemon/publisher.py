@@ -202,6 +202,7 @@ class EventPublisher:
             "finish_reason": finish_reason,
             "output_text": output.output_text if output else "",
             "usage": usage,
+            "output_valid": output.output_valid if output else None,
         }
         self._add(_Draft(stream, "done", fields=fields))
         if self.on_done is not None:

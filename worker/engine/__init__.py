@@ -12,6 +12,7 @@ from worker.engine.request import (
     Request,
     RequestOutput,
     RequestStatus,
+    ResponseFormat,
     SamplingParams,
     TokenLogprob,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "RequestOutputCollector",
     "RequestStatus",
     "RequestStreamState",
+    "ResponseFormat",
     "SamplingParams",
     "Scheduler",
     "SchedulerConfig",

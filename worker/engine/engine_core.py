@@ -35,12 +35,13 @@ from worker.engine.cache_control import CacheControl
 from worker.engine.config import EngineConfig, SchedulerConfig
 from worker.engine.engine_thread import EngineStoppedError, EngineThread
 from worker.engine.output_collector import RequestOutputCollector
-from worker.engine.prompt import prompt_token_ids
+from worker.engine.prompt import model_vocab_size, prompt_token_ids
 from worker.engine.reference_api import AsyncEngineCore, ReferenceApi, SyncBatch
 from worker.engine.registry import ModelOwnershipError, get_registry
 from worker.engine.request import Request, RequestOutput, SamplingParams
 from worker.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from worker.engine.stats import EngineStats, MlxMemory, PrefixCacheStats, read_mlx_memory
+from worker.engine.structured import CompiledGrammar
 
 __all__ = ["AsyncEngineCore", "EngineConfig", "EngineCore"]
 
@@ -74,7 +75,7 @@ class EngineCore(CacheControl, ReferenceApi):
         self._max_open = scheduler_config.max_num_seqs + scheduler_config.max_waiting_requests
         self._max_prompt_tokens = scheduler_config.max_prompt_tokens
         self._max_logprobs = scheduler_config.max_logprobs
-        self._vocab_size = _vocab_size(model, tokenizer)
+        self._vocab_size = model_vocab_size(model, tokenizer)
         # Where an open request's outputs go: its caller's event loop (add_request), or the
         # blocking batch it is part of (generate_batch_sync, reference_api.py).
         self._request_loops: dict[str, asyncio.AbstractEventLoop] = {}
@@ -126,8 +127,13 @@ class EngineCore(CacheControl, ReferenceApi):
         self._check_usable()
         if images or videos:
             raise ValueError("images/videos were given, but this engine serves a text-only model")
+        # Off the loop: the first constrained request builds the tokenizer's index (about a
+        # second), and a new schema compiles.
+        grammar = None
+        if sampling_params is not None and sampling_params.response_format is not None:
+            grammar = await asyncio.to_thread(self._grammar_for, sampling_params)
         request = self._make_request(
-            prompt, sampling_params, request_id, prefix_boundary, stream_interval
+            prompt, sampling_params, request_id, prefix_boundary, stream_interval, grammar=grammar
         )
         if request.request_id in self._request_loops:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
@@ -146,6 +152,8 @@ class EngineCore(CacheControl, ReferenceApi):
         request_id: str | None,
         prefix_boundary: int,
         stream_interval: int | None,
+        *,
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         """A checked request (caller's thread); ``ValueError`` / ``QueueFullError``."""
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
@@ -163,6 +171,8 @@ class EngineCore(CacheControl, ReferenceApi):
                 f"prefix_boundary {prefix_boundary} is not in [0, {len(token_ids)}] "
                 "(the prompt's tokens)"
             )
+        if grammar is None:
+            grammar = self._grammar_for(params)
         interval = self.config.stream_interval if stream_interval is None else stream_interval
         if not isinstance(interval, int) or interval < 1:
             raise ValueError("stream_interval must be an integer >= 1")
@@ -174,7 +184,20 @@ class EngineCore(CacheControl, ReferenceApi):
             sampling_params=params,
             prefix_boundary=prefix_boundary,
             stream_interval=interval,
+            grammar=grammar,
         )
+
+    def _grammar_for(self, params: SamplingParams | None) -> CompiledGrammar | None:
+        """The compiled response_format of ``params`` (None without one); ``ValueError``
+        for a format this engine cannot enforce, or one combined with stop strings."""
+        if params is None or params.response_format is None:
+            return None
+        if params.stop:
+            raise ValueError(
+                "stop strings cannot be combined with response_format: a cut output would not "
+                "match it"
+            )
+        return self.scheduler.grammars.compile(params.response_format)
 
     def _submit(self, requests: list[Request]) -> None:
         """Hand requests to the scheduler on the engine thread; one it refuses (a full queue)
@@ -395,10 +418,3 @@ class EngineCore(CacheControl, ReferenceApi):
         ``EngineStoppedError`` when that thread is not running and ``TimeoutError`` when a step
         (a long prefill) holds it past ``timeout`` seconds. Blocking: call it off the loop."""
         return self._engine_thread.call_sync(lambda _: read_mlx_memory(), timeout)
-
-
-def _vocab_size(model: Any, tokenizer: Any) -> int:
-    size = getattr(getattr(model, "args", None), "vocab_size", None)
-    if isinstance(size, int) and size > 0:
-        return size
-    return len(tokenizer.get_vocab())

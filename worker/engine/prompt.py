@@ -96,3 +96,11 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation_prompt
         messages, add_generation_prompt=generation_prompt, tokenize=False
     )
     return rendered
+
+
+def model_vocab_size(model: Any, tokenizer: Any) -> int:
+    """The model's vocabulary (its logits' width; may exceed the tokenizer's, padded)."""
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    return len(tokenizer.get_vocab())

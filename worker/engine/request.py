@@ -3,14 +3,55 @@
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, Literal
 
 # (generated token ids so far as an mx.array, logits) -> logits; runs on the engine thread.
 LogitsProcessor = Callable[[Any, Any], Any]
+
+
+FormatType = Literal["json_object", "json_schema", "regex", "grammar"]
+FORMAT_TYPES: Final[tuple[FormatType, ...]] = ("json_object", "json_schema", "regex", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """What a request's output must match: ``json_object`` (any JSON object),
+    ``json_schema`` (``schema``), ``regex`` (``pattern``, the whole output) or ``grammar``
+    (``lark``, a Lark grammar in llguidance's dialect)."""
+
+    type: FormatType
+    schema: Mapping[str, Any] | None = None
+    pattern: str | None = None
+    lark: str | None = None
+
+    def __post_init__(self) -> None:
+        needs = {"json_schema": "schema", "regex": "pattern", "grammar": "lark"}
+        if self.type not in FORMAT_TYPES:
+            raise ValueError(f"response_format type must be one of {FORMAT_TYPES}")
+        wanted = needs.get(self.type)
+        for name in ("schema", "pattern", "lark"):
+            given = getattr(self, name) is not None
+            if given != (name == wanted):
+                rule = "needs" if name == wanted else "does not take"
+                raise ValueError(f"response_format {self.type!r} {rule} {name!r}")
+
+    def key(self) -> str:
+        """The hash of the format as given: its compiled grammar's cache key. Key order counts:
+        llguidance emits an object's properties in the schema's order, so the same schema
+        with its properties in another order is another grammar (sorting the keys here would
+        hand a request the order of whichever variant was compiled first)."""
+        canonical = json.dumps(
+            [self.type, self.schema, self.pattern, self.lark],
+            separators=(",", ":"),
+            default=str,
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +101,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None
     logits_processors: list[LogitsProcessor] | None = None
+    # The output must match it (JSON schema, regex, Lark grammar), enforced token by token.
+    response_format: ResponseFormat | None = None
 
     MAX_LOGPROBS = 20
 
@@ -108,6 +151,10 @@ class SamplingParams:
             callable(p) for p in self.logits_processors
         ):
             raise bad("logits_processors", "must be a list of callables")
+        if self.response_format is not None and not isinstance(
+            self.response_format, ResponseFormat
+        ):
+            raise bad("response_format", "must be a ResponseFormat or None")
 
     @property
     def is_greedy(self) -> bool:
@@ -159,6 +206,9 @@ class RequestOutput:
     tokens_per_second: float = 0.0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    # For a request with a response_format, once finished: whether the output matches it
+    # (False when max_tokens cut it short); None otherwise.
+    output_valid: bool | None = None
     transcript: Transcript | None = field(default=None, repr=False, compare=False)
     text_parts: int = field(default=0, repr=False, compare=False)
 
@@ -203,6 +253,8 @@ class Request:
     cached_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    # The compiled response_format (worker.engine.structured.CompiledGrammar), if any.
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,6 +26,7 @@ from mlx_lm.generate import BatchGenerator
 from worker.engine.config import SchedulerConfig
 from worker.engine.output_collector import RequestStreamState
 from worker.engine.prefix_cache import SHARED_PREFIX, Admission, PrefixCache
+from worker.engine.prompt import model_vocab_size
 from worker.engine.request import Request, RequestOutput, RequestStatus
 from worker.engine.sampling import (
     build_logits_processors,
@@ -36,6 +37,7 @@ from worker.engine.sampling import (
 )
 from worker.engine.sequence import Sequence, token_logprob
 from worker.engine.stats import PrefixCacheStats, RequestProgress, SchedulerStats
+from worker.engine.structured import GrammarCompiler
 from worker.engine.text_stream import TextStream
 
 log = structlog.get_logger(__name__)
@@ -69,6 +71,9 @@ class Scheduler:
             else None
         )
         self.eos_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
+        self.grammars = GrammarCompiler(
+            getattr(tokenizer, "_tokenizer", tokenizer), model_vocab_size(model, tokenizer)
+        )
         self.num_requests_processed = 0
         self.num_requests_failed = 0
         self.total_prompt_tokens = 0
@@ -188,6 +193,10 @@ class Scheduler:
         sequence.prefix_pending = admission.stores_prefix
         sampler = build_sampler(params)
         processors = build_logits_processors(params) + list(params.logits_processors or ())
+        if request.grammar is not None:
+            # Last: the mask applies to the logits every other processor has shaped.
+            sequence.grammar = self.grammars.processor(request.grammar)
+            processors.append(sequence.grammar)
         (uid,) = self._ensure_generator().insert_segments(
             [admission.segments],
             max_tokens=[params.max_tokens],

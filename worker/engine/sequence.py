@@ -14,6 +14,7 @@ import mlx.core as mx
 from worker.engine.output_collector import RequestStreamState
 from worker.engine.request import Request, RequestOutput, TokenLogprob
 from worker.engine.stats import RequestProgress
+from worker.engine.structured import GrammarProcessor
 from worker.engine.text_stream import TextStream
 
 
@@ -29,6 +30,8 @@ class Sequence:
     failure: BaseException | None = None
     # Prefill has yet to reach the end of the shared prefix, whose state is then stored.
     prefix_pending: bool = False
+    # The response_format's matcher, once admitted: whether the output is complete.
+    grammar: GrammarProcessor | None = None
 
     def fail(self, exc: BaseException) -> None:
         if self.failure is None:
@@ -61,11 +64,24 @@ class Sequence:
             ),
             logprobs=logprobs,
             error=request.error if finished else None,
+            output_valid=self._valid() if finished else None,
             transcript=transcript,
             text_parts=parts,
         )
         state.mark_sent(completion, parts)
         return output
+
+    def _valid(self) -> bool | None:
+        """A constrained request's output matches its format when it ended by the grammar's
+        own end (the mask allowed EOS only there); cut by max_tokens, aborted or failed, not."""
+        if self.request.sampling_params.response_format is None:
+            return None
+        return (
+            self.grammar is not None
+            and self.request.finish_reason == "stop"
+            and self.failure is None
+            and self.grammar.accepting
+        )
 
     def progress(self, now: float) -> RequestProgress:
         request = self.request

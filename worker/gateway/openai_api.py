@@ -92,7 +92,12 @@ def parse_request(
 
 # The job's fields whose checks (in ``build_job``) can refuse a body, and the body's name of
 # each (the job's errors read ``job.FIELD ...``).
-_JOB_FIELD_PARAMS: Final = {"prompt": "prompt", "messages": "messages", "stop": "stop"}
+_JOB_FIELD_PARAMS: Final = {
+    "prompt": "prompt",
+    "messages": "messages",
+    "stop": "stop",
+    "response_format": "response_format",
+}
 
 
 def _job_field_param(error: ProtocolError) -> str | None:
@@ -125,6 +130,7 @@ def _parse(
         "stop": _stop(reader),
         "logprobs": top if logprobs else None,
         "metadata": _metadata(reader, user_key),
+        "response_format": _response_format(reader),
     }
     prompt, messages = _prompt(reader, kind)
     job = build_job(
@@ -164,12 +170,34 @@ def _refuse_unsupported(reader: _BodyReader, kind: Kind) -> None:
         value = reader.message.get(name)
         if value is not None and value != allowed and value != [] and value != {}:
             raise bad_request(message, param=name)
-    response_format = reader.mapping("response_format")
-    if response_format is not None and response_format.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format type {response_format.get('type')!r} is not supported",
-            param="response_format",
-        )
+
+
+def _response_format(reader: _BodyReader) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as the job's: ``text`` (none), ``json_object``,
+    ``json_schema`` (its ``json_schema.schema``), and this gateway's own ``regex``
+    (``pattern``) and ``grammar`` (``lark``), passed as they are."""
+    value = reader.mapping("response_format")
+    if value is None or value.get("type", "text") == "text":
+        return None
+    kind = value.get("type")
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "response_format json_schema needs json_schema.schema (an object)",
+                param="response_format.json_schema.schema",
+            )
+        return {"type": "json_schema", "schema": schema}
+    if kind in ("regex", "grammar"):
+        return dict(value)
+    raise bad_request(
+        f"response_format type {kind!r} is not supported (text, json_object, json_schema, "
+        "regex, grammar)",
+        param="response_format",
+    )
 
 
 def _max_tokens(reader: _BodyReader, kind: Kind) -> int | None:

@@ -210,6 +210,8 @@ class Shaper:
         # With a usage chunk after it, the closing chunk carries no id: a client that lost
         # the usage chunk resumes before both and gets both again.
         closing = self._chunk(empty, event.finish_reason)
+        if event.output_valid is not None:  # this gateway's extension: did it match the format?
+            closing["choices"][0]["output_valid"] = event.output_valid
         chunks = [Chunk(event.seq, closing, has_id=not self.shape.include_usage)]
         if self.shape.include_usage:
             usage_chunk = self._envelope("chat.completion.chunk")
@@ -287,6 +289,8 @@ class Shaper:
             choice = {"index": 0, "text": done.output_text}
         choice["logprobs"] = logprobs
         choice["finish_reason"] = done.finish_reason
+        if done.output_valid is not None:
+            choice["output_valid"] = done.output_valid
         body["choices"] = [choice]
         body["usage"] = usage_body(done.usage)
         return body
