@@ -68,7 +68,7 @@ def test_a_worker_advertises_running_requests_with_growing_token_counts(
                     (r.tokens for r in activity.requests if r.request_id == request_id), None
                 )
 
-            rid = await client.submit("a long story", max_tokens=200, model="tiny")
+            rid = await client.submit("a long story", max_tokens=600, model="tiny")
             first = await until(lambda: tokens_of(rid), 30, "the request in the activity key")
             later = await until(
                 lambda: _above(tokens_of(rid), first), 30, "its token count to grow"
