@@ -223,6 +223,7 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "dead_letter_maxlen": (int, "dead letters kept (about; the oldest go first)"),
     "drain_timeout": (float, "seconds in-flight jobs get to finish on SIGTERM"),
     "heartbeat_interval": (float, "seconds between heartbeats"),
+    "activity_interval": (float, "seconds between writes of the activity key (status page)"),
     "metrics_port": (int, "serve Prometheus metrics on 127.0.0.1:PORT"),
 }
 

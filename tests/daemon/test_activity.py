@@ -68,7 +68,9 @@ def test_a_worker_advertises_running_requests_with_growing_token_counts(
                     (r.tokens for r in activity.requests if r.request_id == request_id), None
                 )
 
-            rid = await client.submit("a long story", max_tokens=600, model="tiny")
+            # Greedy, so that no sampled EOS ends it early: seconds of generation, many activity
+            # writes (every 0.2 s in tests).
+            rid = await client.submit("a long story", max_tokens=300, temperature=0.0, model="tiny")
             first = await until(lambda: tokens_of(rid), 30, "the request in the activity key")
             later = await until(
                 lambda: _above(tokens_of(rid), first), 30, "its token count to grow"
@@ -76,6 +78,7 @@ def test_a_worker_advertises_running_requests_with_growing_token_counts(
             assert later > first
             end = await client.wait(rid, timeout=60)
             assert isinstance(end, DoneEvent)
+            assert end.usage.completion_tokens == 300
             activity = await until(
                 lambda: _without(client, key, rid), 10, "the finished request to leave it"
             )

@@ -13,8 +13,13 @@ MACHINE_VARIABLES = ("MLXW_MODEL_CACHE", "MLXW_OPENBLAS")
 # A real service manager's socket must never hear a test worker's READY=1.
 SERVICE_MANAGER_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
-# Heartbeats every half second, gone 2 s after the last: a test sees a worker come and go.
-FAST_HEARTBEAT: Mapping[str, str] = {"MLXW_HEARTBEAT_INTERVAL": "0.5", "MLXW_HEARTBEAT_TTL": "2"}
+# Heartbeats every half second, gone 2 s after the last: a test sees a worker come and go;
+# activity rewritten five times a second: a test sees a job of a fraction of a second in it.
+FAST_HEARTBEAT: Mapping[str, str] = {
+    "MLXW_HEARTBEAT_INTERVAL": "0.5",
+    "MLXW_HEARTBEAT_TTL": "2",
+    "MLXW_ACTIVITY_INTERVAL": "0.2",
+}
 # A killed worker's jobs are reclaimed within a second of their lease's end.
 FAST_RECLAIM: Mapping[str, str] = {"MLXW_RECLAIM_INTERVAL": "0.5"}
 # Reads that block 200 ms under a 5 s socket timeout: a stop or a lost Redis is noticed soon.

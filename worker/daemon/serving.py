@@ -49,8 +49,6 @@ log = structlog.get_logger(__name__)
 # How often the abort markers of running jobs are checked: the marker alone stops a job
 # within this (the abort command is the faster path).
 ABORT_POLL_SECONDS = 0.5
-# How often the activity key (running requests' token counts, for dashboards) is rewritten.
-ACTIVITY_SECONDS = 1.0
 WORKER_VERSION = version("mlx-redis-worker")
 
 
@@ -103,7 +101,7 @@ class Serving:
             asyncio.create_task(self.publisher.run(), name="publisher"),
             asyncio.create_task(control.listen(), name="control"),
             self._periodic(settings.heartbeat_interval, self._heartbeat),
-            self._periodic(ACTIVITY_SECONDS, self._activity),
+            self._periodic(settings.activity_interval, self._activity),
             self._periodic(ABORT_POLL_SECONDS, self._stop_aborted),
             asyncio.create_task(self.notifier.keep_alive(self._engines_running), name="watchdog"),
         ]

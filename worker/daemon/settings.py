@@ -100,6 +100,8 @@ class WorkerSettings:
     socket_timeout: float = 10.0
     heartbeat_interval: float = 5.0
     heartbeat_ttl: float = 15.0
+    # How fresh the status page's running requests and token counts are.
+    activity_interval: float = 1.0
     log_ttl: int = 600
     reply_ttl: int = 60
     stream_interval: int = 1
@@ -118,6 +120,7 @@ class WorkerSettings:
             "socket_timeout",
             "heartbeat_interval",
             "heartbeat_ttl",
+            "activity_interval",
             "log_ttl",
             "reply_ttl",
             "stream_interval",
