@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -28,7 +29,7 @@ from protocol.cli_output import (
     json_line,
     reply_as_dict,
 )
-from protocol.client import Client
+from protocol.client import Client, build_job
 from protocol.codec_events import decode_event
 from protocol.connection import TOPOLOGIES, redact
 from protocol.constants import (
@@ -44,7 +45,7 @@ from protocol.errors import (
     StreamRewritten,
     StreamTimeout,
 )
-from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, Event, ResetEvent
+from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, Event, Job, ResetEvent
 from protocol.replay_log import read_log
 
 CTL_COMMANDS: Final = ("stats", "ping", "abort", "cache-save", "cache-load", "cache-clear")
@@ -99,6 +100,22 @@ def add_commands(subparsers: Any) -> None:
         help=(
             "queue a job naming a model even when no live worker serves it (an autoscaler "
             "starts one; the job waits at most the replay log's TTL)"
+        ),
+    )
+    response_format = submit.add_mutually_exclusive_group()
+    response_format.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="constrain the output to this JSON Schema (a file, or - for stdin)",
+    )
+    response_format.add_argument(
+        "--response-format",
+        default=None,
+        metavar="JSON",
+        help=(
+            'the job\'s response_format as JSON, e.g. \'{"type": "json_object"}\' or '
+            '\'{"type": "regex", "pattern": "[0-9]+"}\'; @FILE reads it from a file (@- stdin)'
         ),
     )
     submit.add_argument(
@@ -202,14 +219,16 @@ async def _run(args: argparse.Namespace, out: TextIO) -> int:
         return await run_group(args, out)
     if args.command == "models":
         return await run_models(args, out)
+    # A mistake in the job is said before Redis is asked anything.
+    job = _job(args) if args.command == "submit" else None
     async with Client(
         args.redis_url,
         prefix=args.prefix,
         topology=args.redis_topology,
         require_worker=not getattr(args, "no_worker_check", False),
     ) as client:
-        if args.command == "submit":
-            return await _submit(client, args, out)
+        if job is not None:
+            return await _submit(client, job, args, out)
         if args.command == "stream":
             return await _follow(client, args.request_id, args, out)
         if args.command == "ctl":
@@ -217,7 +236,7 @@ async def _run(args: argparse.Namespace, out: TextIO) -> int:
     raise ValueError(f"unknown command {args.command!r}")
 
 
-async def _submit(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+def _job(args: argparse.Namespace) -> Job:
     sampling = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -227,12 +246,20 @@ async def _submit(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         "model": args.model,
     }
     options: Any = {name: value for name, value in sampling.items() if value is not None}
-    if args.raw:
-        request_id = await client.submit(args.prompt, request_id=args.request_id, **options)
-    else:
-        system = [{"role": "system", "content": args.system}] if args.system is not None else []
-        messages = [*system, {"role": "user", "content": args.prompt}]
-        request_id = await client.submit(messages=messages, request_id=args.request_id, **options)
+    if (response_format := _response_format(args)) is not None:
+        options["response_format"] = response_format
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    return build_job(
+        prompt=args.prompt if args.raw else None,
+        prompt_token_ids=None,
+        messages=None if args.raw else [*system, {"role": "user", "content": args.prompt}],
+        request_id=args.request_id,
+        options=options,
+    )
+
+
+async def _submit(client: Client, job: Job, args: argparse.Namespace, out: TextIO) -> int:
+    request_id = await client.submit_job(job)
     if args.no_stream:
         print(request_id, file=out, flush=True)
         refusal = await _refusal(client, request_id) if args.model is not None else None
@@ -241,6 +268,38 @@ async def _submit(client: Client, args: argparse.Namespace, out: TextIO) -> int:
         _describe_end(refusal)
         return exit_code_for(refusal)
     return await _follow(client, request_id, args, out)
+
+
+def _response_format(args: argparse.Namespace) -> Any:
+    """The response_format the flags ask for; its shape is checked with the rest of the job."""
+    if args.json_schema is not None:
+        schema = _read_json(_read_text(args.json_schema), f"--json-schema {args.json_schema}")
+        return {"type": "json_schema", "schema": schema}
+    if args.response_format is not None:
+        text: str = args.response_format
+        if text.startswith("@"):
+            return _read_json(_read_text(text[1:]), f"--response-format {text}")
+        return _read_json(text, "--response-format")
+    return None
+
+
+def _read_text(path: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text: {exc}") from exc
+
+
+def _read_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON: {exc}") from exc
 
 
 async def _refusal(client: Client, request_id: str) -> ErrorEvent | None:
@@ -374,6 +433,8 @@ def _describe_end(event: DoneEvent | ErrorEvent) -> None:
         _note(f"error ({event.code}): {event.message}")
     elif event.finish_reason in ("abort", "expired"):
         _note(f"[{event.finish_reason}]")
+    if isinstance(event, DoneEvent) and event.output_valid is False:
+        _note("[the output does not match the response format: it was cut short]")
 
 
 def _note(text: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Final
 
 from protocol.errors import ProtocolError
@@ -26,8 +27,8 @@ def encode_job(job: Job) -> bytes:
             continue
         if name == "messages":
             value = [{"role": m.role, "content": m.content} for m in value]
-        elif name in ("metadata", "response_format"):
-            value = dict(value)
+        elif name in ("metadata", "response_format") and isinstance(value, Mapping):
+            value = dict(value)  # anything else goes as it is, for the decoder to refuse
         elif isinstance(value, tuple):
             value = list(value)
         fields[name] = value

@@ -417,3 +417,88 @@ def test_chat_for_a_model_without_chat_template_says_to_send_a_prompt(
     )
     assert cli(redis_url, prefix, "submit", "hello", "--raw", "--max-tokens", "4") == 0
     assert cli(redis_url, prefix, "submit", "hello", "--system", "x", "--max-tokens", "4") == 1
+
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "sent"),
+    [
+        ("--json-schema", "@schema", {"type": "json_schema", "schema": CITY_SCHEMA}),
+        ("--response-format", '{"type": "json_object"}', {"type": "json_object"}),
+        ("--response-format", "@@format", {"type": "regex", "pattern": "[0-9]+"}),
+        (None, None, None),
+    ],
+)
+def test_submit_sends_a_response_format_from_a_schema_file_json_or_a_json_file(
+    redis_url: str,
+    keys: Keys,
+    tmp_path: Path,
+    flag: str | None,
+    value: str | None,
+    sent: dict[str, object] | None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``@schema`` and ``@format`` stand for files this test writes."""
+    schema_file = tmp_path / "city.schema.json"
+    schema_file.write_text(json.dumps(CITY_SCHEMA))
+    format_file = tmp_path / "format.json"
+    format_file.write_text(json.dumps({"type": "regex", "pattern": "[0-9]+"}))
+    files = {"@schema": str(schema_file), "@@format": f"@{format_file}"}
+    flags = [flag, files.get(value, value)] if flag and value else []
+    assert submitted(redis_url, keys, "hi", *flags).response_format == sent
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--json-schema", "/no/such/file.json"], "cannot read /no/such/file.json"),
+        (["--response-format", "{not json"], "--response-format: not valid JSON"),
+        (["--response-format", "@/no/such/format.json"], "cannot read /no/such/format.json"),
+        (["--response-format", '{"type": "xml"}'], "response_format"),
+        (["--response-format", '"json_object"'], "response_format"),
+        (["--json-schema", "a.json", "--response-format", "{}"], "not allowed with argument"),
+    ],
+)
+def test_submit_refuses_a_bad_response_format_before_queueing_anything(
+    redis_url: str,
+    keys: Keys,
+    flags: list[str],
+    said: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli(redis_url, keys.prefix, "submit", "hi", "--no-worker-check", *flags) == 2
+    assert said in capsys.readouterr().err
+    assert not asyncio.run(_stream_length(redis_url, keys))
+
+
+async def _stream_length(redis_url: str, keys: Keys) -> int:
+    redis = Redis.from_url(redis_url)
+    try:
+        return int(await redis.xlen(keys.jobs))
+    finally:
+        await redis.aclose()
+
+
+def test_submit_with_a_json_schema_prints_matching_json_from_a_real_worker(
+    workers: WorkerFactory, redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The flag's schema reaches the engine: even the random-weight model answers with JSON
+    that matches it; an output cut short of it is said on stderr."""
+    workers.start("w-structured")
+    constrained = json.dumps({"type": "json_schema", "schema": CITY_SCHEMA})
+    flags = ["--raw", "--temperature", "0", "--response-format", constrained]
+    assert cli(redis_url, keys.prefix, "submit", "a city:", *flags) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out) in ({"city": "Paris"}, {"city": "Rome"}), out.out
+    assert out.err == ""
+    assert cli(redis_url, keys.prefix, "submit", "a city:", *flags, "--max-tokens", "2") == 0
+    assert capsys.readouterr().err == (
+        "[the output does not match the response format: it was cut short]\n"
+    )

@@ -8,6 +8,7 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import pytest
 
+from protocol.client import build_job
 from protocol.codec_events import decode_event, encode_event
 from protocol.codec_job import decode_job, encode_job
 from protocol.errors import ProtocolError
@@ -224,3 +225,18 @@ def test_done_output_valid_must_be_a_boolean() -> None:
         decode_event(msgpack.packb(fields))
     assert caught.value.code == "invalid_field"
     assert "output_valid" in caught.value.message
+
+
+@pytest.mark.parametrize("response_format", ["json_object", ["type", "json_object"], 3])
+def test_a_client_given_a_response_format_that_is_no_map_raises_protocol_error(
+    response_format: Any,
+) -> None:
+    """Not a TypeError or ValueError from inside the encoder: the caller's typed error."""
+    with pytest.raises(ProtocolError, match=r"job\.response_format must be a map"):
+        build_job(
+            prompt="hi",
+            prompt_token_ids=None,
+            messages=None,
+            request_id="r1",
+            options={"response_format": response_format},
+        )
