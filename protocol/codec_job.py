@@ -123,7 +123,9 @@ def _response_format(reader: FieldReader) -> dict[str, Any] | None:
     if kind not in RESPONSE_FORMATS:
         raise where.error("invalid_field", "type", f"must be one of {', '.join(RESPONSE_FORMATS)}")
     field = RESPONSE_FORMATS[kind]
-    extra = set(value) - {"type", *([field] if field else [])}
+    # nil counts as absent, as everywhere in a job (a producer may send every field it knows).
+    given = {name for name, item in value.items() if item is not None}
+    extra = given - {"type", *([field] if field else [])}
     if extra:
         # key=str: msgpack map keys may be bytes as well as str, which do not compare.
         name = min(extra, key=str)

@@ -240,3 +240,12 @@ def test_a_client_given_a_response_format_that_is_no_map_raises_protocol_error(
             request_id="r1",
             options={"response_format": response_format},
         )
+
+
+def test_nil_fields_of_a_response_format_count_as_absent() -> None:
+    """As everywhere in a job: a producer that sends every field it knows, nil where unused."""
+    unused = {"type": "json_object", "schema": None, "pattern": None}
+    assert decode_job(job_with(unused)).response_format == {"type": "json_object"}
+    with pytest.raises(ProtocolError) as caught:
+        decode_job(job_with({"type": "regex", "pattern": None}))
+    assert caught.value.message.startswith("job.response_format.pattern"), caught.value.message
