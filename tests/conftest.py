@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
+from tests.support.acl import AclUsers, MakeUser
 from tests.support.processes import WorkerFactory
 from tests.support.references import GreedyReference, tiny_reference
 from worker.local_redis import LocalCluster, LocalSentinel, RedisServer
@@ -59,6 +61,26 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def admin(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A synchronous client of the session's server as its default user (all rights)."""
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def acl_user(redis_server: RedisServer, admin: redis.Redis) -> Iterator[MakeUser]:
+    """Makes ACL users on the session's server (deleted at the end): ``(name, URL)``."""
+    users = AclUsers(admin, redis_server.url)
+    try:
+        yield users.make
+    finally:
+        users.delete_all()
 
 
 @pytest.fixture

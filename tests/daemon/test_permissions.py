@@ -12,8 +12,6 @@ import json
 import re
 import signal
 import subprocess
-import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,64 +22,12 @@ from protocol.connection import connect
 from protocol.keys import Keys
 from protocol.messages import DoneEvent
 from tests.daemon.helpers import check_stream, collect
+from tests.support.acl import PASSWORD, MakeUser, denials, documented_minimum_acl, refusal_line
 from tests.support.environment import clean_environment
 from tests.support.processes import MODEL, WORKER_COMMAND, WorkerFactory
 from tests.support.waiting import run
 from worker.daemon.permissions import check_permissions, probes, redis_user
-from worker.local_redis import LocalCluster, RedisServer
-
-README = Path(__file__).resolve().parents[2] / "README.md"
-PASSWORD = "acl-test-pw"
-MakeUser = Callable[[list[str]], tuple[str, str]]
-
-
-def documented_minimum_acl(prefix: str) -> list[str]:
-    """The README's minimum ACL line for ``prefix``, as ACL SETUSER rules (after the name)."""
-    lines = [
-        line.strip()
-        for line in README.read_text().splitlines()
-        if line.strip().startswith("user mlxw on >PASSWORD") and "-@all" in line
-    ]
-    assert len(lines) == 1, lines
-    rules = lines[0].split()[2:]
-    return [
-        rule.replace(">PASSWORD", f">{PASSWORD}")
-        .replace("~mlxw:*", f"~{prefix}:*")
-        .replace("&mlxw:*", f"&{prefix}:*")
-        for rule in rules
-    ]
-
-
-@pytest.fixture
-def admin(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_server.url)
-    try:
-        yield client
-    finally:
-        client.close()
-
-
-@pytest.fixture
-def acl_user(redis_server: RedisServer, admin: redis.Redis) -> Iterator[MakeUser]:
-    """Creates ACL users (deleted at the end); returns (name, URL logging in as it)."""
-    made: list[str] = []
-
-    def make(rules: list[str]) -> tuple[str, str]:
-        name = f"acl-{uuid.uuid4().hex[:8]}"
-        admin.execute_command("ACL", "SETUSER", name, "reset", *rules)
-        made.append(name)
-        url = redis_server.url.replace("redis://", f"redis://{name}:{PASSWORD}@", 1)
-        return name, url
-
-    try:
-        yield make
-    finally:
-        for name in made:
-            admin.execute_command("ACL", "DELUSER", name)
-
-
-def denials(admin: redis.Redis, user: str) -> list[object]:
-    return [entry for entry in admin.acl_log(count=1000) if entry.get("username") == user]
+from worker.local_redis import LocalCluster
 
 
 def start_refused(url: str, prefix: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -108,16 +54,6 @@ def start_refused(url: str, prefix: str, tmp_path: Path) -> subprocess.Completed
         timeout=60,
         check=False,
     )
-
-
-def the_line(completed: subprocess.CompletedProcess[str]) -> str:
-    where = f"rc={completed.returncode} stderr={completed.stderr!r}"
-    assert completed.returncode == 2, where
-    assert "Traceback" not in completed.stderr, where
-    lines = completed.stderr.splitlines()
-    assert len(lines) == 1, where
-    assert PASSWORD not in completed.stderr + completed.stdout
-    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -150,7 +86,7 @@ def test_a_missing_command_is_named_before_the_model_loads(
     needed_to: str,
 ) -> None:
     user, url = acl_user(["on", f">{PASSWORD}", f"~{prefix}:*", f"&{prefix}:*", "+@all", rule])
-    line = the_line(start_refused(url, prefix, tmp_path))
+    line = refusal_line(start_refused(url, prefix, tmp_path))
     assert line == (
         f"mlx-worker: Redis user {user!r} may not run {command} (needed to {needed_to}); "
         "grant it (see README: minimum ACL)"
@@ -161,7 +97,7 @@ def test_a_missing_command_is_named_before_the_model_loads(
 
 def test_keys_outside_the_grant_are_named(acl_user: MakeUser, prefix: str, tmp_path: Path) -> None:
     user, url = acl_user(["on", f">{PASSWORD}", "~elsewhere:*", f"&{prefix}:*", "+@all"])
-    line = the_line(start_refused(url, prefix, tmp_path))
+    line = refusal_line(start_refused(url, prefix, tmp_path))
     assert line == (
         f"mlx-worker: Redis user {user!r} has no permission for the key '{prefix}:jobs' "
         f"(XGROUP CREATE, needed to create the consumer group); grant ~{prefix}:* "
@@ -173,7 +109,7 @@ def test_channels_outside_the_grant_are_named(
     acl_user: MakeUser, prefix: str, tmp_path: Path
 ) -> None:
     user, url = acl_user(["on", f">{PASSWORD}", f"~{prefix}:*", "&elsewhere:*", "+@all"])
-    line = the_line(start_refused(url, prefix, tmp_path))
+    line = refusal_line(start_refused(url, prefix, tmp_path))
     pattern = (
         rf"mlx-worker: Redis user '{user}' has no permission for the channel "
         rf"'{prefix}:out:\{{permission-probe-[0-9a-f]+\}}' \(PUBLISH, needed to stream events "

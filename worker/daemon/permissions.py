@@ -18,8 +18,9 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import structlog
@@ -71,8 +72,13 @@ def redis_user(url: str) -> str:
 async def check_permissions(
     redis: RedisClient, keys: Keys, consumer: str, user: str, dead_letter_maxlen: int
 ) -> None:
-    """Send every probe; MissingPermission for the first one Redis refuses."""
-    for probe in probes(redis, keys, consumer, dead_letter_maxlen):
+    """Send the worker's probes; MissingPermission for the first one Redis refuses."""
+    await check_probes(probes(redis, keys, consumer, dead_letter_maxlen), user, keys)
+
+
+async def check_probes(probes: Iterable[Probe], user: str, keys: Keys) -> None:
+    """Send each probe in turn; MissingPermission for the first one Redis refuses."""
+    for probe in probes:
         try:
             await probe.send()
         except NoPermissionError as exc:
@@ -116,33 +122,6 @@ def probes(redis: RedisClient, keys: Keys, consumer: str, dead_letter_maxlen: in
         keys.worker(token),
         keys.reply(token),
     )
-    sharded = isinstance(redis, RedisCluster)
-
-    async def publish() -> object:
-        if isinstance(redis, RedisCluster):
-            return await redis.spublish(keys.out(token), b"")
-        return await redis.publish(keys.out(token), b"")
-
-    async def answer() -> object:
-        # The reply list must not outlive the probe: EXPIRE and DEL go in the same round trip,
-        # so they run even when RPUSH is refused.
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.rpush(reply, b"")
-            pipe.expire(reply, 60)
-            pipe.delete(reply)
-            results = await pipe.execute(raise_on_error=False)
-        for result in results:
-            if isinstance(result, NoPermissionError):
-                raise result
-        return results
-
-    async def subscribe() -> object:
-        hub = ChannelHub(redis)  # SUBSCRIBE, or SSUBSCRIBE on a Cluster, as the worker's own
-        try:
-            async with hub.listen(keys.control, keys.control_for(consumer)):
-                return None
-        finally:
-            await hub.aclose()
 
     return [
         Probe(
@@ -200,18 +179,7 @@ def probes(redis: RedisClient, keys: Keys, consumer: str, dead_letter_maxlen: in
                 nomkstream=True,
             ),
         ),
-        Probe(
-            "XADD",
-            "append events to replay logs",
-            log_key,
-            lambda: redis.xadd(log_key, {"seq": 0}, nomkstream=True),
-        ),
-        Probe(
-            "XREVRANGE",
-            "number a request's events",
-            log_key,
-            lambda: redis.xrevrange(log_key, "+", "-", count=1),
-        ),
+        *replay_log_probes(redis, log_key, "append events to replay logs"),
         Probe(
             "GET",
             "check which attempt may write a request's events",
@@ -223,7 +191,6 @@ def probes(redis: RedisClient, keys: Keys, consumer: str, dead_letter_maxlen: in
         ),
         Probe("EXISTS", "check abort markers", abort, lambda: redis.exists(abort)),
         Probe("SET", "mark aborted requests", abort, lambda: redis.set(abort, b"", xx=True, ex=60)),
-        Probe("EXPIRE", "give replay logs their TTL", log_key, lambda: redis.expire(log_key, 60)),
         Probe("SET", "write the heartbeat", beat, lambda: redis.set(beat, b"", xx=True, px=1000)),
         Probe(
             "PEXPIRE",
@@ -232,25 +199,22 @@ def probes(redis: RedisClient, keys: Keys, consumer: str, dead_letter_maxlen: in
             lambda: redis.pexpire(beat, 1000),
         ),
         Probe("DEL", "remove the heartbeat when stopping", beat, lambda: redis.delete(beat)),
+        publish_probe(redis, keys.out(token), "stream events to subscribers"),
+        *script_probes(redis, "the worker's Lua scripts"),
         Probe(
-            "SPUBLISH" if sharded else "PUBLISH",
-            "stream events to subscribers",
-            keys.out(token),
-            publish,
+            "RPUSH",
+            "answer control commands",
+            reply,
+            # The reply list must not outlive the probe.
+            in_one_round_trip(
+                redis,
+                lambda pipe: pipe.rpush(reply, b""),
+                lambda pipe: pipe.expire(reply, 60),
+                lambda pipe: pipe.delete(reply),
+            ),
         ),
-        Probe(
-            "SCRIPT LOAD",
-            "load the worker's Lua scripts into a server that lacks them",
-            "",
-            lambda: redis.script_load(_PROBE_SCRIPT),
-        ),
-        Probe("EVALSHA", "run the worker's Lua scripts", "", lambda: redis.evalsha(_PROBE_SHA, 0)),
-        Probe("RPUSH", "answer control commands", reply, answer),
-        Probe(
-            "SSUBSCRIBE" if sharded else "SUBSCRIBE",
-            "receive control commands",
-            f"{keys.control}, {keys.control_for(consumer)}",
-            subscribe,
+        subscribe_probe(
+            redis, (keys.control, keys.control_for(consumer)), "receive control commands"
         ),
         Probe(
             "XINFO GROUPS",
@@ -266,3 +230,75 @@ def probes(redis: RedisClient, keys: Keys, consumer: str, dead_letter_maxlen: in
             lambda: redis.xgroup_delconsumer(jobs, group, token),
         ),
     ]
+
+
+def publish_probe(redis: RedisClient, channel: str, needed_to: str) -> Probe:
+    """PUBLISH, or SPUBLISH on a Cluster (as ChannelHub's subscribers listen), to a channel
+    nobody listens on."""
+    if isinstance(redis, RedisCluster):
+        cluster = redis
+        return Probe("SPUBLISH", needed_to, channel, lambda: cluster.spublish(channel, b""))
+    return Probe("PUBLISH", needed_to, channel, lambda: redis.publish(channel, b""))
+
+
+def subscribe_probe(redis: RedisClient, channels: tuple[str, ...], needed_to: str) -> Probe:
+    """SUBSCRIBE, or SSUBSCRIBE on a Cluster, through a ChannelHub as the real listeners."""
+
+    async def subscribe() -> object:
+        hub = ChannelHub(redis)
+        try:
+            async with hub.listen(*channels):
+                return None
+        finally:
+            await hub.aclose()
+
+    command = "SSUBSCRIBE" if isinstance(redis, RedisCluster) else "SUBSCRIBE"
+    return Probe(command, needed_to, ", ".join(channels), subscribe)
+
+
+def script_probes(redis: RedisClient, scripts: str) -> list[Probe]:
+    """SCRIPT LOAD, then EVALSHA of what it loaded (a script that touches nothing). The
+    commands the real scripts call need probes of their own: Redis checks those as well."""
+    return [
+        Probe(
+            "SCRIPT LOAD",
+            f"load {scripts} into a server that lacks them",
+            "",
+            lambda: redis.script_load(_PROBE_SCRIPT),
+        ),
+        Probe("EVALSHA", f"run {scripts}", "", lambda: redis.evalsha(_PROBE_SHA, 0)),
+    ]
+
+
+def replay_log_probes(redis: RedisClient, log_key: str, appending: str) -> list[Probe]:
+    """What the script that appends to a replay log calls (``publish_events``), on a log that
+    does not exist; ``appending`` says what the appends are for."""
+    return [
+        Probe("XADD", appending, log_key, lambda: redis.xadd(log_key, {"seq": 0}, nomkstream=True)),
+        Probe(
+            "XREVRANGE",
+            "number a request's events",
+            log_key,
+            lambda: redis.xrevrange(log_key, "+", "-", count=1),
+        ),
+        Probe("EXPIRE", "give replay logs their TTL", log_key, lambda: redis.expire(log_key, 60)),
+    ]
+
+
+def in_one_round_trip(
+    redis: RedisClient, *commands: Callable[[Any], object]
+) -> Callable[[], Awaitable[object]]:
+    """A probe that sends ``commands`` (each adds one to a pipeline) in one round trip, so a
+    clean-up among them runs even when an earlier one is refused; it raises that refusal."""
+
+    async def send() -> object:
+        async with redis.pipeline(transaction=False) as pipe:
+            for command in commands:
+                command(pipe)
+            results = await pipe.execute(raise_on_error=False)
+        for result in results:
+            if isinstance(result, NoPermissionError):
+                raise result
+        return results
+
+    return send

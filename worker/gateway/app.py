@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import structlog
+from redis.exceptions import RedisError
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
@@ -43,6 +44,7 @@ from protocol.errors import (
 )
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.messages import Event
+from worker.daemon.redis_retry import describe
 from worker.gateway.api_keys import ApiKey, KeyFile
 from worker.gateway.auth import Authenticator
 from worker.gateway.errors import ApiError
@@ -440,6 +442,16 @@ async def _unavailable(request: Request, exc: Exception) -> Response:
     return await _api_error(request, error)
 
 
+async def _redis_error(request: Request, exc: Exception) -> Response:
+    """Redis said no to a command (an ACL changed under a running gateway, a full Redis): the
+    client gets a typed 503, the operator the server's words in the log."""
+    if is_unavailable(exc):
+        return await _unavailable(request, exc)
+    log.error("redis_refused", path=request.url.path, error=describe(exc))
+    message = "the queue refused a command the gateway needs; its log says which"
+    return await _api_error(request, ApiError(503, message, "server_error", code="redis_refused"))
+
+
 def build_app(settings: GatewaySettings) -> Starlette:
     gateway = Gateway(settings)
     routes = [
@@ -459,6 +471,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
     handlers: Mapping[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         ApiError: _api_error,
         RedisUnavailable: _unavailable,
+        RedisError: _redis_error,
     }
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=gateway.lifespan)
     app.state.gateway = gateway

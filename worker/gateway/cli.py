@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import os
 import sys
@@ -82,8 +83,13 @@ def add_gateway_commands(commands: Any) -> None:
 def run_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from protocol.connection import REFUSED, redact
+    from protocol.keys import Keys
+    from worker.daemon.permissions import MissingPermission
     from worker.gateway.api_keys import KeyFileError
     from worker.gateway.app import GatewaySettings, build_app
+    from worker.gateway.permissions import check_gateway_permissions
+    from worker.logs import one_line
 
     host, port = _listen_address(args.listen)
     if args.api_keys is None and not args.no_auth and not _is_loopback(host):
@@ -107,6 +113,19 @@ def run_gateway(args: argparse.Namespace) -> int:
         app = build_app(settings)
     except (OSError, KeyFileError) as exc:
         return _fail(f"cannot use the API keys: {exc}")
+    check = check_gateway_permissions(
+        settings.redis_url,
+        settings.redis_topology,
+        Keys(settings.prefix),
+        status_page=settings.status_page,
+        limits=settings.api_keys is not None,
+    )
+    try:
+        asyncio.run(check)
+    except REFUSED as exc:
+        return _fail(f"Redis refused us at {redact(settings.redis_url)}: {one_line(exc)}")
+    except MissingPermission as exc:
+        return _fail(str(exc))
     uvicorn.run(
         app,
         host=host,
