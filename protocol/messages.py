@@ -187,8 +187,8 @@ class DoneEvent(EventBase):
     output_text: str
     usage: Usage
     metadata: Mapping[str, Any] | None = None
-    # For a job with a response_format: whether output_text matches it (False when cut by
-    # max_tokens or aborted); None for an unconstrained job.
+    # For a job with a response_format: whether output_text matches it (False when cut short
+    # by max_tokens or aborted); None for an unconstrained job.
     output_valid: bool | None = None
 
     type: ClassVar[str] = "done"

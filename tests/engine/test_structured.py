@@ -293,6 +293,29 @@ def test_a_constrained_request_cut_by_max_tokens_is_not_valid(engine: EngineCore
         json.loads(output.output_text)
 
 
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_an_output_cut_exactly_where_its_match_is_complete_is_valid(
+    engine: EngineCore, index: int
+) -> None:
+    """Greedy, so the same tokens each time: max_tokens equal to the length of the output that
+    ended by the grammar's own end cuts it before its EOS (length), yet it matches; one token
+    fewer does not."""
+    schema = ResponseFormat("json_schema", schema=SCHEMAS[index])
+
+    def generate(max_tokens: int) -> RequestOutput:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, response_format=schema)
+        return engine.generate_batch_sync(["hello"], params)[0]
+
+    whole = generate(MAX_TOKENS)
+    assert_matches(schema, whole)
+    exact = generate(whole.completion_tokens)
+    assert (exact.finish_reason, exact.output_text) == ("length", whole.output_text)
+    assert exact.output_valid is True
+    jsonschema.validate(json.loads(exact.output_text), SCHEMAS[index])
+    short = generate(whole.completion_tokens - 1)
+    assert (short.finish_reason, short.output_valid) == ("length", False), short.output_text
+
+
 def test_the_same_schema_compiles_once(engine: EngineCore) -> None:
     schema = SCHEMAS[1]
     params = SamplingParams(

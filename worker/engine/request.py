@@ -207,7 +207,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     # For a request with a response_format, once finished: whether the output matches it
-    # (False when max_tokens cut it short); None otherwise.
+    # (False when max_tokens cut it short of a match); None otherwise.
     output_valid: bool | None = None
     transcript: Transcript | None = field(default=None, repr=False, compare=False)
     text_parts: int = field(default=0, repr=False, compare=False)

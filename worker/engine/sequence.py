@@ -73,14 +73,15 @@ class Sequence:
 
     def _valid(self) -> bool | None:
         """A constrained request's output matches its format when it ended by the grammar's
-        own end (the mask allowed EOS only there); cut by max_tokens, aborted or failed, not."""
+        own end (the mask allowed EOS only there), or when max_tokens cut it exactly where a
+        match is complete; aborted or failed, not."""
         if self.request.sampling_params.response_format is None:
             return None
         return (
             self.grammar is not None
-            and self.request.finish_reason == "stop"
+            and self.request.finish_reason in ("stop", "length")
             and self.failure is None
-            and self.grammar.accepting
+            and self.grammar.matches(self.request.transcript.token_ids)
         )
 
     def progress(self, now: float) -> RequestProgress:

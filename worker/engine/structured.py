@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -151,11 +152,12 @@ class GrammarProcessor:
         self._bitmask = np.zeros((compiler.vocab_size + 31) // 32, dtype=np.int32)
         self._table = compiler.bit_table()
         self._started = False
+        self._consumed = 0  # sampled tokens the matcher has advanced by
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         # The first call's last token is the prompt's; after that, the token just sampled.
         if self._started:
-            self._matcher.consume_token(int(tokens[-1].tolist()))  # type: ignore[arg-type]
+            self._consume(int(tokens[-1].tolist()))  # type: ignore[arg-type]
         self._started = True
         if self._matcher.is_error():
             raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
@@ -164,7 +166,14 @@ class GrammarProcessor:
         bias = self._table[mx.array(self._bitmask.view(np.uint8))].reshape(-1)
         return logits + bias[: logits.shape[-1]].astype(logits.dtype)
 
-    @property
-    def accepting(self) -> bool:
-        """Whether the output so far is a complete match (the grammar could end here)."""
+    def matches(self, output_tokens: Sequence[int]) -> bool:
+        """Whether ``output_tokens`` (the whole output, EOS left out) is a complete match. The
+        matcher advances by a sampled token only when asked for the next mask, so the last
+        token of an output that max_tokens cut is taken here."""
+        for token in output_tokens[self._consumed :]:
+            self._consume(token)
         return bool(self._matcher.is_accepting()) and not self._matcher.is_error()
+
+    def _consume(self, token: int) -> None:
+        self._matcher.consume_token(token)
+        self._consumed += 1
