@@ -161,6 +161,8 @@ def test_constrained_requests_share_a_batch_without_changing_the_others(
     stats = engine.scheduler.grammars.stats
     assert stats.compiled == len(SCHEMAS) + 2
     assert stats.cache_hits == len(SCHEMAS) + 2
+    # Every mask's token came from its sequence's own sampler, none from a context read.
+    assert stats.context_reads == 0
 
 
 # A response one might ask a small model for, with bounded strings and arrays.

@@ -197,6 +197,7 @@ class Scheduler:
             # Last: the mask applies to the logits every other processor has shaped.
             sequence.grammar = self.grammars.processor(request.grammar)
             processors.append(sequence.grammar)
+            sampler = sequence.grammar.sampler(sampler)
         (uid,) = self._ensure_generator().insert_segments(
             [admission.segments],
             max_tokens=[params.max_tokens],

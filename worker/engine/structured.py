@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from worker.engine.request import ResponseFormat
+from worker.engine.sampling import Sampler
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -54,6 +55,9 @@ class GrammarStats:
     cache_hits: int = 0
     refused: int = 0
     compile_seconds: list[float] = field(default_factory=list)
+    # Sampled tokens read from mlx-lm's token context, a device round trip each: only where
+    # a sequence's own sampler failed.
+    context_reads: int = 0
 
 
 def _grammar_of(response_format: ResponseFormat) -> str:
@@ -151,13 +155,33 @@ class GrammarProcessor:
             raise ValueError(f"response_format cannot be enforced: {self._matcher.get_error()}")
         self._bitmask = np.zeros((compiler.vocab_size + 31) // 32, dtype=np.int32)
         self._table = compiler.bit_table()
+        self._stats = compiler.stats
         self._started = False
         self._consumed = 0  # sampled tokens the matcher has advanced by
+        self._sampled: mx.array | None = None  # what this sequence's sampler returned last
+
+    def sampler(self, base: Sampler | None) -> Sampler:
+        """This sequence's sampler (``base``, or greedy for None) keeping what it samples: the
+        next mask needs that token, and the array the sampler returned is computed with the
+        step, whereas the token context mlx-lm hands processors is a new array, one more
+        kernel and device round trip per sequence and step to read."""
+
+        def sample(logprobs: mx.array) -> mx.array:
+            self._sampled = None  # should ``base`` fail, the next call reads the context
+            sampled = base(logprobs) if base is not None else mx.argmax(logprobs, axis=-1)
+            self._sampled = sampled
+            return sampled
+
+        return sample
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         # The first call's last token is the prompt's; after that, the token just sampled.
         if self._started:
-            self._consume(int(tokens[-1].tolist()))  # type: ignore[arg-type]
+            last = self._sampled
+            if last is None:
+                self._stats.context_reads += 1
+                last = tokens[-1]
+            self._consume(int(last.item()))  # type: ignore[arg-type]
         self._started = True
         if self._matcher.is_error():
             raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
