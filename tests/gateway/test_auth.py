@@ -265,6 +265,15 @@ def test_two_gateways_count_one_keys_rate_and_streams_together(
         assert error.code == "concurrency_limit_exceeded"
 
 
+def test_a_quota_lease_under_a_second_is_refused_in_one_line(fleet: Fleet) -> None:
+    connection = ["--redis-url", fleet.redis_url, "--prefix", fleet.prefix]
+    address = f"127.0.0.1:{free_port()}"
+    flags = ["--quota-lease-seconds", "0.5"]
+    result = mlx_worker("gateway", "--listen", address, *connection, *flags, timeout=15)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == "mlx-worker: --quota-lease-seconds must be at least 1, got 0.5\n"
+
+
 def test_a_non_loopback_address_without_keys_is_refused_unless_no_auth(
     fleet: Fleet, tmp_path: Path
 ) -> None:

@@ -81,6 +81,12 @@ class GatewaySettings:
     quota_lease_seconds: float = LEASE_SECONDS
     limits: Limits = DEFAULT_LIMITS
 
+    def __post_init__(self) -> None:
+        if self.quota_lease_seconds < 1:
+            raise ValueError(
+                f"--quota-lease-seconds must be at least 1, got {self.quota_lease_seconds}"
+            )
+
 
 class Gateway:
     """The routes' shared parts: the protocol client, the keys, the quotas."""

@@ -97,18 +97,21 @@ def run_gateway(args: argparse.Namespace) -> int:
             f"refusing to serve {host} without API keys: pass --api-keys FILE "
             "(or --no-auth to serve it open)"
         )
-    settings = GatewaySettings(
-        redis_url=args.redis_url,
-        redis_topology=args.redis_topology,
-        prefix=args.prefix,
-        api_keys=Path(args.api_keys) if args.api_keys else None,
-        abort_on_disconnect=not args.keep_on_disconnect,
-        resumable_by_default=args.resumable_by_default,
-        event_timeout=args.event_timeout,
-        log_ttl=args.log_ttl,
-        status_page=not args.no_status_page,
-        quota_lease_seconds=args.quota_lease_seconds,
-    )
+    try:
+        settings = GatewaySettings(
+            redis_url=args.redis_url,
+            redis_topology=args.redis_topology,
+            prefix=args.prefix,
+            api_keys=Path(args.api_keys) if args.api_keys else None,
+            abort_on_disconnect=not args.keep_on_disconnect,
+            resumable_by_default=args.resumable_by_default,
+            event_timeout=args.event_timeout,
+            log_ttl=args.log_ttl,
+            status_page=not args.no_status_page,
+            quota_lease_seconds=args.quota_lease_seconds,
+        )
+    except ValueError as exc:
+        return _fail(str(exc))
     try:
         app = build_app(settings)
     except (OSError, KeyFileError) as exc:

@@ -89,8 +89,6 @@ class Quotas:
     def __init__(
         self, redis: RedisClient, keys: Keys, lease_seconds: float = LEASE_SECONDS
     ) -> None:
-        if lease_seconds < 1:
-            raise ValueError(f"the quota lease must be at least 1 s, got {lease_seconds}")
         self.redis = redis
         self.keys = keys
         self.lease_ms = int(lease_seconds * 1000)
