@@ -18,20 +18,11 @@ from protocol.messages import DoneEvent, ErrorEvent, Job
 from tests.daemon.helpers import check_stream, collect, settled
 from tests.protocol.messages_samples import JOBS
 from tests.support.processes import MODEL, WorkerFactory
+from tests.support.schemas import SMALL_SCHEMA
 from tests.support.waiting import run, until
 from worker.daemon.jobs import _response_format
 from worker.engine import ResponseFormat
 
-SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "color": {"enum": ["red", "green", "blue"]},
-        "n": {"type": "integer", "minimum": 0, "maximum": 9},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["color", "n", "ok"],
-    "additionalProperties": False,
-}
 MAX_TOKENS = 48
 
 
@@ -49,7 +40,7 @@ def test_constrained_jobs_end_valid_or_cut_short_beside_a_plain_one(
     max_tokens and an unconstrained one, all at once: the matching ones end ``done`` with
     ``output_valid`` true, the cut one with ``length`` and false, the plain one without it."""
     workers.start("w1", max_concurrency=8)
-    schema = {"type": "json_schema", "schema": SCHEMA}
+    schema = {"type": "json_schema", "schema": SMALL_SCHEMA}
     fifty = {
         "type": "json_schema",
         "schema": {"type": "array", "items": {"type": "boolean"}, "minItems": 50},
@@ -86,7 +77,7 @@ def test_constrained_jobs_end_valid_or_cut_short_beside_a_plain_one(
     for name in ("chat", "prompt"):
         assert ends[name].finish_reason == "stop", ends[name]
         assert ends[name].output_valid is True
-        jsonschema.validate(json.loads(ends[name].output_text), SCHEMA)
+        jsonschema.validate(json.loads(ends[name].output_text), SMALL_SCHEMA)
     assert ends["regex"].finish_reason == "stop" and ends["regex"].output_valid is True
     assert re.fullmatch(regex["pattern"], ends["regex"].output_text), ends["regex"]
     cut = ends["cut"]
@@ -133,7 +124,7 @@ def test_a_format_the_worker_cannot_enforce_is_an_invalid_job_dead_lettered(
             after = await client.submit(
                 "hello",
                 max_tokens=MAX_TOKENS,
-                response_format={"type": "json_schema", "schema": SCHEMA},
+                response_format={"type": "json_schema", "schema": SMALL_SCHEMA},
             )
             for named, job in jobs.items():
                 summary = check_stream(await collect(client, job.request_id), job.request_id)
@@ -145,7 +136,7 @@ def test_a_format_the_worker_cannot_enforce_is_an_invalid_job_dead_lettered(
             done = check_stream(await collect(client, after), after).terminal
             assert isinstance(done, DoneEvent)
             assert done.output_valid is True
-            jsonschema.validate(json.loads(done.output_text), SCHEMA)
+            jsonschema.validate(json.loads(done.output_text), SMALL_SCHEMA)
 
             await until(lambda: settled(client), 10, "entries acknowledged")
             dead = {entry["request_id"].decode(): entry for entry in await _dead_entries(client)}

@@ -27,6 +27,7 @@ from protocol.limits import DEFAULT_LIMITS
 from protocol.messages import DeltaEvent, DoneEvent, Event, QueuedEvent, TerminalEvent
 from tests.gateway.conftest import Fleet
 from tests.support.gateway import GatewayFactory, GatewayProcess
+from tests.support.schemas import SMALL_SCHEMA
 
 MODEL = "tiny"
 TOKENS = 12  # of every greedy answer: the tiny model makes about 100 per second
@@ -475,18 +476,7 @@ def test_an_unknown_model_is_a_404_model_not_found(client: openai.OpenAI, stream
 
 # -- structured output ---------------------------------------------------------------------
 
-# Enums, a bounded integer and a boolean: a few tokens, so even the tiny model ends it.
-SCHEMA: Any = {
-    "type": "object",
-    "properties": {
-        "color": {"enum": ["red", "green", "blue"]},
-        "n": {"type": "integer", "minimum": 0, "maximum": 9},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["color", "n", "ok"],
-    "additionalProperties": False,
-}
-JSON_SCHEMA: Any = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+JSON_SCHEMA: Any = {"type": "json_schema", "json_schema": {"name": "p", "schema": SMALL_SCHEMA}}
 STRUCTURED_TOKENS = 48
 
 
@@ -521,7 +511,7 @@ def test_a_json_schema_answer_validates_streamed_or_not(
     content = answer.choices[0].message.content
     assert answer.choices[0].finish_reason == "stop"
     assert content is not None
-    jsonschema.validate(json.loads(content), SCHEMA)
+    jsonschema.validate(json.loads(content), SMALL_SCHEMA)
     assert raw.http_response.json()["choices"][0]["output_valid"] is True
 
     chunks = chat_chunks(client, **fields)
@@ -547,7 +537,7 @@ def test_a_json_schema_completion_validates(client: openai.OpenAI) -> None:
     )
     choice = raw.http_response.json()["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["output_valid"] is True
-    jsonschema.validate(json.loads(choice["text"]), SCHEMA)
+    jsonschema.validate(json.loads(choice["text"]), SMALL_SCHEMA)
     assert raw.parse().choices[0].text == choice["text"]
 
 

@@ -424,10 +424,5 @@ def _response_format(job: Job) -> ResponseFormat | None:
     engine checks that it can enforce it, or refuses the job)."""
     if job.response_format is None:
         return None
-    fields = dict(job.response_format)
-    return ResponseFormat(
-        fields.pop("type"),
-        schema=fields.get("schema"),
-        pattern=fields.get("pattern"),
-        lark=fields.get("lark"),
-    )
+    # The decoder leaves ``type`` and that type's one field: ResponseFormat's own names.
+    return ResponseFormat(**job.response_format)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -40,6 +40,7 @@ _JSON_OPTIONS: Final[JsonCompileOptions] = {
     "key_separator": ": ",
 }
 _CACHED_GRAMMARS: Final = 256
+_TIMES_KEPT: Final = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,9 @@ class GrammarStats:
     compiled: int = 0
     cache_hits: int = 0
     refused: int = 0
-    compile_seconds: list[float] = field(default_factory=list)
+    # The newest compiles' times: a daemon sent a new schema per request compiles without
+    # end, and its stats must not grow with it.
+    compile_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=_TIMES_KEPT))
     # Sampled tokens read from mlx-lm's token context, a device round trip each: only where
     # a sequence's own sampler failed.
     context_reads: int = 0
