@@ -23,7 +23,7 @@ from protocol.limits import Limits
 from protocol.messages import ControlCommand, ControlReply
 
 # BLPOP treats a timeout of 0 as "forever", so the last wait is never rounded down to 0.
-_MIN_BLPOP_TIMEOUT: Final = 0.01
+MIN_BLPOP_TIMEOUT: Final = 0.01
 _BLOCK_MARGIN: Final = 0.25
 # What a redis-py connection uses when no socket_timeout was given (redis-py >= 6).
 _REDIS_PY_SOCKET_TIMEOUT: Final = 5.0
@@ -111,7 +111,7 @@ def longest_block(redis: RedisClient) -> float:
     if not socket_timeout:
         return float("inf")
     block: float = min(socket_timeout / 2, socket_timeout - _BLOCK_MARGIN)
-    return max(block, _MIN_BLPOP_TIMEOUT)
+    return max(block, MIN_BLPOP_TIMEOUT)
 
 
 async def _collect(
@@ -122,7 +122,7 @@ async def _collect(
     block_limit = longest_block(redis)
     while len(replies) < expected and (remaining := deadline - time.monotonic()) > 0:
         raise_if_cancelled()
-        block = max(min(remaining, block_limit), _MIN_BLPOP_TIMEOUT)
+        block = max(min(remaining, block_limit), MIN_BLPOP_TIMEOUT)
         try:
             popped = await redis.blpop([command.reply_to], timeout=block)
         except RedisTimeoutError:

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from protocol.catalogue import served_models
 from protocol.connection import RedisClient, connect
+from protocol.control import MIN_BLPOP_TIMEOUT
 from protocol.keys import Keys
 from worker.daemon.permissions import (
     Probe,
@@ -26,9 +27,6 @@ from worker.daemon.permissions import (
 )
 from worker.daemon.redis_retry import retry_until_done
 from worker.gateway.fleet_status import read_fleet_status
-
-# BLPOP takes 0 as "forever"; this is the shortest wait it knows.
-_SHORTEST_BLOCK_SECONDS = 0.01
 
 
 async def check_gateway_permissions(
@@ -97,7 +95,7 @@ def gateway_probes(
             "BLPOP",
             "hear the workers' answers to an abort",
             reply,
-            lambda: redis.blpop([reply], timeout=_SHORTEST_BLOCK_SECONDS),
+            lambda: redis.blpop([reply], timeout=MIN_BLPOP_TIMEOUT),
         ),
     ]
     if status_page:
