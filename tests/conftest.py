@@ -4,7 +4,7 @@ private Redis servers, a key prefix per test, and the worker processes of a test
 from __future__ import annotations
 
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
-import worker  # noqa: F401  # isort: skip
+import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import uuid
 from collections.abc import Iterator
@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import redis
 
+from mlx_redis_worker.local_redis import LocalCluster, LocalSentinel, RedisServer
+from mlx_redis_worker.models import load_model, prepare_smollm2, prepare_tiny
 from tests.support.acl import AclUsers, MakeUser
 from tests.support.processes import WorkerFactory
 from tests.support.references import GreedyReference, tiny_reference
-from worker.local_redis import LocalCluster, LocalSentinel, RedisServer
-from worker.models import load_model, prepare_smollm2, prepare_tiny
 
 
 @pytest.fixture(scope="session")

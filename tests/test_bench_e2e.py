@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from mlx_redis_worker.bench.e2e_bench import CLUSTER, SINGLE, Level, Run, format_e2e
 from tests.support.processes import mlx_worker
-from worker.bench.e2e_bench import CLUSTER, SINGLE, Level, Run, format_e2e
 
 
 def _run(path: str, tokens_per_second: float, per_step: float | None = None) -> Run:

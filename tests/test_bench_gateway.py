@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import re
 
+from mlx_redis_worker.bench.e2e_bench import Run
+from mlx_redis_worker.bench.gateway_bench import DIRECT, GATEWAY, Measured, Results, format_gateway
 from tests.support.processes import mlx_worker
-from worker.bench.e2e_bench import Run
-from worker.bench.gateway_bench import DIRECT, GATEWAY, Measured, Results, format_gateway
 
 
 def _measured(path: str, tokens: int, ttft_ms: float, outside_ms: float) -> Measured:

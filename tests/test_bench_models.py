@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 
-from tests.support.processes import mlx_worker
-from worker.bench.e2e_bench import Run
-from worker.bench.models_bench import (
+from mlx_redis_worker.bench.e2e_bench import Run
+from mlx_redis_worker.bench.models_bench import (
     SEPARATE,
     SHARED,
     TOTAL,
@@ -16,6 +15,7 @@ from worker.bench.models_bench import (
     Results,
     format_models,
 )
+from tests.support.processes import mlx_worker
 
 NAMES = ("tiny", "tiny-qwen3")
 

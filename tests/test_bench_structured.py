@@ -12,14 +12,14 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from worker.bench.schema_suite import (
+from mlx_redis_worker.bench.schema_suite import (
     MAX_INSTANCE_CHARS,
     build_suite,
     instance_chars,
     llguidance_accepts,
 )
-from worker.bench.structured_bench import percentile
-from worker.cli import build_parser
+from mlx_redis_worker.bench.structured_bench import percentile
+from mlx_redis_worker.cli import build_parser
 
 
 def test_suite_is_deterministic_varied_and_bounded() -> None:

@@ -8,8 +8,8 @@ import redis
 import redis.cluster
 import redis.sentinel
 
-from worker.local_redis import LocalCluster, LocalSentinel, RedisServer, free_port_pair
-from worker.local_redis.probe import connect
+from mlx_redis_worker.local_redis import LocalCluster, LocalSentinel, RedisServer, free_port_pair
+from mlx_redis_worker.local_redis.probe import connect
 
 
 def test_cluster_covers_every_slot_and_serves_keys_on_every_node(

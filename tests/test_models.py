@@ -14,18 +14,18 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
-from tests.support.processes import mlx_worker
-from worker.models import (
+from mlx_redis_worker.models import (
     default_cache_dir,
     load_model,
     prepare_smollm2,
     prepare_tiny,
     resolve_model,
 )
-from worker.models import gguf as gguf_module
-from worker.models.gguf import MissingGGUFError, llama_cpp_permute, undo_llama_cpp_permute
-from worker.models.paths import Arch, smollm2_dir, tiny_dir
-from worker.models.prepare import run_prepare
+from mlx_redis_worker.models import gguf as gguf_module
+from mlx_redis_worker.models.gguf import MissingGGUFError, llama_cpp_permute, undo_llama_cpp_permute
+from mlx_redis_worker.models.paths import Arch, smollm2_dir, tiny_dir
+from mlx_redis_worker.models.prepare import run_prepare
+from tests.support.processes import mlx_worker
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from mlx_redis_worker.daemon.settings import WorkerSettings, default_worker_id, load_settings
 from tests.support.processes import mlx_worker
-from worker.daemon.settings import WorkerSettings, default_worker_id, load_settings
 
 
 def test_precedence_flags_env_file_defaults(tmp_path: Path) -> None:

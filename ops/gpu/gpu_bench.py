@@ -24,9 +24,9 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
-import worker  # noqa: F401  (OpenBLAS on CPU; harmless on GPU)
-from worker.bench.engine_bench import engine_host_us
-from worker.engine import EngineConfig, EngineCore, SamplingParams, SchedulerConfig
+import mlx_redis_worker  # noqa: F401  (OpenBLAS on CPU; harmless on GPU)
+from mlx_redis_worker.bench.engine_bench import engine_host_us
+from mlx_redis_worker.engine import EngineConfig, EngineCore, SamplingParams, SchedulerConfig
 
 SHAPES: dict[str, dict[str, Any]] = {
     # Qwen2.5-0.5B-like, Qwen2.5-1.5B-like and Llama-3-8B-like dimensions (llama blocks).

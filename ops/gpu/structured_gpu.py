@@ -12,7 +12,7 @@ so every run makes the same number of tokens; constrained and unconstrained runs
 from __future__ import annotations
 
 # `worker` first: on CPU it loads OpenBLAS before anything imports mlx.
-import worker  # noqa: F401  # isort: skip
+import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import argparse
 import json
@@ -24,7 +24,13 @@ import mlx.core as mx
 from gpu_bench import SHAPES, build_model  # type: ignore[import-not-found]
 from mlx_lm.utils import load_tokenizer
 
-from worker.engine import EngineConfig, EngineCore, ResponseFormat, SamplingParams, SchedulerConfig
+from mlx_redis_worker.engine import (
+    EngineConfig,
+    EngineCore,
+    ResponseFormat,
+    SamplingParams,
+    SchedulerConfig,
+)
 
 
 def tokens_per_second(engine: EngineCore, prompts: list[str], params: SamplingParams) -> float:

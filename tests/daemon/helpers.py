@@ -12,9 +12,16 @@ from contextlib import aclosing
 
 from redis.exceptions import RedisError
 
-from protocol.client import Client
-from protocol.connection import as_text
-from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, Event, QueuedEvent, ResetEvent
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.connection import as_text
+from mlx_redis_protocol.messages import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    QueuedEvent,
+    ResetEvent,
+)
 from tests.support.events import text_after_last_reset
 from tests.support.processes import MODEL, mlx_worker
 

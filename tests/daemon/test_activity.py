@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable
 
-from protocol.activity import Activity, RequestActivity, decode_activity
-from protocol.client import Client
-from protocol.messages import DoneEvent
+from mlx_redis_protocol.activity import Activity, RequestActivity, decode_activity
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.messages import DoneEvent
+from mlx_redis_worker.daemon.activity import TokenHistory
 from tests.support.processes import WorkerFactory
 from tests.support.waiting import run, until
-from worker.daemon.activity import TokenHistory
 
 
 def test_token_history_adds_up_per_aligned_bucket_and_forgets_old_ones() -> None:

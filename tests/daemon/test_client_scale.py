@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from protocol.client import Client
-from protocol.messages import DoneEvent
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.messages import DoneEvent
 from tests.daemon.helpers import check_stream, collect
 from tests.support.processes import WorkerFactory
 from tests.support.prompts import random_prompts

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from protocol.cli import main as cli_main
-from protocol.client import Client
-from protocol.messages import DoneEvent, ErrorEvent
+from mlx_redis_protocol.cli import main as cli_main
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.messages import DoneEvent, ErrorEvent
+from mlx_redis_worker.engine.fingerprint import model_fingerprint
+from mlx_redis_worker.models import load_model
 from tests.daemon.helpers import settled
 from tests.support.processes import WorkerFactory
 from tests.support.prompts import random_prompts
 from tests.support.waiting import run, until
-from worker.engine.fingerprint import model_fingerprint
-from worker.models import load_model
 
 MAX_TOKENS = 8
 REFUSED_NAMES = ("../x", "/etc/x", "a/b", "..", "x..y", "_x/../../y")

@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from protocol.client import Client
-from protocol.codec_job import encode_job
-from protocol.constants import JOB_FIELD
-from protocol.messages import DoneEvent, ErrorEvent, Job, QueuedEvent, ResetEvent, Usage
-from protocol.replay_log import publish_events
-from protocol.wire import pack
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.codec_job import encode_job
+from mlx_redis_protocol.constants import JOB_FIELD
+from mlx_redis_protocol.messages import DoneEvent, ErrorEvent, Job, QueuedEvent, ResetEvent, Usage
+from mlx_redis_protocol.replay_log import publish_events
+from mlx_redis_protocol.wire import pack
 from tests.daemon.helpers import check_stream, collect, log_length, settled
 from tests.protocol.helpers import emit
 from tests.support.processes import MODEL, WorkerFactory

@@ -12,11 +12,12 @@ from typing import TypeVar
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from protocol.client import Client
-from protocol.codec_events import decode_event
-from protocol.errors import StreamRewritten
-from protocol.messages import DoneEvent, Event
-from protocol.replay_log import read_log
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.codec_events import decode_event
+from mlx_redis_protocol.errors import StreamRewritten
+from mlx_redis_protocol.messages import DoneEvent, Event
+from mlx_redis_protocol.replay_log import read_log
+from mlx_redis_worker.local_redis import RedisServer
 from tests.daemon.helpers import (
     check_stream,
     collect,
@@ -30,7 +31,6 @@ from tests.support.processes import MODEL, WorkerFactory
 from tests.support.prompts import random_prompts
 from tests.support.references import GreedyReference
 from tests.support.waiting import run, until, wait_until
-from worker.local_redis import RedisServer
 
 T = TypeVar("T")
 

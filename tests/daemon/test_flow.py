@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from protocol.client import Client
-from protocol.messages import ControlReply, DeltaEvent, DoneEvent, Event, Usage
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.messages import ControlReply, DeltaEvent, DoneEvent, Event, Usage
+from mlx_redis_worker.local_redis import local_redis
 from tests.daemon.helpers import check_stream, collect, log_length, pending_ids, settled
 from tests.support.processes import WorkerFactory
 from tests.support.prompts import random_prompts
 from tests.support.references import GreedyReference
 from tests.support.waiting import run, until
-from worker.local_redis import local_redis
 
 MAX_TOKENS = 12
 

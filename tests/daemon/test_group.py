@@ -18,16 +18,16 @@ from typing import Any
 import pytest
 import redis
 
-from protocol.client import Client
-from protocol.connection import connect
-from protocol.group import list_consumers, remove_idle_consumer
-from protocol.keys import JobStream, Keys
-from protocol.messages import DoneEvent
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.connection import connect
+from mlx_redis_protocol.group import list_consumers, remove_idle_consumer
+from mlx_redis_protocol.keys import JobStream, Keys
+from mlx_redis_protocol.messages import DoneEvent
+from mlx_redis_worker.daemon.job_queue import JobQueue
+from mlx_redis_worker.local_redis import LocalCluster
 from tests.daemon.helpers import check_stream, collect
 from tests.support.processes import MODEL, WorkerFactory, mlx_worker
 from tests.support.waiting import run, wait_until
-from worker.daemon.job_queue import JobQueue
-from worker.local_redis import LocalCluster
 
 
 def mlx_worker_group(redis_url: str, prefix: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from protocol.limits import DEFAULT_LIMITS
-from protocol.messages import SAMPLING_FIELDS, Job
+from mlx_redis_protocol.limits import DEFAULT_LIMITS
+from mlx_redis_protocol.messages import SAMPLING_FIELDS, Job
+from mlx_redis_worker.daemon.worker import scheduler_config
+from mlx_redis_worker.engine import SamplingParams
 from tests.protocol.messages_samples import JOBS
-from worker.daemon.worker import scheduler_config
-from worker.engine import SamplingParams
 
 
 def test_every_sampling_field_of_a_job_is_a_sampling_params_field() -> None:

@@ -13,20 +13,20 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from protocol.client import Client
-from protocol.codec_job import encode_job
-from protocol.connection import as_text, connect
-from protocol.constants import FORWARDED_FROM_FIELD, JOB_FIELD
-from protocol.heartbeat import decode_heartbeat
-from protocol.keys import Keys
-from protocol.messages import DoneEvent, ErrorEvent, Job
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.codec_job import encode_job
+from mlx_redis_protocol.connection import as_text, connect
+from mlx_redis_protocol.constants import FORWARDED_FROM_FIELD, JOB_FIELD
+from mlx_redis_protocol.heartbeat import decode_heartbeat
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.messages import DoneEvent, ErrorEvent, Job
+from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
+from mlx_redis_worker.daemon.job_queue import JobQueue
+from mlx_redis_worker.local_redis import LocalCluster
+from mlx_redis_worker.local_redis.server import free_port
 from tests.support.processes import WorkerFactory, mlx_worker
 from tests.support.references import model_reference
 from tests.support.waiting import run, until
-from worker.daemon.forwarder import DefaultStreamForwarder
-from worker.daemon.job_queue import JobQueue
-from worker.local_redis import LocalCluster
-from worker.local_redis.server import free_port
 
 LLAMA, QWEN = "tiny", "tiny-qwen3"
 MAX_TOKENS = 6
@@ -295,7 +295,7 @@ def test_models_listing(workers: WorkerFactory, redis_url: str, prefix: str) -> 
 
 def test_settings_name_the_models() -> None:
     """``--model`` items are ``[NAME=]SOURCE``; names are the fleet's, checked and unique."""
-    from worker.daemon.settings import WorkerSettings
+    from mlx_redis_worker.daemon.settings import WorkerSettings
 
     settings = WorkerSettings(model="tiny, chat=tiny-qwen3,~/models/qwen3-8b/")
     assert [(m.name, m.source) for m in settings.models] == [

@@ -17,17 +17,17 @@ from pathlib import Path
 import pytest
 import redis
 
-from protocol.client import Client
-from protocol.connection import connect
-from protocol.keys import Keys
-from protocol.messages import DoneEvent
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.connection import connect
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.messages import DoneEvent
+from mlx_redis_worker.daemon.permissions import check_permissions, probes, redis_user
+from mlx_redis_worker.local_redis import LocalCluster
 from tests.daemon.helpers import check_stream, collect
 from tests.support.acl import PASSWORD, MakeUser, denials, documented_minimum_acl, refusal_line
 from tests.support.environment import clean_environment
 from tests.support.processes import MODEL, WORKER_COMMAND, WorkerFactory
 from tests.support.waiting import run
-from worker.daemon.permissions import check_permissions, probes, redis_user
-from worker.local_redis import LocalCluster
 
 
 def start_refused(url: str, prefix: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:

@@ -11,17 +11,17 @@ from typing import Any
 import jsonschema
 import pytest
 
-from protocol.client import Client
-from protocol.codec_job import encode_job
-from protocol.constants import JOB_FIELD
-from protocol.messages import DoneEvent, ErrorEvent, Job
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.codec_job import encode_job
+from mlx_redis_protocol.constants import JOB_FIELD
+from mlx_redis_protocol.messages import DoneEvent, ErrorEvent, Job
+from mlx_redis_worker.daemon.jobs import _response_format
+from mlx_redis_worker.engine import ResponseFormat
 from tests.daemon.helpers import check_stream, collect, settled
 from tests.protocol.messages_samples import JOBS
 from tests.support.processes import MODEL, WorkerFactory
 from tests.support.schemas import SMALL_SCHEMA
 from tests.support.waiting import run, until
-from worker.daemon.jobs import _response_format
-from worker.engine import ResponseFormat
 
 MAX_TOKENS = 48
 

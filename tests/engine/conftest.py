@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from mlx_redis_worker.engine import EngineCore
 from tests.support import engines
-from worker.engine import EngineCore
 
 
 @pytest.fixture

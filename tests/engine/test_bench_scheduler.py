@@ -6,8 +6,8 @@ import subprocess
 import sys
 from typing import Any
 
-from worker.bench.engine_bench import make_prompts
-from worker.bench.scheduler_bench import run_scheduler
+from mlx_redis_worker.bench.engine_bench import make_prompts
+from mlx_redis_worker.bench.scheduler_bench import run_scheduler
 
 
 def test_replay_yields_one_output_per_token_or_per_request(tiny_model: Any) -> None:
@@ -22,7 +22,10 @@ def test_cli_prints_the_table() -> None:
     # A process of its own: the CLI configures logging for the whole process.
     args = ["bench", "scheduler", "--sequences", "2", "--tokens", "8", "--repeat", "1"]
     done = subprocess.run(
-        [sys.executable, "-m", "worker.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "mlx_redis_worker.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     assert "scheduler, one output per token" in done.stdout and "1.00x" in done.stdout

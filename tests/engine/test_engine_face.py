@@ -10,9 +10,7 @@ from typing import Any, cast
 
 import pytest
 
-from tests.support.engines import PROMPTS, MakeEngine
-from tests.support.waiting import run
-from worker.engine import (
+from mlx_redis_worker.engine import (
     AsyncEngineCore,
     EngineConfig,
     EngineCore,
@@ -20,7 +18,9 @@ from worker.engine import (
     RequestOutput,
     SamplingParams,
 )
-from worker.engine.stats import MlxMemory
+from mlx_redis_worker.engine.stats import MlxMemory
+from tests.support.engines import PROMPTS, MakeEngine
+from tests.support.waiting import run
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from mlx_redis_worker.engine import EngineCore, SamplingParams
 from tests.support.engines import (
     PROMPTS,
     MakeEngine,
@@ -17,7 +18,6 @@ from tests.support.engines import (
     stream_one,
 )
 from tests.support.waiting import run
-from worker.engine import EngineCore, SamplingParams
 
 MAX_TOKENS = 12
 

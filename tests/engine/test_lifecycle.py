@@ -8,6 +8,13 @@ from typing import Any
 
 import pytest
 
+from mlx_redis_worker.engine import (
+    EngineCore,
+    ModelOwnershipError,
+    QueueFullError,
+    SamplingParams,
+    get_registry,
+)
 from tests.support.engines import (
     PROMPTS,
     ClosedAtTeardown,
@@ -16,13 +23,6 @@ from tests.support.engines import (
     reference_tokens,
 )
 from tests.support.waiting import run, until
-from worker.engine import (
-    EngineCore,
-    ModelOwnershipError,
-    QueueFullError,
-    SamplingParams,
-    get_registry,
-)
 
 LONG = SamplingParams(max_tokens=2000, temperature=0.0)
 
@@ -408,10 +408,10 @@ def test_step_listener_sees_each_step_once_and_uncollected_requests_leave_no_sta
 
 
 EXIT_AFTER_CLOSE = """
-import worker.blas
-worker.blas.ensure_openblas()
-from worker.engine import EngineConfig, EngineCore, SamplingParams
-from worker.models import load_model
+import mlx_redis_worker.blas
+mlx_redis_worker.blas.ensure_openblas()
+from mlx_redis_worker.engine import EngineConfig, EngineCore, SamplingParams
+from mlx_redis_worker.models import load_model
 
 model, tokenizer = load_model("tiny")
 engine = EngineCore(model, tokenizer, EngineConfig())

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from mlx_redis_worker.engine import EngineCore, SamplingParams
+from mlx_redis_worker.models import load_model
 from tests.support.engines import PROMPTS, MakeEngine, collect
 from tests.support.waiting import run
-from worker.engine import EngineCore, SamplingParams
-from worker.models import load_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 SYSTEM = " ".join(PROMPTS)  # a long shared prefix

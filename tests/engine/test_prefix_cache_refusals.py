@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
+from mlx_redis_worker.engine import EngineCore, SamplingParams
+from mlx_redis_worker.engine.fingerprint import model_fingerprint
+from mlx_redis_worker.engine.prefix_cache import IncompatibleCacheError
+from mlx_redis_worker.models import load_model
 from tests.support import engines
 from tests.support.engines import PROMPTS, MakeEngine
-from worker.engine import EngineCore, SamplingParams
-from worker.engine.fingerprint import model_fingerprint
-from worker.engine.prefix_cache import IncompatibleCacheError
-from worker.models import load_model
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 

@@ -11,10 +11,10 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from mlx_redis_worker.engine import EngineCore, RequestOutput, SamplingParams
+from mlx_redis_worker.engine.prefix_cache import FULL, SHARED_PREFIX, PrefixCache
 from tests.support.engines import PROMPTS, MakeEngine, collect
 from tests.support.waiting import run
-from worker.engine import EngineCore, RequestOutput, SamplingParams
-from worker.engine.prefix_cache import FULL, SHARED_PREFIX, PrefixCache
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 

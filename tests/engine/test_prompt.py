@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from worker.engine.prompt import (
+from mlx_redis_worker.engine.prompt import (
     chat_prompt,
     encode_prompt,
     has_chat_template,

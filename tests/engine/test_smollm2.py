@@ -7,9 +7,9 @@ from typing import Any
 import mlx_lm
 import pytest
 
+from mlx_redis_worker.engine import SamplingParams
 from tests.support.engines import MakeEngine
 from tests.support.waiting import run
-from worker.engine import SamplingParams
 
 pytestmark = pytest.mark.smollm2
 

@@ -14,9 +14,9 @@ from typing import Any
 import jsonschema
 import pytest
 
+from mlx_redis_worker.engine import EngineCore, RequestOutput, ResponseFormat, SamplingParams
 from tests.support.engines import PROMPTS, MakeEngine
 from tests.support.waiting import run
-from worker.engine import EngineCore, RequestOutput, ResponseFormat, SamplingParams
 
 # Small schemas whose every match is a handful of tokens (enums, booleans, bounded integers,
 # bounded arrays, no free strings): even the tiny random model, greedy or sampling, ends each

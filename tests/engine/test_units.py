@@ -9,8 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.engines import detokenized
-from worker.engine import (
+from mlx_redis_worker.engine import (
     EngineConfig,
     RequestOutput,
     RequestOutputCollector,
@@ -18,7 +17,8 @@ from worker.engine import (
     SamplingParams,
     SchedulerConfig,
 )
-from worker.engine.text_stream import TextStream
+from mlx_redis_worker.engine.text_stream import TextStream
+from tests.support.engines import detokenized
 
 
 def _delta(text: str, ids: list[int], finished: bool = False) -> RequestOutput:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from mlx_redis_worker.local_redis import RedisServer
 from tests.support.gateway import GatewayFactory
 from tests.support.processes import WorkerFactory, WorkerProcess
-from worker.local_redis import RedisServer
 
 
 @dataclass

@@ -23,13 +23,13 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from protocol.sync_client import SyncClient
+from mlx_redis_protocol.sync_client import SyncClient
+from mlx_redis_worker.local_redis import free_port
 from tests.gateway.conftest import Fleet
 from tests.support.gateway import GatewayFactory, GatewayProcess
 from tests.support.processes import mlx_worker
 from tests.support.sse import RawRequest
 from tests.support.waiting import wait_until
-from worker.local_redis import free_port
 
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
 # A stream that runs far longer than any test holds it (the tiny model: ~100 tokens/s).

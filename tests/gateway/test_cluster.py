@@ -9,10 +9,10 @@ from pathlib import Path
 
 import openai
 
+from mlx_redis_worker.local_redis import LocalCluster
 from tests.support.gateway import GatewayFactory
 from tests.support.processes import WorkerFactory, mlx_worker
 from tests.support.sse import RawRequest
-from worker.local_redis import LocalCluster
 
 
 def test_streams_resume_limits_and_status_on_a_cluster(

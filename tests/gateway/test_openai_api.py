@@ -22,9 +22,9 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from protocol.client import Client
-from protocol.limits import DEFAULT_LIMITS
-from protocol.messages import DeltaEvent, DoneEvent, Event, QueuedEvent, TerminalEvent
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.limits import DEFAULT_LIMITS
+from mlx_redis_protocol.messages import DeltaEvent, DoneEvent, Event, QueuedEvent, TerminalEvent
 from tests.gateway.conftest import Fleet
 from tests.support.gateway import GatewayFactory, GatewayProcess
 from tests.support.schemas import SMALL_SCHEMA

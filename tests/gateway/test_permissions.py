@@ -13,7 +13,8 @@ import openai
 import pytest
 import redis
 
-from protocol.keys import Keys
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_worker.local_redis import free_port
 from tests.gateway.conftest import Fleet
 from tests.gateway.test_auth import add_key, key_name
 from tests.support.acl import (
@@ -26,7 +27,6 @@ from tests.support.acl import (
 from tests.support.gateway import GatewayProcess
 from tests.support.processes import mlx_worker
 from tests.support.waiting import wait_until
-from worker.local_redis import free_port
 
 
 @pytest.fixture

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from protocol.codec_job import MAX_SEED
-from protocol.limits import DEFAULT_LIMITS
-from protocol.messages import ChatMessage
-from worker.gateway.errors import ApiError
-from worker.gateway.openai_api import CompletionRequest, Kind, parse_request
+from mlx_redis_gateway.errors import ApiError
+from mlx_redis_gateway.openai_api import CompletionRequest, Kind, parse_request
+from mlx_redis_protocol.codec_job import MAX_SEED
+from mlx_redis_protocol.limits import DEFAULT_LIMITS
+from mlx_redis_protocol.messages import ChatMessage
 
 USER_HI: Any = [{"role": "user", "content": "hi"}]
 

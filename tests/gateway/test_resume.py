@@ -13,8 +13,8 @@ from typing import Any
 import openai
 import pytest
 
-from protocol.client import Client
-from protocol.messages import DoneEvent, Event, ResetEvent, TerminalEvent
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.messages import DoneEvent, Event, ResetEvent, TerminalEvent
 from tests.gateway.conftest import Fleet
 from tests.support.gateway import GatewayFactory, GatewayProcess
 from tests.support.processes import WorkerFactory, mlx_worker

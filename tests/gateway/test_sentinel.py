@@ -13,9 +13,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from mlx_redis_worker.local_redis import LocalSentinel
 from tests.support.gateway import GatewayFactory
 from tests.support.processes import WorkerFactory
-from worker.local_redis import LocalSentinel
 
 
 @pytest.mark.timeout(180)

@@ -12,7 +12,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.messages import (
+from mlx_redis_gateway.shaping import Chunk, Kind, ResponseShape, Shaper
+from mlx_redis_protocol.messages import (
     DeltaEvent,
     DoneEvent,
     ErrorEvent,
@@ -24,7 +25,6 @@ from protocol.messages import (
     UnknownEvent,
     Usage,
 )
-from worker.gateway.shaping import Chunk, Kind, ResponseShape, Shaper
 
 REQUEST_ID = "chatcmpl-0123456789abcdef"
 CREATED = 1_700_000_000

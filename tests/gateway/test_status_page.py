@@ -19,15 +19,15 @@ import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 from playwright.sync_api import Error as PlaywrightError
 
-from protocol.activity import RequestActivity
-from protocol.catalogue import DefaultStreamStatus, ModelStatus, QueueStatus
-from protocol.catalogue import Fleet as Catalogue
-from protocol.heartbeat import Heartbeat, ServedModel
+from mlx_redis_gateway.fleet_status import DeadLetter, FleetStatus, RunningRequest
+from mlx_redis_gateway.status_page import render_fragment, render_page
+from mlx_redis_protocol.activity import RequestActivity
+from mlx_redis_protocol.catalogue import DefaultStreamStatus, ModelStatus, QueueStatus
+from mlx_redis_protocol.catalogue import Fleet as Catalogue
+from mlx_redis_protocol.heartbeat import Heartbeat, ServedModel
 from tests.gateway.conftest import Fleet
 from tests.support.gateway import GatewayFactory
 from tests.support.processes import mlx_worker
-from worker.gateway.fleet_status import DeadLetter, FleetStatus, RunningRequest
-from worker.gateway.status_page import render_fragment, render_page
 
 # Where a browser is looked for: $CHROMIUM first, then the names apt and Homebrew install.
 BROWSERS = (

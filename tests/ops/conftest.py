@@ -4,7 +4,7 @@ redis-server and key prefixes are tests/conftest.py's)."""
 from __future__ import annotations
 
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
-import worker  # noqa: F401  # isort: skip
+import mlx_redis_worker  # noqa: F401  # isort: skip
 
 from pathlib import Path
 

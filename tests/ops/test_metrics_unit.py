@@ -10,8 +10,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from protocol.messages import Usage
-from worker.daemon.metrics import Metrics, MetricSources
+from mlx_redis_protocol.messages import Usage
+from mlx_redis_worker.daemon.metrics import Metrics, MetricSources
 
 
 class FakeEngine:

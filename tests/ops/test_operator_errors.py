@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from mlx_redis_worker.local_redis import free_port
 from tests.support.processes import WorkerProcess, mlx_worker
-from worker.local_redis import free_port
 
 # A password that must never show up in any output.
 SECRET = "hunter2-secret"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.daemon.settings import load_settings
+from mlx_redis_worker.daemon.settings import load_settings
 
 URL = "redis://:s3cret@redis.internal:6380/2"
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from protocol.client import Client
-from protocol.messages import DeltaEvent, DoneEvent, Event
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.messages import DeltaEvent, DoneEvent, Event
+from mlx_redis_worker.local_redis import RedisServer, free_port
 from tests.ops.helpers import NotifySocket, scrape, service_worker
 from tests.support.processes import MODEL, READY_TIMEOUT
 from tests.support.waiting import wait_until
-from worker.local_redis import RedisServer, free_port
 
 
 @pytest.mark.timeout(120)

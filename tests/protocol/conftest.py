@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.keys import Keys
+from mlx_redis_protocol.keys import Keys
 
 
 @pytest.fixture

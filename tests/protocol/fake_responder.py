@@ -7,9 +7,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from protocol.codec_control import decode_command, encode_reply
-from protocol.keys import Keys
-from protocol.messages import ControlCommand, ControlReply, ErrorInfo
+from mlx_redis_protocol.codec_control import decode_command, encode_reply
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.messages import ControlCommand, ControlReply, ErrorInfo
 
 
 class FakeResponder:
@@ -33,7 +33,7 @@ class FakeResponder:
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         # Stopped by a flag, not by cancel(): on Python 3.11 a cancel can be lost inside
-        # redis-py (see protocol/connection.py) and the loop would run on.
+        # redis-py (see protocol/mlx_redis_protocol/connection.py) and the loop would run on.
         self._stop = asyncio.Event()
 
     async def __aenter__(self) -> FakeResponder:

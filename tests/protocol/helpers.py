@@ -9,10 +9,10 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from protocol.codec_events import encode_event
-from protocol.constants import JOB_FIELD, LOG_EVENT_FIELD, LOG_SEQ_FIELD
-from protocol.keys import Keys
-from protocol.messages import (
+from mlx_redis_protocol.codec_events import encode_event
+from mlx_redis_protocol.constants import JOB_FIELD, LOG_EVENT_FIELD, LOG_SEQ_FIELD
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.messages import (
     DeltaEvent,
     DoneEvent,
     ErrorEvent,
@@ -21,7 +21,7 @@ from protocol.messages import (
     ResetEvent,
     Usage,
 )
-from protocol.replay_log import Outcome, begin_attempt, publish_events
+from mlx_redis_protocol.replay_log import Outcome, begin_attempt, publish_events
 
 
 def delta(request_id: str, seq: int, text: str, attempt: int = 1) -> DeltaEvent:

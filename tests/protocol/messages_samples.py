@@ -5,10 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from protocol.codec_control import decode_command, decode_reply, encode_command, encode_reply
-from protocol.codec_events import decode_event, encode_event
-from protocol.codec_job import decode_job, encode_job
-from protocol.messages import (
+from mlx_redis_protocol.codec_control import (
+    decode_command,
+    decode_reply,
+    encode_command,
+    encode_reply,
+)
+from mlx_redis_protocol.codec_events import decode_event, encode_event
+from mlx_redis_protocol.codec_job import decode_job, encode_job
+from mlx_redis_protocol.messages import (
     ChatMessage,
     ControlCommand,
     ControlReply,

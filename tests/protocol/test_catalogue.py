@@ -1,5 +1,6 @@
-"""The fleet's catalogue (protocol/catalogue.py) and `mlx-worker models`, against a real
-redis-server and a real Cluster, with hand-written heartbeats and streams: no worker runs."""
+"""The fleet's catalogue (protocol/mlx_redis_protocol/catalogue.py) and `mlx-worker models`,
+against a real redis-server and a real Cluster, with hand-written heartbeats and streams: no worker
+runs."""
 
 from __future__ import annotations
 
@@ -10,19 +11,19 @@ from collections.abc import Mapping
 import pytest
 from redis.crc import key_slot
 
-from protocol.catalogue import (
+from mlx_redis_protocol.catalogue import (
     fleet_models,
     job_streams,
     live_heartbeats,
     model_streams,
     served_models,
 )
-from protocol.cli import main
-from protocol.connection import RedisClient, connect
-from protocol.heartbeat import Heartbeat, ServedModel
-from protocol.keys import JobStream, Keys
+from mlx_redis_protocol.cli import main
+from mlx_redis_protocol.connection import RedisClient, connect
+from mlx_redis_protocol.heartbeat import Heartbeat, ServedModel
+from mlx_redis_protocol.keys import JobStream, Keys
+from mlx_redis_worker.local_redis import LocalCluster, free_port
 from tests.support.waiting import run
-from worker.local_redis import LocalCluster, free_port
 
 
 def beat(

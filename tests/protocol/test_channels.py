@@ -7,10 +7,10 @@ import contextlib
 
 from redis.asyncio import Redis
 
-from protocol.channels import MISSED, ChannelHub, Inbox
-from protocol.connection import RedisClient, connect, publish
+from mlx_redis_protocol.channels import MISSED, ChannelHub, Inbox
+from mlx_redis_protocol.connection import RedisClient, connect, publish
+from mlx_redis_worker.local_redis import LocalCluster, RedisServer
 from tests.support.waiting import run, until
-from worker.local_redis import LocalCluster, RedisServer
 
 
 async def _subscribers(admin: Redis, channel: str, sharded: bool = False) -> int:

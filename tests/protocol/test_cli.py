@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from protocol.cli import main
-from protocol.codec_job import decode_job
-from protocol.keys import Keys
-from protocol.messages import Event, Job
+from mlx_redis_protocol.cli import main
+from mlx_redis_protocol.codec_job import decode_job
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.messages import Event, Job
+from mlx_redis_worker.local_redis import RedisServer, free_port
 from tests.protocol.background import Background
 from tests.protocol.fake_responder import FakeResponder
 from tests.protocol.helpers import delta, done, emit, error, reset, text_events, wait_for_job
 from tests.support.processes import WorkerFactory
-from worker.local_redis import RedisServer, free_port
 
 Script = Callable[[Job], list[Event]]
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -307,7 +307,15 @@ def test_ctl_without_workers(
 
 def test_module_entry_point(redis_url: str, keys: Keys) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "protocol.cli", "stream", "nope", "--redis-url", redis_url],
+        [
+            sys.executable,
+            "-m",
+            "mlx_redis_protocol.cli",
+            "stream",
+            "nope",
+            "--redis-url",
+            redis_url,
+        ],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -14,18 +14,18 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from redis.asyncio import Redis
 
-from protocol import client as client_module
-from protocol.cli import main
-from protocol.client import Client
-from protocol.codec_control import decode_command, encode_reply
-from protocol.codec_job import decode_job
-from protocol.connection import RedisClient
-from protocol.constants import JOB_FIELD
-from protocol.errors import ControlTimeout, ProtocolError
-from protocol.heartbeat import Heartbeat, ServedModel
-from protocol.keys import JobStream, Keys
-from protocol.messages import ControlCommand, ControlReply, ErrorEvent, QueuedEvent
-from protocol.sync_client import SyncClient
+from mlx_redis_protocol import client as client_module
+from mlx_redis_protocol.cli import main
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.codec_control import decode_command, encode_reply
+from mlx_redis_protocol.codec_job import decode_job
+from mlx_redis_protocol.connection import RedisClient
+from mlx_redis_protocol.constants import JOB_FIELD
+from mlx_redis_protocol.errors import ControlTimeout, ProtocolError
+from mlx_redis_protocol.heartbeat import Heartbeat, ServedModel
+from mlx_redis_protocol.keys import JobStream, Keys
+from mlx_redis_protocol.messages import ControlCommand, ControlReply, ErrorEvent, QueuedEvent
+from mlx_redis_protocol.sync_client import SyncClient
 from tests.protocol.background import Background
 from tests.support.waiting import run
 

@@ -13,13 +13,13 @@ from contextlib import aclosing
 import pytest
 from redis.asyncio import Redis
 
-from protocol.client import Client
-from protocol.errors import RedisUnavailable, StreamTimeout
-from protocol.keys import Keys
-from protocol.messages import Event
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.errors import RedisUnavailable, StreamTimeout
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.messages import Event
+from mlx_redis_worker.local_redis import RedisServer
 from tests.protocol.helpers import delta, done, emit
 from tests.support.waiting import run
-from worker.local_redis import RedisServer
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def test_redis_gone_for_good_ends_streams_and_submits_with_documented_errors(
 def test_the_cli_reports_an_unreachable_redis_in_one_line_with_exit_2() -> None:
     server = RedisServer()  # a free port nobody listens on: the server is never started
     completed = subprocess.run(
-        [sys.executable, "-m", "protocol.cli", "stream", "r1", "--redis-url", server.url],
+        [sys.executable, "-m", "mlx_redis_protocol.cli", "stream", "r1", "--redis-url", server.url],
         capture_output=True,
         text=True,
         timeout=60,

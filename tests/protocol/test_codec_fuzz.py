@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import ProtocolError
-from protocol.messages import ControlCommand, ControlReply, EventBase, Job
+from mlx_redis_protocol.errors import ProtocolError
+from mlx_redis_protocol.messages import ControlCommand, ControlReply, EventBase, Job
 from tests.protocol.messages_samples import DECODERS, KINDS
 
 Decoder = Callable[..., Any]

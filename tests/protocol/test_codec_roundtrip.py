@@ -7,12 +7,12 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import pytest
 
-from protocol.codec_control import decode_command, decode_reply
-from protocol.codec_events import decode_event
-from protocol.codec_job import decode_job, encode_job
-from protocol.errors import ERROR_CODES, ProtocolError
-from protocol.limits import Limits
-from protocol.messages import Job
+from mlx_redis_protocol.codec_control import decode_command, decode_reply
+from mlx_redis_protocol.codec_events import decode_event
+from mlx_redis_protocol.codec_job import decode_job, encode_job
+from mlx_redis_protocol.errors import ERROR_CODES, ProtocolError
+from mlx_redis_protocol.limits import Limits
+from mlx_redis_protocol.messages import Job
 from tests.protocol.messages_samples import KINDS
 
 SAMPLES = [

@@ -19,7 +19,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protocol.connection import (
+from mlx_redis_protocol.connection import (
     SentinelAddress,
     UnsupportedRedis,
     connect,
@@ -27,9 +27,9 @@ from protocol.connection import (
     parse_sentinel_url,
     redact,
 )
-from protocol.errors import RedisUnavailable, RequestNotFound, StreamTimeout
+from mlx_redis_protocol.errors import RedisUnavailable, RequestNotFound, StreamTimeout
+from mlx_redis_worker.local_redis import free_port
 from tests.support.waiting import run
-from worker.local_redis import free_port
 
 
 def test_sentinel_urls_name_every_sentinel_the_service_and_the_database() -> None:

@@ -7,10 +7,10 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from protocol.client import Client
-from protocol.control import longest_block
-from protocol.errors import ControlTimeout
-from protocol.messages import ControlReply
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.control import longest_block
+from mlx_redis_protocol.errors import ControlTimeout
+from mlx_redis_protocol.messages import ControlReply
 from tests.protocol.fake_responder import FakeResponder
 from tests.support.waiting import run
 

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from protocol.cli import main
-from protocol.connection import RedisClient, connect
-from protocol.group import list_all_consumers, prune
-from protocol.keys import JobStream, Keys
+from mlx_redis_protocol.cli import main
+from mlx_redis_protocol.connection import RedisClient, connect
+from mlx_redis_protocol.group import list_all_consumers, prune
+from mlx_redis_protocol.keys import JobStream, Keys
+from mlx_redis_worker.local_redis import LocalCluster
 from tests.support.waiting import run
-from worker.local_redis import LocalCluster
 
 
 def group_cli(url: str, prefix: str, *args: str) -> int:

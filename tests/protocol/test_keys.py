@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from redis.crc import key_slot
 
-from protocol.identifiers import is_valid_cache_name, is_valid_id
-from protocol.keys import Keys
+from mlx_redis_protocol.identifiers import is_valid_cache_name, is_valid_id
+from mlx_redis_protocol.keys import Keys
 
 
 def test_layout_under_the_default_prefix() -> None:

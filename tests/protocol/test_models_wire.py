@@ -10,12 +10,12 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 from redis.crc import key_slot
 
-from protocol.codec_control import decode_command, encode_command
-from protocol.codec_job import decode_job, encode_job, readable_model, readable_request_id
-from protocol.errors import ERROR_CODES, ProtocolError
-from protocol.heartbeat import Heartbeat, ServedModel, decode_heartbeat
-from protocol.keys import JobStream, Keys
-from protocol.messages import ControlCommand, Job
+from mlx_redis_protocol.codec_control import decode_command, encode_command
+from mlx_redis_protocol.codec_job import decode_job, encode_job, readable_model, readable_request_id
+from mlx_redis_protocol.errors import ERROR_CODES, ProtocolError
+from mlx_redis_protocol.heartbeat import Heartbeat, ServedModel, decode_heartbeat
+from mlx_redis_protocol.keys import JobStream, Keys
+from mlx_redis_protocol.messages import ControlCommand, Job
 
 
 def test_model_stream_names_and_slots() -> None:

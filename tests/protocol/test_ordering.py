@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import StreamRewritten
-from protocol.messages import Event, QueuedEvent
-from protocol.ordering import EventOrdering
+from mlx_redis_protocol.errors import StreamRewritten
+from mlx_redis_protocol.messages import Event, QueuedEvent
+from mlx_redis_protocol.ordering import EventOrdering
 from tests.protocol.helpers import delta, done, reset
 
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.codec_job import decode_job, readable_request_id
-from protocol.errors import ProtocolError
-from protocol.limits import DEFAULT_LIMITS
-from protocol.wire import top_level_strings
+from mlx_redis_protocol.codec_job import decode_job, readable_request_id
+from mlx_redis_protocol.errors import ProtocolError
+from mlx_redis_protocol.limits import DEFAULT_LIMITS
+from mlx_redis_protocol.wire import top_level_strings
 
 junk_values = st.recursive(
     st.none()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from worker.local_redis import RedisServer
+from mlx_redis_worker.local_redis import RedisServer
 
 
 def test_restart_with_appendonly_keeps_data() -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from protocol import replay_log
-from protocol.codec_events import decode_event, encode_event
-from protocol.keys import Keys
-from protocol.replay_log import (
+from mlx_redis_protocol import replay_log
+from mlx_redis_protocol.codec_events import decode_event, encode_event
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.replay_log import (
     FINISHED,
     PUBLISH_EVENTS,
     STALE_ATTEMPT,

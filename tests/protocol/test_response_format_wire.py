@@ -8,12 +8,12 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import pytest
 
-from protocol.client import build_job
-from protocol.codec_events import decode_event, encode_event
-from protocol.codec_job import decode_job, encode_job
-from protocol.errors import ProtocolError
-from protocol.limits import DEFAULT_LIMITS, Limits
-from protocol.messages import DoneEvent, Job, Usage
+from mlx_redis_protocol.client import build_job
+from mlx_redis_protocol.codec_events import decode_event, encode_event
+from mlx_redis_protocol.codec_job import decode_job, encode_job
+from mlx_redis_protocol.errors import ProtocolError
+from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
+from mlx_redis_protocol.messages import DoneEvent, Job, Usage
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -8,14 +8,14 @@ from typing import Any
 
 import redis
 
-from protocol.connection import connect
-from protocol.group import remove_idle_consumer
-from protocol.keys import Keys
-from protocol.lua import run_script, run_script_each
-from protocol.replay_log import Outcome, begin_attempt, publish_events, read_log
+from mlx_redis_protocol.connection import connect
+from mlx_redis_protocol.group import remove_idle_consumer
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.lua import run_script, run_script_each
+from mlx_redis_protocol.replay_log import Outcome, begin_attempt, publish_events, read_log
+from mlx_redis_worker.local_redis import LocalCluster, RedisServer
 from tests.protocol.helpers import begin, delta, done, emit, run_of
 from tests.support.waiting import run
-from worker.local_redis import LocalCluster, RedisServer
 
 # Enough requests for their hash slots to land on every node of a 3-master Cluster.
 REQUESTS = [f"req-{i}" for i in range(12)]

@@ -10,11 +10,11 @@ from contextlib import aclosing
 import pytest
 from redis.asyncio import Redis
 
-from protocol.client import Client
-from protocol.errors import RequestNotFound, StreamTimeout
-from protocol.keys import Keys
-from protocol.messages import DoneEvent, Event, QueuedEvent, ResetEvent
-from protocol.replay_log import last_seq
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.errors import RequestNotFound, StreamTimeout
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.messages import DoneEvent, Event, QueuedEvent, ResetEvent
+from mlx_redis_protocol.replay_log import last_seq
 from tests.protocol.helpers import (
     append_only,
     delta,

@@ -6,10 +6,10 @@ import asyncio
 
 from redis.asyncio import Redis
 
-from protocol.codec_job import decode_job
-from protocol.keys import Keys
-from protocol.messages import DeltaEvent, DoneEvent, QueuedEvent
-from protocol.sync_client import SyncClient
+from mlx_redis_protocol.codec_job import decode_job
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.messages import DeltaEvent, DoneEvent, QueuedEvent
+from mlx_redis_protocol.sync_client import SyncClient
 from tests.protocol.background import Background
 from tests.protocol.fake_responder import FakeResponder
 from tests.protocol.helpers import emit, text_events, wait_for_job

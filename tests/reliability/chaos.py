@@ -14,7 +14,7 @@ greedy text with a direct engine run of the same prompt.
 from __future__ import annotations
 
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
-import worker  # noqa: F401  # isort: skip
+import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import base64
 import json
@@ -30,10 +30,11 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import redis
 
-from protocol.codec_job import decode_job, encode_job
-from protocol.errors import ProtocolError
-from protocol.keys import Keys
-from protocol.messages import DoneEvent, ErrorEvent, Job
+from mlx_redis_protocol.codec_job import decode_job, encode_job
+from mlx_redis_protocol.errors import ProtocolError
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.messages import DoneEvent, ErrorEvent, Job
+from mlx_redis_worker.local_redis import RedisServer
 from tests.reliability.streams import (
     check_log,
     dead_letters,
@@ -53,7 +54,6 @@ from tests.support.drivers import (
 from tests.support.processes import WorkerProcess
 from tests.support.prompts import random_prompts
 from tests.support.references import tiny_reference
-from worker.local_redis import RedisServer
 
 AOF = ("--appendonly", "yes", "--appendfsync", "always")
 

@@ -14,13 +14,13 @@ import msgpack  # type: ignore[import-untyped]
 import redis
 from redis.sentinel import Sentinel
 
-from protocol.codec_events import decode_event
-from protocol.codec_job import decode_job, encode_job
-from protocol.connection import SENTINEL_SCHEME, parse_sentinel_url
-from protocol.constants import LOG_EVENT_FIELD
-from protocol.errors import ProtocolError
-from protocol.keys import Keys
-from protocol.messages import DoneEvent, ErrorEvent, Event, Job, ResetEvent
+from mlx_redis_protocol.codec_events import decode_event
+from mlx_redis_protocol.codec_job import decode_job, encode_job
+from mlx_redis_protocol.connection import SENTINEL_SCHEME, parse_sentinel_url
+from mlx_redis_protocol.constants import LOG_EVENT_FIELD
+from mlx_redis_protocol.errors import ProtocolError
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.messages import DoneEvent, ErrorEvent, Event, Job, ResetEvent
 from tests.reliability.streams import (
     Followed,
     LogCheck,

@@ -9,7 +9,7 @@ jobs run (an async callable given the Client and the progress so far); everythin
 from __future__ import annotations
 
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
-import worker  # noqa: F401  # isort: skip
+import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import asyncio
 import contextlib
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from protocol.client import Client
-from protocol.control import count_live_workers
-from protocol.errors import ClientError
-from protocol.keys import Keys
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.control import count_live_workers
+from mlx_redis_protocol.errors import ClientError
+from mlx_redis_protocol.keys import Keys
 from tests.reliability.faults_checks import JobSpec, Tally, admin_redis, verify
 from tests.reliability.streams import CONNECTION_ERRORS, Followed, follow, submit_raw
 from tests.support.drivers import DriverResult

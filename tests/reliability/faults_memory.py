@@ -4,7 +4,7 @@ worker refusing a Redis that may evict its keys."""
 from __future__ import annotations
 
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
-import worker  # noqa: F401  # isort: skip
+import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import asyncio
 import time
@@ -14,7 +14,8 @@ from typing import Any
 import redis
 from redis.exceptions import OutOfMemoryError
 
-from protocol.client import Client
+from mlx_redis_protocol.client import Client
+from mlx_redis_worker.local_redis import RedisServer
 from tests.reliability.faults_harness import Progress, run_stage
 from tests.reliability.faults_scenarios import (
     FaultConfig,
@@ -25,7 +26,6 @@ from tests.reliability.faults_scenarios import (
 from tests.reliability.workers import worker_process
 from tests.support.drivers import DriverResult
 from tests.support.processes import mlx_worker
-from worker.local_redis import RedisServer
 
 MIB = 1024 * 1024
 FILLER_BYTES = 64 * 1024

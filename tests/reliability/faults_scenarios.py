@@ -4,7 +4,7 @@ Each is a Redis set-up, workers and a fault, run through ``faults_harness.run_st
 from __future__ import annotations
 
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
-import worker  # noqa: F401  # isort: skip
+import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import asyncio
 import contextlib
@@ -21,7 +21,8 @@ from typing import Any
 import redis
 from redis.crc import key_slot
 
-from protocol.client import Client
+from mlx_redis_protocol.client import Client
+from mlx_redis_worker.local_redis import LocalCluster, LocalSentinel, RedisServer
 from tests.reliability.faults_checks import JobSpec, invalid_specs, valid_specs
 from tests.reliability.faults_harness import (
     Progress,
@@ -35,7 +36,6 @@ from tests.support.drivers import DriverResult, work_directory
 from tests.support.processes import WorkerProcess, mlx_worker
 from tests.support.prompts import random_prompts
 from tests.support.references import tiny_reference
-from worker.local_redis import LocalCluster, LocalSentinel, RedisServer
 
 
 @dataclass

@@ -16,7 +16,7 @@ bounded memory, and the valid jobs must come out with the greedy text of a direc
 from __future__ import annotations
 
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
-import worker  # noqa: F401  # isort: skip
+import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import asyncio
 import random
@@ -29,9 +29,10 @@ from typing import Any
 
 import redis
 
-from protocol.client import Client
-from protocol.keys import Keys
-from protocol.messages import DoneEvent, ErrorEvent
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.messages import DoneEvent, ErrorEvent
+from mlx_redis_worker.local_redis import RedisServer
 from tests.reliability.hostile_entries import MIB, Entry, Generator, pack
 from tests.reliability.streams import (
     check_log,
@@ -53,7 +54,6 @@ from tests.support.events import terminal_summary
 from tests.support.processes import MODEL, WorkerProcess
 from tests.support.prompts import random_prompts
 from tests.support.references import tiny_reference
-from worker.local_redis import RedisServer
 
 
 @dataclass

@@ -11,10 +11,10 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
-from protocol.codec_job import decode_job, encode_job
-from protocol.constants import JOB_FIELD
-from protocol.errors import ProtocolError
-from protocol.messages import Job
+from mlx_redis_protocol.codec_job import decode_job, encode_job
+from mlx_redis_protocol.constants import JOB_FIELD
+from mlx_redis_protocol.errors import ProtocolError
+from mlx_redis_protocol.messages import Job
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protocol.client import Client
-from protocol.messages import DoneEvent
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.messages import DoneEvent
 from tests.reliability.streams import Followed, follow, submit_raw
 from tests.support.events import terminal_summary, text_after_last_reset
 

@@ -14,7 +14,7 @@ end; growth after warm-up must stay under 5 %. At the end no per-request state m
 from __future__ import annotations
 
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
-import worker  # noqa: F401  # isort: skip
+import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import asyncio
 import random
@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from protocol.client import Client
-from protocol.messages import DoneEvent
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.messages import DoneEvent
+from mlx_redis_worker.local_redis import RedisServer
 from tests.reliability.workers import worker_process
 from tests.support.drivers import (
     DriverResult,
@@ -36,7 +37,6 @@ from tests.support.drivers import (
 )
 from tests.support.processes import WorkerProcess
 from tests.support.prompts import random_prompts
-from worker.local_redis import RedisServer
 
 MIB = 1024 * 1024
 

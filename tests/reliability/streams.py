@@ -19,13 +19,13 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from protocol.client import Client
-from protocol.codec_events import decode_event
-from protocol.constants import JOB_FIELD, LOG_EVENT_FIELD, LOG_SEQ_FIELD
-from protocol.errors import ClientError, ProtocolError, RequestNotFound, StreamRewritten
-from protocol.keys import Keys
-from protocol.messages import DeltaEvent, DoneEvent, Event, QueuedEvent, ResetEvent
-from protocol.replay_log import publish_events
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.codec_events import decode_event
+from mlx_redis_protocol.constants import JOB_FIELD, LOG_EVENT_FIELD, LOG_SEQ_FIELD
+from mlx_redis_protocol.errors import ClientError, ProtocolError, RequestNotFound, StreamRewritten
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.messages import DeltaEvent, DoneEvent, Event, QueuedEvent, ResetEvent
+from mlx_redis_protocol.replay_log import publish_events
 from tests.support.events import text_after_last_reset
 from tests.support.processes import MODEL
 

@@ -14,7 +14,7 @@ connection Redis kills mid-stream (CLIENT KILL). The two that reconnect must get
 from __future__ import annotations
 
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
-import worker  # noqa: F401  # isort: skip
+import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import asyncio
 import socket
@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol.client import Client
-from protocol.messages import DoneEvent
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.messages import DoneEvent
+from mlx_redis_worker.local_redis import RedisServer
 from tests.reliability.streams import Followed, follow
 from tests.reliability.workers import worker_process
 from tests.support.drivers import (
@@ -39,7 +40,6 @@ from tests.support.drivers import (
 from tests.support.events import text_after_last_reset
 from tests.support.prompts import random_prompts
 from tests.support.references import tiny_reference
-from worker.local_redis import RedisServer
 
 # Small pub/sub output-buffer limits so Redis drops the slow subscribers during the run.
 BUFFER_LIMIT = ("--client-output-buffer-limit", "pubsub 32kb 8kb 1")

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from mlx_redis_worker.local_redis import LocalCluster, LocalSentinel
 from tests.reliability.faults import config_for, run_scenario
 from tests.support.drivers import DriverResult
-from worker.local_redis import LocalCluster, LocalSentinel
 
 
 def _run(scenario: str, tmp_path: Path, **topology: object) -> DriverResult:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from protocol.client import Client
-from protocol.messages import DoneEvent
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.messages import DoneEvent
+from mlx_redis_worker.local_redis import RedisServer
 from tests.reliability.hostile import HostileConfig, run_hostile
 from tests.reliability.workers import worker_process
 from tests.support.references import tiny_reference
-from worker.local_redis import RedisServer
 
 MIB = 1024 * 1024
 

@@ -15,16 +15,16 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 import redis
 
-from protocol.client import Client
-from protocol.codec_events import decode_event
-from protocol.errors import ProtocolError
-from protocol.keys import Keys
-from protocol.messages import DoneEvent, ErrorEvent
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.codec_events import decode_event
+from mlx_redis_protocol.errors import ProtocolError
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.messages import DoneEvent, ErrorEvent
+from mlx_redis_worker.local_redis import RedisServer, free_port
 from tests.reliability.workers import worker_process
 from tests.support.processes import MODEL, mlx_worker
 from tests.support.prompts import random_prompts
 from tests.support.references import tiny_reference
-from worker.local_redis import RedisServer, free_port
 
 PASSWORD = "s3cret-pw"
 ADMIN = ("--user", "admin", "on", ">admin-pw", "~*", "&*", "+@all")

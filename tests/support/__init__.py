@@ -12,5 +12,5 @@ keeping their own copies.
 - ``sse``: a raw HTTP client for the gateway: SSE messages with their ids, a TCP connection
   dropped at will (mid-stream or before the answer).
 
-Redis servers, Clusters and Sentinels come from ``worker.local_redis``.
+Redis servers, Clusters and Sentinels come from ``mlx_redis_worker.local_redis``.
 """

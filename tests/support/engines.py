@@ -7,7 +7,13 @@ from typing import Any
 
 import mlx_lm
 
-from worker.engine import EngineConfig, EngineCore, RequestOutput, SamplingParams, SchedulerConfig
+from mlx_redis_worker.engine import (
+    EngineConfig,
+    EngineCore,
+    RequestOutput,
+    SamplingParams,
+    SchedulerConfig,
+)
 
 # Short prompts of different lengths, so that a batch of them needs padding.
 PROMPTS = [

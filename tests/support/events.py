@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, Event, ResetEvent
+from mlx_redis_protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, Event, ResetEvent
 
 
 def text_after_last_reset(events: Sequence[Event]) -> str:

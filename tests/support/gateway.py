@@ -10,10 +10,10 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from mlx_redis_worker.local_redis import free_port
 from tests.support.environment import clean_environment
 from tests.support.processes import WORKER_COMMAND
 from tests.support.waiting import wait_until
-from worker.local_redis import free_port
 
 
 class GatewayProcess:

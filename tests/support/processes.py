@@ -20,14 +20,16 @@ from typing import Any
 import redis
 from redis.exceptions import MovedError, RedisError
 
-from protocol.keys import Keys
+from mlx_redis_protocol.keys import Keys
 from tests.support.environment import FAST_ENV, clean_environment
 from tests.support.waiting import wait_until
 
 # The console script a service manager runs (ExecStart, ProgramArguments); `python -m
-# worker.cli` where the venv has none.
+# mlx_redis_worker.cli` where the venv has none.
 _SCRIPT = Path(sys.executable).with_name("mlx-worker")
-WORKER_COMMAND = (str(_SCRIPT),) if _SCRIPT.exists() else (sys.executable, "-m", "worker.cli")
+WORKER_COMMAND = (
+    (str(_SCRIPT),) if _SCRIPT.exists() else (sys.executable, "-m", "mlx_redis_worker.cli")
+)
 
 # The model test workers serve (its fleet name too): jobs naming no model run on it, from its
 # stream (``keys.model_stream(MODEL)``), where its dead letters go as well.

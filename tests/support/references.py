@@ -4,14 +4,14 @@ worker's greedy output must equal."""
 from __future__ import annotations
 
 # `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
-import worker  # noqa: F401  # isort: skip
+import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import functools
 from collections.abc import Sequence
 from typing import Any
 
-from worker.engine import EngineCore, RequestOutput, SamplingParams
-from worker.models import load_model
+from mlx_redis_worker.engine import EngineCore, RequestOutput, SamplingParams
+from mlx_redis_worker.models import load_model
 
 
 class GreedyReference:

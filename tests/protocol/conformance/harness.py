@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from mlx_redis_worker.local_redis import RedisServer
 from tests.protocol.conformance.raw import LogEntry, Wire, new_id
 from tests.support.processes import WorkerFactory, WorkerProcess
-from worker.local_redis import RedisServer
 
 # Long enough that a job is still generating when a test acts on it (the tiny model makes
 # tens of tokens a second here); every such test stops the job itself.

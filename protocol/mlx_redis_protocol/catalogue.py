@@ -1,0 +1,267 @@
+"""The fleet's catalogue: which models live workers serve, and how each model's queue stands.
+
+Read from what the fleet already writes, nothing more: the workers' heartbeat keys (each
+advertises its models and their free slots, see `mlx_redis_protocol.heartbeat`) and the job streams
+(the default one, ``mlxw:jobs``, and one per model, ``mlxw:jobs:{MODEL}``). On a Redis Cluster
+the keys spread over the nodes: SCAN visits every master (redis-py's cluster ``scan_iter``
+does) and the reads go out as one pipeline, split by node.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from mlx_redis_protocol.connection import RedisClient, as_text
+from mlx_redis_protocol.heartbeat import Heartbeat, decode_heartbeat
+from mlx_redis_protocol.identifiers import is_valid_id
+from mlx_redis_protocol.keys import JobStream, Keys
+
+# Keys asked for per SCAN call: fewer round trips over a large keyspace (replay logs).
+_SCAN_COUNT = 1000
+
+
+async def heartbeat_keys(redis: RedisClient, keys: Keys) -> list[str]:
+    """The key of every live worker's heartbeat (SCAN of every node), sorted."""
+    return sorted({as_text(key) async for key in redis.scan_iter(keys.worker_pattern, _SCAN_COUNT)})
+
+
+async def live_heartbeats(redis: RedisClient, keys: Keys) -> list[Heartbeat]:
+    """Every live worker's heartbeat, by worker id; values that do not decode are left out."""
+    names = await heartbeat_keys(redis, keys)
+    if not names:
+        return []
+    # One round trip (one per node on a Cluster, where the keys are on different slots).
+    async with redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.get(name)
+        values = await pipe.execute()
+    beats = [decode_heartbeat(value) for value in values]
+    return sorted((beat for beat in beats if beat is not None), key=lambda b: b.worker_id)
+
+
+async def served_models(redis: RedisClient, keys: Keys) -> set[str]:
+    """The models live workers advertise in their heartbeats."""
+    return {model for beat in await live_heartbeats(redis, keys) for model in beat.models}
+
+
+async def model_streams(redis: RedisClient, keys: Keys) -> list[JobStream]:
+    """Every model's job stream that exists, by model name (SCAN of every node)."""
+    models: set[str] = set()
+    async for key in redis.scan_iter(keys.model_stream_pattern, _SCAN_COUNT, _type="stream"):
+        model = keys.model_of_stream(as_text(key))
+        if model is not None:
+            models.add(model)
+    return [keys.model_stream(model) for model in sorted(models)]
+
+
+async def job_streams(redis: RedisClient, keys: Keys) -> list[JobStream]:
+    """The default job stream, then every model's that exists."""
+    return [keys.default_stream, *await model_streams(redis, keys)]
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatus:
+    """One job stream and its group, as Redis sees them. A stream or group that does not
+    exist reads as empty: zero counts, no lag, nothing pending."""
+
+    stream: str
+    length: int  # XLEN: entries not yet delivered plus those pending (workers delete on ack)
+    lag: int | None  # entries not yet delivered to the group; None: unknown (or no group)
+    pending: int  # delivered to a worker, not yet acknowledged
+    oldest_pending_seconds: float | None  # age of the oldest pending entry's id; None: none
+    dead_letters: int  # XLEN of the stream's dead-letter stream
+    group: bool  # whether the consumer group exists
+
+    def as_dict(self) -> dict[str, Any]:
+        oldest = self.oldest_pending_seconds
+        return {
+            "stream": self.stream,
+            "length": self.length,
+            "lag": self.lag,
+            "pending": self.pending,
+            "oldest_pending_seconds": round(oldest, 3) if oldest is not None else None,
+            "dead_letters": self.dead_letters,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatus:
+    """One model of the fleet: the live workers serving it, their slots, its queue."""
+
+    model: str
+    workers: tuple[str, ...]  # ids of live workers that serve it
+    free_slots: int  # summed over those workers
+    max_concurrency: int  # summed over those workers
+    queue: QueueStatus
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "workers": list(self.workers),
+            "free_slots": self.free_slots,
+            "max_concurrency": self.max_concurrency,
+            **self.queue.as_dict(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class DefaultStreamStatus:
+    """The default stream (jobs that name no model), and where its jobs go: each live worker
+    forwards them to its default model's stream. ``default_models`` counts the live workers
+    per default model (more than one key: the workers disagree); ``old_workers`` are live
+    workers whose heartbeat advertises no models (an older version, which runs the default
+    stream's jobs itself, with its own model)."""
+
+    queue: QueueStatus
+    workers: tuple[str, ...]  # every live worker (all of them read the default stream)
+    default_models: Mapping[str, int] = field(default_factory=dict)
+    old_workers: tuple[str, ...] = ()
+
+    @property
+    def disagreement(self) -> bool:
+        """Whether live workers forward jobs that name no model to different models."""
+        return len(self.default_models) > 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": None,
+            "workers": list(self.workers),
+            **self.queue.as_dict(),
+            "default_models": dict(self.default_models),
+            "old_workers": list(self.old_workers),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """The catalogue at one moment: one row per model (served or with a stream), by name,
+    and the default stream."""
+
+    models: tuple[ModelStatus, ...]
+    default: DefaultStreamStatus
+    heartbeats: tuple[Heartbeat, ...] = ()
+
+    def model(self, name: str) -> ModelStatus | None:
+        return next((status for status in self.models if status.model == name), None)
+
+
+async def fleet_models(redis: RedisClient, keys: Keys) -> Fleet:
+    """Every model that a live worker serves or that has a job stream, each with its
+    workers, slots and queue; plus the default stream. Missing streams or groups read as
+    empty, never as an error."""
+    beats = await live_heartbeats(redis, keys)
+    # A name that is not a valid model name has no stream (a confused writer): left out.
+    names = {model for beat in beats for model in beat.models if is_valid_id(model)}
+    names.update(stream.model for stream in await model_streams(redis, keys) if stream.model)
+    streams = [keys.default_stream, *(keys.model_stream(name) for name in sorted(names))]
+    queues = await queue_statuses(redis, streams)
+    models = tuple(
+        _model_status(stream.model, [beat for beat in beats if beat.serves(stream.model)], queue)
+        for stream, queue in zip(streams[1:], queues[1:], strict=True)
+        if stream.model is not None
+    )
+    current = [beat for beat in beats if beat.models]
+    default = DefaultStreamStatus(
+        queue=queues[0],
+        workers=tuple(beat.worker_id for beat in beats),
+        default_models=dict(sorted(Counter(beat.default_model or "" for beat in current).items())),
+        old_workers=tuple(beat.worker_id for beat in beats if not beat.models),
+    )
+    return Fleet(models=models, default=default, heartbeats=tuple(beats))
+
+
+def _model_status(model: str, serving: list[Heartbeat], queue: QueueStatus) -> ModelStatus:
+    served = [beat.models[model] for beat in serving]
+    return ModelStatus(
+        model=model,
+        workers=tuple(beat.worker_id for beat in serving),
+        free_slots=sum(entry.free_slots for entry in served),
+        max_concurrency=sum(entry.max_concurrency for entry in served),
+        queue=queue,
+    )
+
+
+async def queue_statuses(redis: RedisClient, streams: Sequence[JobStream]) -> list[QueueStatus]:
+    """Each stream's length, group lag and pending entries, oldest pending age and dead
+    letters: one pipeline (split by node on a Cluster), plus Redis' clock."""
+    if not streams:
+        return []
+    seconds, micros = await redis.time()
+    now_ms = seconds * 1000 + micros // 1000
+    async with redis.pipeline(transaction=False) as pipe:
+        for stream in streams:
+            pipe.xlen(stream.stream)
+            pipe.xinfo_groups(stream.stream)
+            pipe.xpending(stream.stream, stream.group)
+            pipe.xlen(stream.dead)
+        replies = await pipe.execute(raise_on_error=False)
+    for reply in replies:
+        if isinstance(reply, ResponseError) and not _is_missing(reply):
+            raise reply
+    return [
+        _queue_status(stream, replies[4 * i : 4 * i + 4], now_ms)
+        for i, stream in enumerate(streams)
+    ]
+
+
+def _queue_status(stream: JobStream, replies: Sequence[Any], now_ms: int) -> QueueStatus:
+    length, groups, pending, dead = replies
+    info = _group_info(groups, stream.group)
+    summary = pending if isinstance(pending, dict) else {}
+    oldest = summary.get("min") if summary.get("pending") else None
+    return QueueStatus(
+        stream=stream.stream,
+        length=_count(length),
+        lag=_optional_count(info.get("lag")) if info else None,
+        pending=_count(info.get("pending")) if info else 0,
+        oldest_pending_seconds=_age_seconds(oldest, now_ms),
+        dead_letters=_count(dead),
+        group=bool(info),
+    )
+
+
+def _is_missing(error: ResponseError) -> bool:
+    """The error of XINFO GROUPS / XPENDING on a stream or group that does not exist."""
+    text = str(error)
+    return "NOGROUP" in text or "no such key" in text.lower()
+
+
+def _group_info(groups: Any, group: str) -> dict[str, Any]:
+    """The XINFO GROUPS row of ``group``; empty when the stream (an error reply) or the group
+    does not exist."""
+    if not isinstance(groups, list):
+        return {}
+    for row in groups:
+        if isinstance(row, dict):
+            fields = {as_text(name): value for name, value in row.items()}
+            if as_text(fields.get("name", b"")) == group:
+                return fields
+    return {}
+
+
+def _age_seconds(entry_id: Any, now_ms: int) -> float | None:
+    if entry_id is None:
+        return None
+    millis = as_text(entry_id).partition("-")[0]
+    if not millis.isdigit():
+        return None
+    return max(now_ms - int(millis), 0) / 1000
+
+
+def _count(value: Any) -> int:
+    counted = _optional_count(value)
+    return counted if counted is not None else 0
+
+
+def _optional_count(value: Any) -> int | None:
+    if value is None or isinstance(value, bool | BaseException):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None

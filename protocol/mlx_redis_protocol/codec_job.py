@@ -1,0 +1,243 @@
+"""Encoding and validating decoding of jobs (the entries of the job stream)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from mlx_redis_protocol.errors import ProtocolError
+from mlx_redis_protocol.fields import FieldReader, json_like_problem
+from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id, new_request_id
+from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
+from mlx_redis_protocol.messages import SYSTEM_PREFIX, ChatMessage, Job, PrefixBoundary
+from mlx_redis_protocol.wire import pack, top_level_strings, unpack
+
+PROMPT_FIELDS: Final = ("prompt", "prompt_token_ids", "messages")
+MAX_ROLE_LEN: Final = 64
+# Seeds feed a 64-bit PRNG key.
+MAX_SEED: Final = 2**64 - 1
+
+
+def encode_job(job: Job) -> bytes:
+    """The msgpack map stored in the job stream entry's ``job`` field (None fields omitted)."""
+    fields: dict[str, Any] = {}
+    for name in Job.__dataclass_fields__:
+        value = getattr(job, name)
+        if value is None:
+            continue
+        if name == "messages":
+            value = [{"role": m.role, "content": m.content} for m in value]
+        elif name in ("metadata", "response_format") and isinstance(value, Mapping):
+            value = dict(value)  # anything else goes as it is, for the decoder to refuse
+        elif isinstance(value, tuple):
+            value = list(value)
+        fields[name] = value
+    return pack(fields, "job")
+
+
+def decode_job(data: object, limits: Limits = DEFAULT_LIMITS) -> Job:
+    """A validated Job. Raises only ProtocolError (with ``request_id`` once that was read).
+
+    A job without ``request_id`` gets a fresh one (nobody can subscribe to it, but it runs).
+    A job refused for any reason carries its request id when that is *readable* (see
+    ``readable_request_id``), so its request can be told why.
+    """
+    try:
+        return _decode_job(data, limits)
+    except ProtocolError as exc:
+        if exc.request_id is None:
+            exc.request_id = readable_request_id(data)
+        raise
+
+
+def readable_request_id(data: object) -> str | None:
+    """The job's request id if the bytes begin with a msgpack map holding a top-level
+    ``request_id`` str that is a valid id, whatever else is wrong with the message."""
+    request_id = top_level_strings(data, ("request_id",)).get("request_id")
+    return request_id if request_id is not None and is_valid_id(request_id) else None
+
+
+def _decode_job(data: object, limits: Limits) -> Job:
+    reader = FieldReader(unpack(data, limits, "job"), "job", limits)
+    # Errors carry the job's own id only: a refusal must not go to an id made up here.
+    reader.request_id = _request_id(reader)
+    prompt, prompt_token_ids, messages = _prompt(reader)
+    return Job(
+        request_id=reader.request_id or new_request_id(),
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,
+        messages=messages,
+        max_tokens=_max_tokens(reader),
+        temperature=reader.number("temperature", minimum=0.0),
+        top_p=reader.number("top_p", minimum=0.0, maximum=1.0),
+        top_k=reader.integer("top_k", minimum=0),
+        min_p=reader.number("min_p", minimum=0.0, maximum=1.0),
+        repetition_penalty=reader.number("repetition_penalty", above=0.0),
+        presence_penalty=reader.number("presence_penalty"),
+        frequency_penalty=reader.number("frequency_penalty"),
+        seed=_seed(reader),
+        stop=_stop(reader),
+        stop_token_ids=reader.token_ids("stop_token_ids", max_items=limits.max_stop_token_ids),
+        logprobs=_logprobs(reader),
+        stream_interval=reader.integer("stream_interval", minimum=1),
+        prefix_boundary=_prefix_boundary(reader, prompt_token_ids, messages),
+        deadline=reader.number("deadline"),
+        metadata=reader.metadata("metadata"),
+        model=_model(reader),
+        response_format=_response_format(reader),
+    )
+
+
+def _request_id(reader: FieldReader) -> str | None:
+    value = reader.message.get("request_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not is_valid_id(value):
+        raise reader.error("invalid_field", "request_id", f"must be {ID_RULE}")
+    return value
+
+
+def _model(reader: FieldReader) -> str | None:
+    value = reader.string("model")
+    if value is not None and not is_valid_id(value):
+        raise reader.error("invalid_field", "model", f"must be {ID_RULE}")
+    return value
+
+
+# Each response_format type and the one field it takes beside ``type``.
+RESPONSE_FORMATS: Final = {
+    "json_object": None,
+    "json_schema": "schema",
+    "regex": "pattern",
+    "grammar": "lark",
+}
+
+
+def _response_format(reader: FieldReader) -> dict[str, Any] | None:
+    value = reader.mapping("response_format")
+    if value is None:
+        return None
+    where = FieldReader(value, f"{reader.what}.response_format", reader.limits)
+    where.request_id = reader.request_id
+    kind = where.required_string("type")
+    if kind not in RESPONSE_FORMATS:
+        raise where.error("invalid_field", "type", f"must be one of {', '.join(RESPONSE_FORMATS)}")
+    field = RESPONSE_FORMATS[kind]
+    # nil counts as absent, as everywhere in a job (a producer may send every field it knows).
+    given = {name for name, item in value.items() if item is not None}
+    extra = given - {"type", *([field] if field else [])}
+    if extra:
+        # key=str: msgpack map keys may be bytes as well as str, which do not compare.
+        name = min(extra, key=str)
+        raise where.error("invalid_field", name, f"is not a field of a {kind!r} response_format")
+    if field is None:
+        return {"type": kind}
+    if field == "schema":
+        schema = where.mapping("schema", required=True)
+        problem = json_like_problem(schema, reader.limits.max_schema_depth)
+        if problem is not None:
+            code = "limit_exceeded" if "deeply" in problem else "invalid_field"
+            raise where.error(code, "schema", problem)
+        return {"type": kind, "schema": schema}
+    text = where.required_string(field, non_empty=True, max_len=reader.limits.max_str_len)
+    return {"type": kind, field: text}
+
+
+def readable_model(data: object) -> str | None:
+    """The job's ``model`` when it is readable as for ``readable_request_id``: where a
+    worker forwards a job from the default stream."""
+    model = top_level_strings(data, ("model",)).get("model")
+    return model if model is not None and is_valid_id(model) else None
+
+
+def _prompt(
+    reader: FieldReader,
+) -> tuple[str | None, tuple[int, ...] | None, tuple[ChatMessage, ...] | None]:
+    present = [name for name in PROMPT_FIELDS if reader.has(name)]
+    if not present:
+        raise reader.error("missing_field", "prompt", "(or prompt_token_ids or messages) is needed")
+    if len(present) > 1:
+        raise ProtocolError(
+            "conflicting_fields",
+            f"job has {' and '.join(present)}; exactly one prompt kind is allowed",
+            request_id=reader.request_id,
+        )
+    limits = reader.limits
+    prompt = reader.string("prompt", non_empty=True, max_len=limits.max_str_len)
+    token_ids = reader.token_ids(
+        "prompt_token_ids", max_items=limits.max_prompt_tokens, min_items=1
+    )
+    return prompt, token_ids, _messages(reader)
+
+
+def _messages(reader: FieldReader) -> tuple[ChatMessage, ...] | None:
+    items = reader.array("messages", max_items=reader.limits.max_messages, min_items=1)
+    if items is None:
+        return None
+    messages = []
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise reader.error("invalid_field", f"messages[{index}]", "must be a map")
+        turn = FieldReader(item, f"{reader.what}.messages[{index}]", reader.limits)
+        turn.request_id = reader.request_id
+        role = turn.required_string("role", non_empty=True, max_len=MAX_ROLE_LEN)
+        content = turn.required_string("content", max_len=reader.limits.max_str_len)
+        messages.append(ChatMessage(role=role, content=content))
+    return tuple(messages)
+
+
+def _max_tokens(reader: FieldReader) -> int | None:
+    value = reader.integer("max_tokens", minimum=1)
+    if value is not None and value > reader.limits.max_tokens:
+        raise reader.error("limit_exceeded", "max_tokens", f"is over {reader.limits.max_tokens}")
+    return value
+
+
+def _seed(reader: FieldReader) -> int | None:
+    value = reader.integer("seed", minimum=0)
+    if value is not None and value > MAX_SEED:
+        raise reader.error("invalid_field", "seed", "must fit in 64 bits")
+    return value
+
+
+def _stop(reader: FieldReader) -> tuple[str, ...] | None:
+    items = reader.array("stop", max_items=reader.limits.max_stop)
+    if items is None:
+        return None
+    max_len = reader.limits.max_stop_len
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise reader.error("invalid_field", "stop", "must hold non-empty strings")
+        if len(item) > max_len:
+            raise reader.error("limit_exceeded", "stop", f"holds a string over {max_len} chars")
+    return tuple(items)
+
+
+def _prefix_boundary(
+    reader: FieldReader,
+    prompt_token_ids: tuple[int, ...] | None,
+    messages: tuple[ChatMessage, ...] | None,
+) -> PrefixBoundary | None:
+    if reader.message.get("prefix_boundary") == SYSTEM_PREFIX:
+        if messages is None or messages[0].role != "system":
+            raise reader.error(
+                "invalid_field",
+                "prefix_boundary",
+                '"system" needs messages that start with a system turn',
+            )
+        return SYSTEM_PREFIX
+    value = reader.integer("prefix_boundary", minimum=0)
+    if value is not None and prompt_token_ids is not None and value > len(prompt_token_ids):
+        raise reader.error(
+            "invalid_field",
+            "prefix_boundary",
+            f"is over the prompt's {len(prompt_token_ids)} tokens",
+        )
+    return value
+
+
+def _logprobs(reader: FieldReader) -> int | None:
+    value = reader.integer("logprobs", minimum=0)
+    if value is not None and value > reader.limits.max_logprobs:
+        raise reader.error("limit_exceeded", "logprobs", f"is over {reader.limits.max_logprobs}")
+    return value

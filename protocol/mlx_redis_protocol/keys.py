@@ -1,0 +1,156 @@
+"""Every Redis key and channel name of the protocol. Nothing else builds key strings.
+
+Redis Cluster runs a script only if all its keys hash to one slot; a hash tag (the part in
+braces) is what gets hashed. So per-request names put the request id in a tag
+(``mlxw:log:{abc}``): one request's channel, log, attempt key and abort marker share a slot and
+one script writes them together, while different requests spread over the cluster. The
+dead-letter stream's tag is the job stream's whole name (``mlxw:dead:{mlxw:jobs}``), which puts
+it in the job stream's slot, so one script moves an entry from one to the other.
+
+Each model of the fleet has its own job stream, tagged with the model's name
+(``mlxw:jobs:{qwen3-8b}``, dead letters in ``mlxw:dead:{qwen3-8b}``): the models' queues spread
+over a Cluster's slots, and each stream's dead letters share its slot. ``mlxw:jobs`` stays the
+default stream, for jobs that name no model (and for producers that predate models).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlx_redis_protocol.constants import DEFAULT_PREFIX
+from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id
+
+# Characters that would break a hash tag or widen the heartbeat SCAN pattern.
+_FORBIDDEN_PREFIX_CHARACTERS = frozenset("{}*?[]\\ \t\r\n")
+
+
+@dataclass(frozen=True, slots=True)
+class JobStream:
+    """One job stream, the consumer group workers read it with, and its dead letters (which
+    share its Cluster slot). ``model`` is None for the default stream."""
+
+    stream: str
+    group: str
+    dead: str
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key and channel names under one prefix."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not self.prefix or _FORBIDDEN_PREFIX_CHARACTERS.intersection(self.prefix):
+            raise ValueError(
+                f"prefix must be non-empty without braces, glob characters or whitespace, "
+                f"got {self.prefix!r}"
+            )
+
+    @property
+    def jobs(self) -> str:
+        """The job stream producers XADD to."""
+        return f"{self.prefix}:jobs"
+
+    @property
+    def group(self) -> str:
+        """The consumer group the workers read the job stream with."""
+        return self.prefix
+
+    @property
+    def dead(self) -> str:
+        """The dead-letter stream for jobs that can never run (in the job stream's slot)."""
+        return f"{self.prefix}:dead:{{{self.jobs}}}"
+
+    @property
+    def default_stream(self) -> JobStream:
+        """Jobs that name no model; workers forward them to the default model's stream."""
+        return JobStream(self.jobs, self.group, self.dead)
+
+    def model_stream(self, model: str) -> JobStream:
+        """The job stream of one model (hash-tagged by the model's name)."""
+        model = _checked(model, "model name")
+        return JobStream(
+            f"{self.prefix}:jobs:{{{model}}}", self.group, f"{self.prefix}:dead:{{{model}}}", model
+        )
+
+    def forwarded(self, model: str, entry_id: str) -> str:
+        """The marker that the default stream's entry ``entry_id`` was forwarded to the model's
+        stream (in that stream's slot, so one script checks it and appends)."""
+        return f"{self.prefix}:forwarded:{{{_checked(model, 'model name')}}}:{entry_id}"
+
+    @property
+    def model_stream_pattern(self) -> str:
+        """A SCAN MATCH pattern for every model's job stream (braces are literal in a glob)."""
+        return f"{self.prefix}:jobs:{{*}}"
+
+    def model_of_stream(self, stream: str) -> str | None:
+        """The model whose job stream ``stream`` is; None for any other key."""
+        head = f"{self.prefix}:jobs:{{"
+        if not (stream.startswith(head) and stream.endswith("}")):
+            return None
+        model = stream[len(head) : -1]
+        return model if is_valid_id(model) else None
+
+    def out(self, request_id: str) -> str:
+        """The request's live pub/sub channel."""
+        return f"{self.prefix}:out:{{{_checked(request_id, 'request id')}}}"
+
+    def log(self, request_id: str) -> str:
+        """The request's replay log (a stream with a TTL)."""
+        return f"{self.prefix}:log:{{{_checked(request_id, 'request id')}}}"
+
+    def attempt(self, request_id: str) -> str:
+        """The request's current attempt number: the fence against a stale worker's events."""
+        return f"{self.prefix}:attempt:{{{_checked(request_id, 'request id')}}}"
+
+    def abort(self, request_id: str) -> str:
+        """The marker that stops a request from starting (or continuing)."""
+        return f"{self.prefix}:abort:{{{_checked(request_id, 'request id')}}}"
+
+    @property
+    def control(self) -> str:
+        """The channel every worker listens to."""
+        return f"{self.prefix}:control"
+
+    def control_for(self, worker_id: str) -> str:
+        """The channel only one worker listens to."""
+        return f"{self.prefix}:control:{{{_checked(worker_id, 'worker id')}}}"
+
+    def worker(self, worker_id: str) -> str:
+        """A worker's heartbeat key (expires when the worker stops refreshing it)."""
+        return f"{self.prefix}:worker:{{{_checked(worker_id, 'worker id')}}}"
+
+    def activity(self, worker_id: str) -> str:
+        """A worker's activity: its running requests and recent token counts (a JSON value,
+        expiring with the heartbeat)."""
+        return f"{self.prefix}:activity:{{{_checked(worker_id, 'worker id')}}}"
+
+    def gateway_request(self, request_id: str) -> str:
+        """What an OpenAI-compatible gateway needs to stream a request again (its response
+        shape and owner), in the request's slot; it expires with the request's log."""
+        return f"{self.prefix}:gateway:{{{_checked(request_id, 'request id')}}}"
+
+    def quota(self, key_name: str) -> str:
+        """One gateway API key's rate-limit bucket and in-flight requests (one hash)."""
+        return f"{self.prefix}:quota:{{{_checked(key_name, 'API key name')}}}"
+
+    def quota_in_flight(self, key_name: str) -> str:
+        """One gateway API key's in-flight requests, by lease expiry (a sorted set)."""
+        return f"{self.prefix}:quota:{{{_checked(key_name, 'API key name')}}}:in_flight"
+
+    @property
+    def worker_pattern(self) -> str:
+        """A SCAN MATCH pattern for every heartbeat key."""
+        return f"{self.prefix}:worker:*"
+
+    def reply(self, token: str) -> str:
+        """The list a control command's replies are pushed to."""
+        return f"{self.prefix}:reply:{{{_checked(token, 'reply token')}}}"
+
+
+def _checked(value: str, what: str) -> str:
+    if not is_valid_id(value):
+        raise ValueError(f"{what} must be {ID_RULE}, got {value!r}")
+    return value

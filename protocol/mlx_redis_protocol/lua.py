@@ -1,0 +1,92 @@
+"""Running the project's Lua scripts by their SHA1 (``EVALSHA``), not their text.
+
+``run_script`` and ``run_script_each`` load a script where a server lacks it (``NOSCRIPT``: a
+restarted server, a failed-over master, a Cluster node that never ran it) and send the call
+again. A call answered NOSCRIPT did not run, so sending it again is always safe.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
+from redis.typing import EncodableT
+
+from mlx_redis_protocol.connection import RedisClient
+
+# redis-py's script object per client and script (its SHA1 computed once), dropped with the
+# client: nothing is shared between clients, which may talk to different servers.
+_scripts: weakref.WeakKeyDictionary[RedisClient, dict[str, AsyncScript]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def registered_script(redis: RedisClient, script: str) -> AsyncScript:
+    """``redis.register_script(script)``, made once per client."""
+    by_text = _scripts.setdefault(redis, {})
+    if script not in by_text:
+        by_text[script] = redis.register_script(script)
+    return by_text[script]
+
+
+async def run_script(
+    redis: RedisClient, script: str, keys: Sequence[str], args: Sequence[EncodableT]
+) -> Any:
+    """One call of a Lua script by its SHA1; redis-py loads it (SCRIPT LOAD) where missing."""
+    return await registered_script(redis, script)(keys, args)
+
+
+async def run_script_each(
+    redis: RedisClient,
+    script: str,
+    calls: Sequence[tuple[Sequence[str], Sequence[EncodableT]]],
+) -> list[Any]:
+    """Several calls of one Lua script (``(keys, args)`` each) in one round trip: a pipeline,
+    on a Cluster split per node and sent to them in parallel. Every call must have keys.
+
+    redis-py's script objects load a missing script only for a single server's pipeline, and
+    then ask SCRIPT EXISTS before every execute (a second round trip); on a Cluster its
+    pipeline refuses ``evalsha()`` outright. So here the calls answered NOSCRIPT are sent
+    again once, after SCRIPT LOAD on the nodes that answered so.
+    """
+    sha = registered_script(redis, script).sha
+    replies = await _evalsha_pipelined(redis, sha, calls)
+    missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if missing:
+        await _load_script(redis, script, [calls[index][0] for index in missing])
+        resent = await _evalsha_pipelined(redis, sha, [calls[index] for index in missing])
+        for index, reply in zip(missing, resent, strict=True):
+            replies[index] = reply
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+async def _evalsha_pipelined(
+    redis: RedisClient, sha: str, calls: Sequence[tuple[Sequence[str], Sequence[EncodableT]]]
+) -> list[Any]:
+    """The replies, errors included (as exceptions, not raised)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for keys, args in calls:
+            # By name: redis-py blocks pipe.evalsha() on a Cluster (see run_script_each).
+            pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+    return replies
+
+
+async def _load_script(redis: RedisClient, script: str, keys: Sequence[Sequence[str]]) -> None:
+    """SCRIPT LOAD on the server, or on the Cluster nodes that own these calls' keys."""
+    if not isinstance(redis, RedisCluster):
+        await redis.script_load(script)
+        return
+    nodes: set[ClusterNode] = set()
+    for call_keys in keys:
+        node = redis.get_node_from_key(call_keys[0])
+        if node is not None:
+            nodes.add(node)
+    await redis.execute_command("SCRIPT LOAD", script, target_nodes=list(nodes))

@@ -1,0 +1,260 @@
+"""The typed messages of the protocol: jobs, stream events and control commands/replies.
+
+These are plain values; `protocol.codec` turns them into msgpack maps and back (validating).
+Lists are tuples so a message can't be changed after it was validated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final, Literal, TypedDict
+
+# Job fields that map 1:1 onto the engine's SamplingParams (same names, same meaning).
+SAMPLING_FIELDS: Final = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+)
+
+# `prefix_boundary: "system"`: the worker measures the leading system messages of a chat itself.
+SYSTEM_PREFIX: Final = "system"
+PrefixBoundary = int | Literal["system"]
+
+FinishReason = Literal["stop", "length", "abort", "expired"]
+FINISH_REASONS: Final[tuple[FinishReason, ...]] = ("stop", "length", "abort", "expired")
+
+# The command kinds of this protocol version; a worker answers others with `unknown_command`.
+CONTROL_KINDS: Final = (
+    "abort",
+    "stats",
+    "cache_save",
+    "cache_load",
+    "cache_clear",
+    "ping",
+)
+
+
+class JobOptions(TypedDict, total=False):
+    """Optional job fields, as keyword arguments of `Client.submit` / `Client.generate`."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int
+    stop: list[str] | tuple[str, ...]
+    stop_token_ids: list[int] | tuple[int, ...]
+    logprobs: int
+    stream_interval: int
+    prefix_boundary: PrefixBoundary
+    deadline: float
+    metadata: Mapping[str, Any]
+    model: str
+    response_format: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One chat turn; the worker renders the list with the model's chat template."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Job:
+    """A generation request. Exactly one of prompt / prompt_token_ids / messages is set.
+
+    Sampling fields left at None mean "the engine's default".
+    """
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    logprobs: int | None = None
+    stream_interval: int | None = None
+    prefix_boundary: PrefixBoundary | None = None
+    deadline: float | None = None
+    metadata: Mapping[str, Any] | None = None
+    # The fleet's name of the model to run it with; None: the fleet's default model.
+    model: str | None = None
+    # What the output must match: {"type": "json_object"} | {"type": "json_schema", "schema":
+    # {...}} | {"type": "regex", "pattern": "..."} | {"type": "grammar", "lark": "..."}.
+    response_format: Mapping[str, Any] | None = None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The set sampling fields, ready for ``SamplingParams(**kwargs)`` (lists, not tuples)."""
+        kwargs: dict[str, Any] = {}
+        for name in SAMPLING_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = list(value) if isinstance(value, tuple) else value
+        return kwargs
+
+    def chat_messages(self) -> list[dict[str, str]] | None:
+        """``messages`` in the shape chat templates take, or None for a plain prompt."""
+        if self.messages is None:
+            return None
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+    def is_expired(self, now: float) -> bool:
+        """True when the job has a deadline and ``now`` (epoch seconds) is past it."""
+        return self.deadline is not None and now > self.deadline
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The sampled token's log-probability and the top alternatives, if asked for."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Counts and timings of a finished request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    ttft_ms: float | None = None
+    tokens_per_second: float = 0.0
+    duration_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EventBase:
+    """Fields every event carries. ``seq`` is per request, gapless across attempts."""
+
+    request_id: str
+    seq: int
+    attempt: int
+
+    type: ClassVar[str]
+    terminal: ClassVar[bool] = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueuedEvent(EventBase):
+    """Written by the producer (seq 0, attempt 0) before the job enters the queue."""
+
+    type: ClassVar[str] = "queued"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeltaEvent(EventBase):
+    """New text and tokens since the previous delta."""
+
+    new_text: str
+    new_token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+    type: ClassVar[str] = "delta"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DoneEvent(EventBase):
+    """The request finished; ``output_text`` is the whole text of the final attempt."""
+
+    finish_reason: FinishReason
+    output_text: str
+    usage: Usage
+    metadata: Mapping[str, Any] | None = None
+    # For a job with a response_format: whether output_text matches it (False when cut short
+    # by max_tokens or aborted); None for an unconstrained job.
+    output_valid: bool | None = None
+
+    type: ClassVar[str] = "done"
+    terminal: ClassVar[bool] = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ErrorEvent(EventBase):
+    """The request failed; ``code`` is one of `mlx_redis_protocol.errors.ERROR_CODES`."""
+
+    code: str
+    message: str
+    metadata: Mapping[str, Any] | None = None
+
+    type: ClassVar[str] = "error"
+    terminal: ClassVar[bool] = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResetEvent(EventBase):
+    """A redelivered job restarts as ``attempt``: drop the text received so far."""
+
+    type: ClassVar[str] = "reset"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnknownEvent(EventBase):
+    """An event type this reader does not know (a newer protocol); skip it, keep its seq."""
+
+    event_type: str
+    fields: Mapping[str, Any]
+
+    type: ClassVar[str] = "unknown"
+
+
+Event = QueuedEvent | DeltaEvent | DoneEvent | ErrorEvent | ResetEvent | UnknownEvent
+TerminalEvent = DoneEvent | ErrorEvent
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlCommand:
+    """An operator command. Replies are RPUSHed to the list named by ``reply_to``."""
+
+    kind: str
+    id: str
+    reply_to: str
+    request_id: str | None = None
+    name: str | None = None
+    # Only workers serving this model act on the command (and answer it); None: every worker.
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """Why a control command failed; ``code`` is one of `mlx_redis_protocol.errors.ERROR_CODES`."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlReply:
+    """One worker's answer to a control command."""
+
+    id: str
+    ok: bool
+    worker_id: str
+    result: Mapping[str, Any] | None = None
+    error: ErrorInfo | None = None

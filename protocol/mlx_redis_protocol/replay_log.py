@@ -1,0 +1,344 @@
+"""The replay log on the Redis side: atomic publish+append, and reads of what was appended.
+
+Every event is appended to the request's log and published on its channel by one Lua script,
+so a subscriber that saw an event live can always find it (and all before it) in the log.
+Clients given to these helpers must use ``decode_responses=False``: events are binary.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Final
+
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+
+from mlx_redis_protocol.codec_events import encode_event
+from mlx_redis_protocol.connection import RedisClient
+from mlx_redis_protocol.constants import DEFAULT_LOG_TTL_SECONDS, LOG_EVENT_FIELD, LOG_SEQ_FIELD
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.lua import run_script, run_script_each
+from mlx_redis_protocol.messages import Event
+
+# The newest event a worker wrote to a log: its seq and whether it ends the request; seq -1
+# for an empty (or expired) log, 0 when it holds only producers' queued markers. Markers (seq
+# 0) may follow the worker's events: a producer that re-submits a request writes a new one,
+# and that must neither hide the request's end (it would run twice) nor reset the numbering.
+# Shared by both scripts below (Lua scripts cannot call each other).
+NEWEST_EVENT: Final = """
+local function newest_event(log)
+  local before = '+'
+  local seq = -1
+  while true do
+    local entry = redis.call('XREVRANGE', log, before, '-', 'COUNT', 1)[1]
+    if not entry then
+      return seq, false
+    end
+    seq = 0
+    local fields, ended, found = entry[2], false, 0
+    for f = 1, #fields, 2 do
+      if fields[f] == 'seq' then
+        found = tonumber(fields[f + 1]) or 0
+      elseif fields[f] == 'end' then
+        ended = true
+      end
+    end
+    if found > 0 or ended then
+      return found, ended
+    end
+    before = '(' .. entry[1]
+  end
+end
+"""
+
+# ARGV[1] the log TTL in seconds; ARGV[2] PUBLISH, or SPUBLISH on a Redis Cluster (sharded
+# pub/sub: a message goes to the shard of its channel, not to every node). Then per event i
+# (from 1): KEYS[3i-2] its channel, KEYS[3i-1] its log, KEYS[3i] its attempt key; ARGV[2i+1]
+# the encoded event, ARGV[2i+2] "seq attempt terminal run" (terminal is 1 for done/error, else
+# 0; run is the token the attempt was begun with, "-" for the producer's queued marker).
+# Returns per event: 1 it is in the log, 0 refused (fenced: the request's attempt key does not
+# name this attempt and run), 2 refused (the log lacks events this attempt wrote before).
+#
+# Channels are passed as keys only so Redis Cluster routes the call by their hash tag; on a
+# Cluster one call carries only keys of one slot. `seq` is a field of its own so XREVRANGE
+# COUNT 1 finds the newest without decoding; a terminal entry also gets `end`, for
+# BEGIN_ATTEMPT. Append before publish: whoever hears an event can find it logged.
+#
+# Idempotent by seq: an event whose seq the log already holds is not written or published
+# again, so a call whose reply was lost (a timeout, a failover) can simply be sent again.
+# The fence: only the run that began the attempt (BEGIN_ATTEMPT) writes for it, so a stale
+# worker's events are refused instead of interleaving two runs; so are those of a run whose
+# begin Redis lost (a failover), which could otherwise share an attempt number with a new
+# delivery of the job. The gap check: events after a hole would leave subscribers waiting
+# forever for the missing seq (a failover to a replica that had not received the newest
+# entries); the worker restarts the attempt instead. A log that is gone altogether (expired)
+# is written afresh. The attempt key lives until the request's terminal event, then gets the
+# log's TTL.
+PUBLISH_EVENTS: Final = (
+    NEWEST_EVENT
+    + """
+local ttl, publish = ARGV[1], ARGV[2]
+if publish ~= 'PUBLISH' and publish ~= 'SPUBLISH' then
+  return redis.error_reply('ERR ARGV[2] must be PUBLISH or SPUBLISH')
+end
+local newest = {}
+local results = {}
+for i = 1, #KEYS / 3 do
+  local channel, log, attempt_key = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local event = ARGV[2 * i + 1]
+  local seq, attempt, terminal, run = string.match(ARGV[2 * i + 2], '^(%d+) (%d+) ([01]) (%S+)$')
+  seq = tonumber(seq)
+  if attempt ~= '0' and redis.call('GET', attempt_key) ~= attempt .. ' ' .. run then
+    results[i] = 0
+  else
+    local last = newest[log]
+    if last == nil then
+      last = newest_event(log)
+    end
+    if seq <= last then
+      results[i] = 1
+    elseif last >= 0 and seq > last + 1 then
+      results[i] = 2
+    else
+      if terminal == '1' then
+        redis.call('XADD', log, '*', 'seq', seq, 'e', event, 'end', '1')
+      else
+        redis.call('XADD', log, '*', 'seq', seq, 'e', event)
+      end
+      redis.call(publish, channel, event)
+      redis.call('EXPIRE', log, ttl)
+      if terminal == '1' then
+        redis.call('EXPIRE', attempt_key, ttl)
+      end
+      last = seq
+      results[i] = 1
+    end
+    newest[log] = last
+  end
+end
+return results
+"""
+)
+
+# KEYS[1] log, KEYS[2] attempt key; ARGV[1] attempt, ARGV[2] TTL seconds, ARGV[3] the run's
+# token (unique per run of an attempt). A worker calls it before publishing anything for an
+# attempt: from then on only this run writes the request's events, and the seq it returns (the
+# log's last) is final, since no other run can append after it. Returns -2 when the log's
+# newest event is terminal (the job is finished: nothing may follow it, whatever queued
+# markers a re-submission appended), and -1 when a newer attempt has already begun (this
+# delivery is stale), or with ARGV[4] = "IFFREE" when any attempt has begun: a worker ending a
+# request that still waits (an abort) must not take it from the worker that started it; or,
+# with ARGV[4] = "IFFENCE", when the fence is not exactly ARGV[5]: the abort of a job whose
+# worker died takes over from that run only, never from one that began meanwhile. Both
+# checks and the fence are one atomic step, so an older attempt's last event cannot land
+# between "not finished yet" and "fenced". Safe to repeat with the same token: it sets the
+# same fence and returns the same seq. The fence has no TTL while the request runs (a long
+# prefill publishes nothing for a while); the terminal event gives it the log's. It renews the
+# log's TTL, so a log that waited almost its TTL in the queue does not expire between here
+# and the first event.
+BEGIN_ATTEMPT: Final = (
+    NEWEST_EVENT
+    + """
+local seq, ended = newest_event(KEYS[1])
+if ended then
+  return -2
+end
+local fence = redis.call('GET', KEYS[2])
+if ARGV[4] == 'IFFENCE' then
+  if fence ~= ARGV[5] then
+    return -1
+  end
+elseif fence and (ARGV[4] == 'IFFREE'
+    or tonumber(string.match(fence, '^%d+') or '0') > tonumber(ARGV[1])) then
+  return -1
+end
+redis.call('SET', KEYS[2], ARGV[1] .. ' ' .. ARGV[3])
+if seq >= 0 then
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+end
+return math.max(seq, 0)
+"""
+)
+
+STALE_ATTEMPT: Final = -1
+FINISHED: Final = -2
+# The run of the producer's queued marker (attempt 0), which no attempt fences.
+NO_RUN: Final = "-"
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    """One raw entry of a replay log: its stream id, seq, and the encoded event."""
+
+    stream_id: bytes
+    seq: int
+    data: bytes
+
+
+class Outcome(IntEnum):
+    """What PUBLISH_EVENTS did with one event."""
+
+    FENCED = 0  # refused: a newer attempt owns the request
+    LOGGED = 1  # in the log (appended by this call, or by an earlier one: nothing twice)
+    LOG_GAP = 2  # refused: the log lost events this attempt wrote before
+
+
+async def publish_events(
+    redis: RedisClient,
+    keys: Keys,
+    events: Iterable[Event],
+    *,
+    ttl_seconds: int = DEFAULT_LOG_TTL_SECONDS,
+    runs: Mapping[str, str] | None = None,
+) -> list[Outcome]:
+    """Log and publish the events, in order; returns what happened to each. ``runs`` maps
+    each request id to the token its attempt was begun with (``begin_attempt``); the queued
+    marker (attempt 0) needs none.
+
+    One script call on a single server. On a Redis Cluster, one call per hash slot (a
+    request's keys share its slot), all sent together: one round trip in parallel to the
+    nodes involved. Safe to call again with the same events after an error (see the script).
+    """
+    if ttl_seconds < 1:
+        raise ValueError(f"ttl_seconds must be >= 1, got {ttl_seconds}")
+    events = list(events)
+    if not events:
+        return []
+    if not isinstance(redis, RedisCluster):
+        script_keys, script_args = publish_call(keys, events, ttl_seconds, runs, sharded=False)
+        replies = await run_script(redis, PUBLISH_EVENTS, script_keys, script_args)
+        return [Outcome(reply) for reply in replies]
+    by_slot: dict[int, list[int]] = {}
+    for index, event in enumerate(events):
+        by_slot.setdefault(key_slot(keys.log(event.request_id).encode()), []).append(index)
+    calls = [
+        publish_call(keys, [events[i] for i in indexes], ttl_seconds, runs, sharded=True)
+        for indexes in by_slot.values()
+    ]
+    per_slot = await run_script_each(redis, PUBLISH_EVENTS, calls)
+    outcomes: list[Outcome] = [Outcome.FENCED] * len(events)
+    for indexes, replies in zip(by_slot.values(), per_slot, strict=True):
+        for index, reply in zip(indexes, replies, strict=True):
+            outcomes[index] = Outcome(reply)
+    return outcomes
+
+
+def publish_call(
+    keys: Keys,
+    events: Iterable[Event],
+    ttl: int,
+    runs: Mapping[str, str] | None = None,
+    *,
+    sharded: bool,
+) -> tuple[list[str], list[bytes | int | str]]:
+    """KEYS and ARGV of one PUBLISH_EVENTS call (on a Cluster: events of one slot only)."""
+    runs = runs or {}
+    script_keys: list[str] = []
+    script_args: list[bytes | int | str] = [ttl, "SPUBLISH" if sharded else "PUBLISH"]
+    for event in events:
+        rid = event.request_id
+        run = runs.get(rid, NO_RUN)
+        script_keys += (keys.out(rid), keys.log(rid), keys.attempt(rid))
+        script_args += (
+            encode_event(event),
+            f"{event.seq} {event.attempt} {int(event.terminal)} {run}",
+        )
+    return script_keys, script_args
+
+
+def new_run(worker_id: str | None = None) -> str:
+    """A token for one run of an attempt (``begin_attempt``, then ``publish_events``); it
+    names the worker that runs it, so others can tell a fence whose worker died."""
+    token = secrets.token_hex(8)
+    return f"{worker_id}/{token}" if worker_id else token
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """A request's attempt key: which attempt, which run, and the worker of that run (None
+    for a token that names none)."""
+
+    raw: bytes
+    attempt: int
+    worker_id: str | None
+
+
+def parse_fence(raw: bytes | str | None) -> Fence | None:
+    """The fence ``"ATTEMPT RUN"`` read from a request's attempt key; None when absent or
+    not of that shape."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        raw = raw.encode()
+    attempt, _, run = raw.decode(errors="replace").partition(" ")
+    if not attempt.isdigit() or not run:
+        return None
+    worker_id, slash, _ = run.rpartition("/")
+    return Fence(raw=raw, attempt=int(attempt), worker_id=worker_id if slash else None)
+
+
+async def begin_attempt(
+    redis: RedisClient,
+    keys: Keys,
+    request_id: str,
+    attempt: int,
+    ttl_seconds: int,
+    run: str,
+    *,
+    if_free: bool = False,
+    if_fence: bytes | None = None,
+) -> int:
+    """Fence the request for this run of ``attempt`` (a ``new_run()`` token) and return the
+    log's last seq to continue from; or ``FINISHED`` when the log's newest event is terminal,
+    or ``STALE_ATTEMPT`` when a newer attempt has already begun (with ``if_free``: when any
+    attempt has; with ``if_fence``: when the fence is not exactly that value). Nothing is
+    fenced in those two cases."""
+    if not run or run == NO_RUN or any(c.isspace() for c in run):
+        raise ValueError(f"a run token must be a word, got {run!r}")
+    log_key, fence_key = keys.log(request_id), keys.attempt(request_id)
+    mode: tuple[str | bytes, ...] = ()
+    if if_fence is not None:
+        mode = ("IFFENCE", if_fence)
+    elif if_free:
+        mode = ("IFFREE",)
+    last: int = await run_script(
+        redis, BEGIN_ATTEMPT, [log_key, fence_key], [attempt, ttl_seconds, run, *mode]
+    )
+    return last
+
+
+async def last_seq(redis: RedisClient, keys: Keys, request_id: str) -> int:
+    """The seq of the newest event a worker wrote to the request's log, skipping producers'
+    queued markers as the scripts do (``NEWEST_EVENT``): what a new attempt continues from;
+    0 when only queued, or when there is no log."""
+    before: bytes | str = "+"
+    while entries := await redis.xrevrange(keys.log(request_id), before, "-", count=16):
+        logged = [_entry(entry) for entry in entries]
+        for entry in logged:
+            if entry.seq > 0:
+                return entry.seq
+        before = b"(" + logged[-1].stream_id
+    return 0
+
+
+async def read_log(
+    redis: RedisClient, keys: Keys, request_id: str, after: bytes | None = None
+) -> list[LogEntry]:
+    """The log's entries in append order, all of them or only those after stream id ``after``."""
+    start: bytes | str = b"(" + after if after is not None else "-"
+    entries = await redis.xrange(keys.log(request_id), start, "+")
+    return [_entry(entry) for entry in entries or ()]
+
+
+def _entry(entry: tuple[object, object]) -> LogEntry:
+    """A log entry from redis-py's reply; a malformed entry gets seq -1 and is skipped later."""
+    stream_id, fields = entry
+    if not isinstance(stream_id, bytes) or not isinstance(fields, dict):
+        raise TypeError("replay logs must be read with a decode_responses=False client")
+    seq_field = fields.get(LOG_SEQ_FIELD.encode())
+    data = fields.get(LOG_EVENT_FIELD.encode())
+    seq = int(seq_field) if isinstance(seq_field, bytes) and seq_field.isdigit() else -1
+    return LogEntry(stream_id=stream_id, seq=seq, data=data if isinstance(data, bytes) else b"")

@@ -1,0 +1,185 @@
+"""``mlx-worker gateway`` (serve the OpenAI-compatible API) and ``mlx-worker api-key add``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from mlx_redis_protocol.cli import connection_options
+from mlx_redis_protocol.constants import DEFAULT_LOG_TTL_SECONDS
+
+
+def add_gateway_commands(commands: Any) -> None:
+    gateway = commands.add_parser(
+        "gateway",
+        parents=[connection_options()],
+        help="serve an OpenAI-compatible API (and a status page) in front of the queue",
+    )
+    gateway.add_argument(
+        "--listen",
+        default=os.environ.get("MLXW_GATEWAY_LISTEN", "127.0.0.1:8000"),
+        help="HOST:PORT to listen on (env MLXW_GATEWAY_LISTEN, default 127.0.0.1:8000)",
+    )
+    gateway.add_argument(
+        "--api-keys",
+        default=os.environ.get("MLXW_API_KEYS"),
+        help="TOML file of hashed API keys (env MLXW_API_KEYS; see `mlx-worker api-key add`)",
+    )
+    gateway.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="serve without API keys on a non-loopback address (loopback needs no flag)",
+    )
+    gateway.add_argument(
+        "--keep-on-disconnect",
+        action="store_true",
+        help="a client that disconnects leaves its job running (default: it is aborted "
+        "unless the request was marked resumable)",
+    )
+    gateway.add_argument(
+        "--resumable-by-default",
+        action="store_true",
+        help="treat every request as resumable (X-Resumable: false opts out)",
+    )
+    gateway.add_argument(
+        "--event-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for a request's next event before giving up (default 600)",
+    )
+    gateway.add_argument(
+        "--log-ttl",
+        type=int,
+        default=DEFAULT_LOG_TTL_SECONDS,
+        help="seconds a request can be resumed after its last event (the replay log's TTL)",
+    )
+    gateway.add_argument(
+        "--quota-lease-seconds",
+        type=float,
+        default=30.0,
+        help="how long a request's concurrency slot outlives a gateway that died (default 30)",
+    )
+    gateway.add_argument("--no-status-page", action="store_true", help="serve no status page")
+    gateway.set_defaults(func=run_gateway)
+
+    api_key = commands.add_parser("api-key", help="manage the gateway's API keys")
+    actions = api_key.add_subparsers(dest="api_key_command", required=True)
+    add = actions.add_parser("add", help="make a key, print its secret once, store its hash")
+    add.add_argument("name", help="the key's name (its quota in Redis is named after it)")
+    add.add_argument("--file", required=True, help="the key file (created mode 0600)")
+    add.add_argument("--requests-per-minute", type=int, default=None)
+    add.add_argument("--max-concurrent", type=int, default=None)
+    add.add_argument(
+        "--operator", action="store_true", help="the key may read the status page and JSON"
+    )
+    add.set_defaults(func=run_add_key)
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from mlx_redis_gateway.api_keys import KeyFileError
+    from mlx_redis_gateway.app import GatewaySettings, build_app
+    from mlx_redis_gateway.permissions import check_gateway_permissions
+    from mlx_redis_protocol.connection import REFUSED, redact
+    from mlx_redis_protocol.keys import Keys
+    from mlx_redis_worker.daemon.permissions import MissingPermission
+    from mlx_redis_worker.logs import one_line
+
+    host, port = _listen_address(args.listen)
+    if args.api_keys is None and not args.no_auth and not _is_loopback(host):
+        return _fail(
+            f"refusing to serve {host} without API keys: pass --api-keys FILE "
+            "(or --no-auth to serve it open)"
+        )
+    try:
+        settings = GatewaySettings(
+            redis_url=args.redis_url,
+            redis_topology=args.redis_topology,
+            prefix=args.prefix,
+            api_keys=Path(args.api_keys) if args.api_keys else None,
+            abort_on_disconnect=not args.keep_on_disconnect,
+            resumable_by_default=args.resumable_by_default,
+            event_timeout=args.event_timeout,
+            log_ttl=args.log_ttl,
+            status_page=not args.no_status_page,
+            quota_lease_seconds=args.quota_lease_seconds,
+        )
+    except ValueError as exc:
+        return _fail(str(exc))
+    try:
+        app = build_app(settings)
+    except (OSError, KeyFileError) as exc:
+        return _fail(f"cannot use the API keys: {exc}")
+    check = check_gateway_permissions(
+        settings.redis_url,
+        settings.redis_topology,
+        Keys(settings.prefix),
+        status_page=settings.status_page,
+        limits=settings.api_keys is not None,
+    )
+    try:
+        asyncio.run(check)
+    except REFUSED as exc:
+        return _fail(f"Redis refused us at {redact(settings.redis_url)}: {one_line(exc)}")
+    except MissingPermission as exc:
+        return _fail(str(exc))
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_config=None,  # structlog already owns the output
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=30,
+        # Longer than a load balancer's idle timeout (60 s is common), so the balancer, not
+        # the gateway, closes an idle connection: no request races a closing socket.
+        timeout_keep_alive=75,
+    )
+    return 0
+
+
+def run_add_key(args: argparse.Namespace) -> int:
+    from mlx_redis_gateway.api_keys import KeyFileError, add_key
+
+    try:
+        secret = add_key(
+            Path(args.file),
+            args.name,
+            requests_per_minute=args.requests_per_minute,
+            max_concurrent=args.max_concurrent,
+            operator=args.operator,
+        )
+    except (OSError, KeyFileError) as exc:
+        return _fail(str(exc))
+    print(secret)
+    print(
+        f"key {args.name!r} added to {args.file}; the secret above is not stored", file=sys.stderr
+    )
+    return 0
+
+
+def _listen_address(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--listen must be HOST:PORT, got {listen!r}")
+    return host.strip("[]"), int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _fail(message: str) -> int:
+    print(f"mlx-worker: {message}", file=sys.stderr, flush=True)
+    return 2

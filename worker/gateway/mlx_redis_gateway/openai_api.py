@@ -1,0 +1,318 @@
+"""OpenAI request bodies → protocol jobs: what is mapped, what is refused, what is ignored.
+
+``POST /v1/chat/completions`` and ``POST /v1/completions`` bodies are read field by field:
+known fields map to the job (README "OpenAI-compatible gateway" has the table), fields whose
+value we cannot honour (``n`` > 1, tools, ``logit_bias``, ``echo``, ...) are a 400 naming the
+parameter, and unknown fields are ignored, as OpenAI's own clients expect of compatible
+servers. Nothing here touches Redis.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from mlx_redis_gateway.errors import ApiError, bad_request
+from mlx_redis_protocol.client import build_job
+from mlx_redis_protocol.codec_job import MAX_SEED
+from mlx_redis_protocol.errors import ProtocolError
+from mlx_redis_protocol.fields import FieldReader
+from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id, new_request_id
+from mlx_redis_protocol.limits import Limits
+from mlx_redis_protocol.messages import ChatMessage, Job
+
+Kind = Literal["chat", "text"]
+
+# OpenAI's roles; "developer" is its newer name for "system" (chat templates know only that).
+_ROLES: Final = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+}
+# Most top logprobs OpenAI accepts for each endpoint.
+_MAX_TOP_LOGPROBS: Final = {"chat": 20, "text": 5}
+# Fields with a value we cannot honour; a default-like value (the second item) passes.
+_UNSUPPORTED: Final[dict[str, tuple[str, Any]]] = {
+    "tools": ("tools are not supported by this gateway", None),
+    "functions": ("functions are not supported by this gateway", None),
+    "tool_choice": ("tool_choice is not supported by this gateway", "none"),
+    "logit_bias": ("logit_bias is not supported by this gateway", None),
+    "audio": ("audio output is not supported", None),
+    "prediction": ("predicted outputs are not supported", None),
+    "suffix": ("suffix (insertion) is not supported", None),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """One accepted OpenAI request: the job to queue and how to shape the answer."""
+
+    kind: Kind
+    model: str
+    job: Job
+    stream: bool
+    include_usage: bool
+    logprobs: bool  # whether the answer carries logprobs
+    resumable: bool | None  # asked for in the body (None: not said; the header may say)
+
+
+class _BodyReader(FieldReader):
+    """FieldReader whose errors name the OpenAI parameter."""
+
+    def error(self, code: str, name: str, rule: str) -> ProtocolError:
+        return _ParamError(code, name, rule)
+
+
+class _ParamError(ProtocolError):
+    def __init__(self, code: str, param: str, rule: str) -> None:
+        super().__init__(code, f"{param} {rule}")
+        self.param = param
+
+
+def parse_request(
+    kind: Kind, body: object, *, limits: Limits, user_key: str | None = None
+) -> CompletionRequest:
+    """The request in a decoded JSON ``body``; ApiError (400) when it cannot be honoured.
+
+    ``user_key``: the API key's name, recorded in the job's metadata with OpenAI's ``user``.
+    """
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return _parse(kind, body, limits, user_key)
+    except _ParamError as exc:
+        raise bad_request(exc.message, param=exc.param, code=exc.code) from exc
+    except ProtocolError as exc:  # the job's own checks (limits, prompt rules)
+        raise bad_request(exc.message, param=_job_field_param(exc), code=exc.code) from exc
+
+
+# The job's fields whose checks (in ``build_job``) can refuse a body, and the body's name of
+# each (the job's errors read ``job.FIELD ...``).
+_JOB_FIELD_PARAMS: Final = {
+    "prompt": "prompt",
+    "messages": "messages",
+    "stop": "stop",
+    "response_format": "response_format",
+}
+
+
+def _job_field_param(error: ProtocolError) -> str | None:
+    field = re.match(r"job\.([a-z_]+)", error.message)
+    return _JOB_FIELD_PARAMS.get(field[1]) if field is not None else None
+
+
+def _parse(
+    kind: Kind, body: Mapping[str, Any], limits: Limits, user_key: str | None
+) -> CompletionRequest:
+    reader = _BodyReader(body, "body", limits)
+    model = reader.required_string("model", non_empty=True)
+    if not is_valid_id(model):
+        raise bad_request(f"model must be {ID_RULE}", param="model", code="model_not_found")
+    _refuse_unsupported(reader, kind)
+    stream = bool(reader.boolean("stream"))
+    stream_options = reader.mapping("stream_options") or {}
+    include_usage = stream_options.get("include_usage") is True
+    if stream_options and not stream:
+        raise bad_request("stream_options needs stream: true", param="stream_options")
+    logprobs, top = _logprobs(reader, kind)
+    options: dict[str, Any] = {
+        "model": model,
+        "max_tokens": _max_tokens(reader, kind),
+        "temperature": reader.number("temperature", minimum=0.0, maximum=2.0),
+        "top_p": reader.number("top_p", minimum=0.0, maximum=1.0),
+        "presence_penalty": reader.number("presence_penalty", minimum=-2.0, maximum=2.0),
+        "frequency_penalty": reader.number("frequency_penalty", minimum=-2.0, maximum=2.0),
+        "seed": _seed(reader),
+        "stop": _stop(reader),
+        "logprobs": top if logprobs else None,
+        "metadata": _metadata(reader, user_key),
+        "response_format": _response_format(reader),
+    }
+    prompt, messages = _prompt(reader, kind)
+    job = build_job(
+        prompt=prompt,
+        prompt_token_ids=None,
+        messages=messages,
+        request_id=request_id_for(kind),
+        options={name: value for name, value in options.items() if value is not None},
+        limits=limits,
+    )
+    return CompletionRequest(
+        kind=kind,
+        model=model,
+        job=job,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        resumable=reader.boolean("resumable"),
+    )
+
+
+def request_id_for(kind: Kind) -> str:
+    """A fresh request id, shaped like OpenAI's response ids (it is the response's ``id``)."""
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{new_request_id()}"
+
+
+def _refuse_unsupported(reader: _BodyReader, kind: Kind) -> None:
+    n = reader.integer("n", minimum=1)
+    if n is not None and n != 1:
+        raise bad_request("only n = 1 is supported", param="n")
+    best_of = reader.integer("best_of", minimum=1)
+    if best_of is not None and best_of != 1:
+        raise bad_request("only best_of = 1 is supported", param="best_of")
+    if reader.boolean("echo"):
+        raise bad_request("echo is not supported", param="echo")
+    for name, (message, allowed) in _UNSUPPORTED.items():
+        value = reader.message.get(name)
+        if value is not None and value != allowed and value != [] and value != {}:
+            raise bad_request(message, param=name)
+
+
+def _response_format(reader: _BodyReader) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as the job's: ``text`` (none), ``json_object``,
+    ``json_schema`` (its ``json_schema.schema``), and this gateway's own ``regex``
+    (``pattern``) and ``grammar`` (``lark``), passed as they are."""
+    value = reader.mapping("response_format")
+    if value is None or value.get("type", "text") == "text":
+        return None
+    kind = value.get("type")
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "response_format json_schema needs json_schema.schema (an object)",
+                param="response_format.json_schema.schema",
+            )
+        return {"type": "json_schema", "schema": schema}
+    if kind in ("regex", "grammar"):
+        return dict(value)
+    raise bad_request(
+        f"response_format type {kind!r} is not supported (text, json_object, json_schema, "
+        "regex, grammar)",
+        param="response_format",
+    )
+
+
+def _max_tokens(reader: _BodyReader, kind: Kind) -> int | None:
+    # max_completion_tokens is chat's newer name for it; when both are given it wins.
+    newer = reader.integer("max_completion_tokens", minimum=1) if kind == "chat" else None
+    name = "max_completion_tokens" if newer is not None else "max_tokens"
+    value = newer if newer is not None else reader.integer("max_tokens", minimum=1)
+    if value is not None and value > reader.limits.max_tokens:
+        raise bad_request(
+            f"{name} is over {reader.limits.max_tokens}", param=name, code="limit_exceeded"
+        )
+    return value
+
+
+def _seed(reader: _BodyReader) -> int | None:
+    """The client's seed; without one, a fresh one: a job re-run after a worker crash then
+    samples the same tokens, so its stream continues where it was instead of diverging."""
+    seed = reader.integer("seed")
+    if seed is None:
+        return secrets.randbelow(2**63)
+    return seed % (MAX_SEED + 1)  # OpenAI allows negative seeds; ours are 64-bit unsigned
+
+
+def _stop(reader: _BodyReader) -> list[str] | None:
+    value = reader.message.get("stop")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    items = reader.array("stop", max_items=reader.limits.max_stop)
+    assert items is not None  # present, checked above
+    if not all(isinstance(item, str) for item in items):
+        raise bad_request("stop must be a string or an array of strings", param="stop")
+    return items or None
+
+
+def _logprobs(reader: _BodyReader, kind: Kind) -> tuple[bool, int]:
+    """Whether to return logprobs, and how many top alternatives per token."""
+    most = _MAX_TOP_LOGPROBS[kind]
+    if kind == "chat":
+        wanted = bool(reader.boolean("logprobs"))
+        top = reader.integer("top_logprobs", minimum=0)
+        if top is not None and top > most:
+            raise bad_request(f"top_logprobs must be <= {most}", param="top_logprobs")
+        if top is not None and not wanted:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        return wanted, top or 0
+    count = reader.integer("logprobs", minimum=0)
+    if count is not None and count > most:
+        raise bad_request(f"logprobs must be <= {most}", param="logprobs")
+    return count is not None, count or 0
+
+
+def _metadata(reader: _BodyReader, user_key: str | None) -> dict[str, Any] | None:
+    user = reader.string("user", max_len=256)
+    metadata = {"user": user, "api_key": user_key}
+    kept = {name: value for name, value in metadata.items() if value is not None}
+    return kept or None
+
+
+def _prompt(reader: _BodyReader, kind: Kind) -> tuple[str | None, list[ChatMessage] | None]:
+    if kind == "text":
+        prompt = reader.message.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]  # a batch of one
+        if not isinstance(prompt, str):
+            raise bad_request(
+                "prompt must be a string (batches and token arrays are not supported)",
+                param="prompt",
+            )
+        return prompt, None
+    items = reader.array("messages", required=True, max_items=reader.limits.max_messages)
+    assert items is not None  # required
+    if not items:
+        raise bad_request("messages must not be empty", param="messages")
+    return None, [_message(item, index) for index, item in enumerate(items)]
+
+
+def _message(item: object, index: int) -> ChatMessage:
+    param = f"messages[{index}]"
+    if not isinstance(item, dict):
+        raise bad_request(f"{param} must be an object", param=param)
+    raw_role = item.get("role")
+    role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
+    if role is None:
+        raise bad_request(
+            f"{param}.role must be one of system, developer, user, assistant"
+            " (tool messages are not supported)",
+            param=f"{param}.role",
+        )
+    if item.get("tool_calls"):
+        raise bad_request(f"{param}.tool_calls are not supported", param=f"{param}.tool_calls")
+    return ChatMessage(role=role, content=_content(item.get("content"), f"{param}.content"))
+
+
+def _content(content: object, param: str) -> str:
+    """A message's text: a string, or text parts joined (other parts are refused)."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise bad_request(f"{param} may hold only text parts", param=param)
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request(f"{param}: a text part needs a string text", param=param)
+            texts.append(text)
+        return "".join(texts)
+    raise bad_request(f"{param} must be a string or an array of text parts", param=param)
+
+
+def check_request_id(request_id: str) -> str:
+    if not is_valid_id(request_id):
+        raise ApiError(404, f"no request {request_id!r}", code="request_not_found")
+    return request_id

@@ -1,0 +1,323 @@
+"""A request's protocol events → OpenAI's chunks and completion objects.
+
+The shaper is a pure function of the event sequence: a gateway that resumes a stream (any
+gateway, after ``Last-Event-ID``) feeds it the request's log from the start, drops the chunks
+the client already has (those of events up to that seq), and sends the rest: the same chunks
+the first gateway would have sent. Each chunk's SSE id is the seq of the event it came from.
+
+A job re-run after a worker failure starts again (a ``reset`` event), but text already sent
+cannot be taken back. The new attempt is matched against what was sent: while it repeats it
+(a seeded or greedy re-run does), nothing goes out; past it, only the new text does. If it
+differs, the stream ends with a ``stream_rewritten`` error instead of sending a corrupt answer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from mlx_redis_gateway.errors import ApiError, from_error_event
+from mlx_redis_protocol.messages import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    QueuedEvent,
+    ResetEvent,
+    TokenLogprob,
+    Usage,
+)
+
+Kind = Literal["chat", "text"]
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseShape:
+    """What a gateway stores per request (``mlxw:gateway:{id}``), so that any gateway can
+    stream it again: the answer's form and who may read it."""
+
+    kind: Kind
+    model: str
+    created: int
+    include_usage: bool = False
+    logprobs: bool = False
+    owner: str | None = None  # the API key name that made it; None: made without auth
+
+    def encode(self) -> str:
+        return json.dumps(
+            {
+                "kind": self.kind,
+                "model": self.model,
+                "created": self.created,
+                "include_usage": self.include_usage,
+                "logprobs": self.logprobs,
+                "owner": self.owner,
+            }
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> ResponseShape | None:
+        try:
+            value = json.loads(raw)
+            kind = value["kind"]
+            if kind not in ("chat", "text"):
+                return None
+            return cls(
+                kind=kind,
+                model=str(value["model"]),
+                created=int(value["created"]),
+                include_usage=bool(value.get("include_usage")),
+                logprobs=bool(value.get("logprobs")),
+                owner=value.get("owner") if isinstance(value.get("owner"), str) else None,
+            )
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One SSE message: the seq of the event it came from, its JSON data, and whether the seq
+    is sent as its SSE id (a resumed stream starts after the last id the client saw)."""
+
+    seq: int
+    data: dict[str, Any]
+    has_id: bool = True
+
+
+class _Output:
+    """Text and token ids, appended to as deltas come; the text is joined only when read
+    (after a reset), so a long answer costs the same per token as a short one."""
+
+    __slots__ = ("_pieces", "length", "tokens")
+
+    def __init__(self, text: str = "", tokens: list[int] | None = None) -> None:
+        self._pieces = [text] if text else []
+        self.length = len(text)
+        self.tokens: list[int] = list(tokens) if tokens else []
+
+    def add(self, text: str, tokens: tuple[int, ...]) -> None:
+        if text:
+            self._pieces.append(text)
+            self.length += len(text)
+        self.tokens.extend(tokens)
+
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+
+class Shaper:
+    """Feeds on one request's events in seq order; says what to send for each."""
+
+    def __init__(self, request_id: str, shape: ResponseShape, *, streaming: bool = True) -> None:
+        """``streaming`` False: only the final answer is wanted (``completion``), so a re-run
+        that differs from an earlier attempt is no error: nothing of that one was sent."""
+        self.request_id = request_id
+        self.shape = shape
+        self.streaming = streaming
+        self.attempt = _Output()  # the current attempt's own output
+        # What the client has, across attempts: the attempt itself, except after a reset
+        # until the re-run has caught up with what the earlier attempt sent.
+        self.sent = self.attempt
+        self.attempt_logprobs: list[TokenLogprob] = []
+        self.done: DoneEvent | None = None
+        self.error: ApiError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done is not None or self.error is not None
+
+    def feed(self, event: Event) -> list[Chunk]:
+        """The chunks ``event`` adds to the stream (none for most non-delta events)."""
+        if isinstance(event, QueuedEvent):
+            return []  # the role chunk goes out once, from ``opening``
+        if isinstance(event, ResetEvent):
+            self.attempt = _Output()
+            self.attempt_logprobs = []
+            return []
+        if isinstance(event, DeltaEvent):
+            return self._delta(event)
+        if isinstance(event, DoneEvent):
+            self.done = event
+            return self._closing(event)
+        if isinstance(event, ErrorEvent):
+            self.error = from_error_event(event.code, event.message)
+            return [Chunk(event.seq, self.error.body())]
+        return []  # an event type of a newer protocol: nothing to show
+
+    def opening(self) -> Chunk:
+        """The first chunk (seq 0, the queued marker's): the role, and the id to resume by."""
+        if self.shape.kind == "chat":
+            return Chunk(0, self._chunk({"role": "assistant", "content": ""}, None))
+        return Chunk(0, self._chunk("", None))
+
+    def _delta(self, event: DeltaEvent) -> list[Chunk]:
+        self.attempt.add(event.new_text, event.new_token_ids)
+        if event.logprobs:
+            self.attempt_logprobs += event.logprobs
+        if not self.streaming:
+            return []
+        if self.attempt is self.sent:
+            new_text, new_logprobs = event.new_text, list(event.logprobs or ())
+        else:
+            replayed = self._replayed()
+            if replayed is None:
+                self.error = ApiError(
+                    500,
+                    f"request {self.request_id} was run again after a worker failure and its "
+                    "new output differs from what was already streamed; send the request again",
+                    "server_error",
+                    code="stream_rewritten",
+                )
+                return [Chunk(event.seq, self.error.body())]
+            new_text, new_logprobs = replayed
+        if not new_text and not (self.shape.logprobs and new_logprobs):
+            return []
+        logprobs = self._logprobs(new_logprobs) if self.shape.logprobs else None
+        if self.shape.kind == "chat":
+            return [Chunk(event.seq, self._chunk({"content": new_text}, None, logprobs))]
+        return [Chunk(event.seq, self._chunk(new_text, None, logprobs))]
+
+    def _replayed(self) -> tuple[str, list[TokenLogprob]] | None:
+        """A re-run's delta checked against what the client has: what is new to it (text and
+        logprobs past what was sent), or None when the re-run differs from it."""
+        attempt, sent = self.attempt, self.sent
+        attempt_text, sent_text = attempt.text, sent.text
+        overlap = min(len(attempt.tokens), len(sent.tokens))
+        text_overlap = min(attempt.length, sent.length)
+        if (
+            attempt.tokens[:overlap] != sent.tokens[:overlap]
+            or attempt_text[:text_overlap] != sent_text[:text_overlap]
+        ):
+            return None
+        new_text = attempt_text[sent.length :]
+        new_logprobs = self.attempt_logprobs[len(sent.tokens) :]
+        if attempt.length >= sent.length and len(attempt.tokens) >= len(sent.tokens):
+            self.sent = attempt  # caught up: from here on the attempt is what was sent
+        else:  # ahead in text or in tokens only (a detokenizer holds text back)
+            self.sent = _Output(
+                max(attempt_text, sent_text, key=len),
+                max(attempt.tokens, sent.tokens, key=len),
+            )
+        return new_text, new_logprobs
+
+    def _closing(self, event: DoneEvent) -> list[Chunk]:
+        empty: dict[str, Any] | str = {} if self.shape.kind == "chat" else ""
+        # With a usage chunk after it, the closing chunk carries no id: a client that lost
+        # the usage chunk resumes before both and gets both again.
+        closing = self._chunk(empty, event.finish_reason)
+        if event.output_valid is not None:  # this gateway's extension: did it match the format?
+            closing["choices"][0]["output_valid"] = event.output_valid
+        chunks = [Chunk(event.seq, closing, has_id=not self.shape.include_usage)]
+        if self.shape.include_usage:
+            usage_chunk = self._envelope("chat.completion.chunk")
+            if self.shape.kind == "text":
+                usage_chunk["object"] = "text_completion"
+            usage_chunk["choices"] = []
+            usage_chunk["usage"] = usage_body(event.usage)
+            chunks.append(Chunk(event.seq, usage_chunk))
+        return chunks
+
+    def _chunk(
+        self, delta: dict[str, Any] | str, finish_reason: str | None, logprobs: Any = None
+    ) -> dict[str, Any]:
+        if self.shape.kind == "chat":
+            body = self._envelope("chat.completion.chunk")
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            body = self._envelope("text_completion")
+            choice = {"index": 0, "text": delta}
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = finish_reason
+        body["choices"] = [choice]
+        return body
+
+    def _envelope(self, kind: str) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": kind,
+            "created": self.shape.created,
+            "model": self.shape.model,
+            "system_fingerprint": None,
+        }
+
+    def _logprobs(self, items: list[TokenLogprob]) -> dict[str, Any]:
+        """OpenAI's logprobs for ``items``. The gateway has no tokenizer, so a token is named
+        by its id (``token_id:123``, as vLLM's ``return_tokens_as_token_ids`` does)."""
+        if self.shape.kind == "chat":
+            return {
+                "content": [
+                    {
+                        "token": token_name(item.token_id),
+                        "logprob": item.logprob,
+                        "bytes": None,
+                        "top_logprobs": [
+                            {"token": token_name(token), "logprob": logprob, "bytes": None}
+                            for token, logprob in item.top_logprobs
+                        ],
+                    }
+                    for item in items
+                ]
+            }
+        return {
+            "tokens": [token_name(item.token_id) for item in items],
+            "token_logprobs": [item.logprob for item in items],
+            "top_logprobs": [
+                {token_name(token): logprob for token, logprob in item.top_logprobs}
+                for item in items
+            ],
+            "text_offset": None,
+        }
+
+    def completion(self) -> dict[str, Any]:
+        """The non-streaming answer, once the request is done (its final attempt's text)."""
+        assert self.done is not None
+        done = self.done
+        logprobs = self._logprobs(self.attempt_logprobs) if self.shape.logprobs else None
+        if self.shape.kind == "chat":
+            body = self._envelope("chat.completion")
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": done.output_text, "refusal": None},
+            }
+        else:
+            body = self._envelope("text_completion")
+            choice = {"index": 0, "text": done.output_text}
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = done.finish_reason
+        if done.output_valid is not None:
+            choice["output_valid"] = done.output_valid
+        body["choices"] = [choice]
+        body["usage"] = usage_body(done.usage)
+        return body
+
+
+DONE_MESSAGE: Final = b"data: [DONE]\r\n\r\n"
+
+
+def sse_message(chunk: Chunk) -> bytes:
+    """The chunk as one SSE message (bytes: sse-starlette passes them through as they are)."""
+    if chunk.has_id:
+        return b"id: %d\r\n%s" % (chunk.seq, sse_data(chunk.data))
+    return sse_data(chunk.data)
+
+
+def sse_data(value: Mapping[str, Any]) -> bytes:
+    return b"data: %s\r\n\r\n" % json.dumps(value, separators=(",", ":")).encode()
+
+
+def token_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }

@@ -1,0 +1,326 @@
+"""The ``mlx-worker`` command: a thin front that hands each subcommand to its layer."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx_redis_worker  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+from mlx_redis_gateway.cli import add_gateway_commands
+from mlx_redis_protocol.cli import add_commands as add_client_commands
+from mlx_redis_worker.daemon.settings import WorkerSettings, load_settings
+from mlx_redis_worker.logs import configure_logging, one_line, tell_operator
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; each subcommand names the function that runs it (``func``)."""
+    parser = argparse.ArgumentParser(prog="mlx-worker", description=__doc__)
+    parser.add_argument(
+        "--log-format",
+        choices=["json", "console"],
+        default=os.environ.get("MLXW_LOG_FORMAT", "console"),
+        help="log lines as JSON (production) or for humans (env MLXW_LOG_FORMAT)",
+    )
+    parser.add_argument(
+        "--log-level", default=os.environ.get("MLXW_LOG_LEVEL", "INFO"), help="env MLXW_LOG_LEVEL"
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=os.environ.get("MLXW_DEBUG", "").lower() in ("1", "true", "yes", "on"),
+        help="show the Python traceback of a failure, not only its one line (env MLXW_DEBUG=1)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_model_commands(commands)
+    _add_bench_commands(commands)
+    _add_daemon_commands(commands)
+    add_client_commands(commands)  # submit, stream, ctl, group: the protocol's own client CLI
+    add_gateway_commands(commands)  # gateway, api-key: the OpenAI-compatible HTTP front
+    _add_demo_command(commands)
+    return parser
+
+
+def _lazy(module: str, function: str) -> Command:
+    """A command whose module is imported only when it runs: most import mlx (a second),
+    which submit, stream and ctl never need."""
+
+    def command(args: argparse.Namespace) -> int:
+        run: Command = getattr(importlib.import_module(module), function)
+        return run(args)
+
+    return command
+
+
+def _add_model_commands(commands: Any) -> None:
+    model = commands.add_parser("model", help="prepare offline model fixtures")
+    model_commands = model.add_subparsers(dest="model_command", required=True)
+    prepare = model_commands.add_parser("prepare", help="build an mlx-lm model folder")
+    prepare.add_argument("name", choices=["smollm2", "tiny"])
+    prepare.add_argument("--dtype", choices=["float32", "bfloat16", "q4"], default="float32")
+    prepare.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
+    prepare.add_argument("--size", choices=["micro", "small", "medium"], default="small")
+    prepare.add_argument(
+        "--cache-dir", default=None, help="default: ~/.cache/mlx-redis-worker/models"
+    )
+    prepare.add_argument("--force", action="store_true", help="rebuild even when present")
+    prepare.set_defaults(func=_lazy("mlx_redis_worker.models.prepare", "run_prepare"))
+
+
+def _add_bench_commands(commands: Any) -> None:
+    bench = commands.add_parser("bench", help="benchmarks with same-run baselines")
+    benches = bench.add_subparsers(dest="bench_command", required=True)
+
+    engine = benches.add_parser("engine", help="engine vs mlx-lm, same load")
+    _add_load_flags(engine)
+    engine.add_argument(
+        "--sequential-max",
+        type=int,
+        default=32,
+        help="skip the sequential baseline above this concurrency",
+    )
+    engine.add_argument("--skip", default="", help="paths to skip: sequential,batch,sync,async")
+    engine.set_defaults(func=_lazy("mlx_redis_worker.bench.engine_bench", "run_bench"))
+
+    e2e = benches.add_parser("e2e", help="Redis + worker + client vs engine alone")
+    _add_load_flags(e2e)
+    e2e.add_argument("--redis-url", default=None, help="default: MLXW_REDIS_URL or a private one")
+    e2e.add_argument(
+        "--cluster",
+        action="store_true",
+        help="also run end to end on a private 3-master Redis Cluster (a second worker)",
+    )
+    e2e.set_defaults(func=_lazy("mlx_redis_worker.bench.e2e_bench", "run_e2e_bench"))
+
+    prefix = benches.add_parser(
+        "prefix", help="TTFT with a shared system prompt: cold, warm, after a restart"
+    )
+    prefix.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
+    prefix.add_argument("--system-tokens", type=int, default=1000)
+    prefix.add_argument("--user-tokens", type=int, default=32)
+    prefix.add_argument("--requests", type=int, default=5, help="questions per system prompt")
+    prefix.add_argument("--rounds", type=int, default=2, help="distinct system prompts")
+    prefix.add_argument("--max-tokens", type=int, default=8)
+    prefix.add_argument("--restored-from", default=None, help=argparse.SUPPRESS)
+    prefix.set_defaults(func=_lazy("mlx_redis_worker.bench.prefix_bench", "run_prefix_bench"))
+
+    publish = benches.add_parser(
+        "publish", help="worker CPU per published delta: one script call per step vs per event"
+    )
+    publish.add_argument("--batch", default="1,8,32,128", help="streams, comma-separated")
+    publish.add_argument("--events", type=int, default=4096, help="events per measurement")
+    publish.add_argument("--repeat", type=int, default=5, help="rotations of both paths")
+    publish.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    publish.set_defaults(func=_lazy("mlx_redis_worker.bench.publish_bench", "run_publish_bench"))
+
+    models = benches.add_parser(
+        "models", help="two models on one worker vs one worker each: tok/s per model"
+    )
+    models.add_argument("--models", default="tiny,tiny-qwen3", help="two fixture names or paths")
+    models.add_argument("--concurrency", type=int, default=8, help="streams per model")
+    models.add_argument("--prompt-tokens", type=int, default=32)
+    models.add_argument("--max-tokens", type=int, default=64)
+    models.add_argument("--repeat", type=int, default=3, help="rotations of both layouts")
+    models.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    models.set_defaults(func=_lazy("mlx_redis_worker.bench.models_bench", "run_models_bench"))
+
+    gateway = benches.add_parser(
+        "gateway", help="OpenAI gateway vs the protocol client: tok/s and TTFT, same run"
+    )
+    gateway.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
+    gateway.add_argument("--concurrency", type=int, default=32, help="streams at once")
+    gateway.add_argument("--prompt-tokens", type=int, default=32)
+    gateway.add_argument("--max-tokens", type=int, default=64)
+    gateway.add_argument("--repeat", type=int, default=3, help="rotations of both paths")
+    gateway.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    gateway.set_defaults(func=_lazy("mlx_redis_worker.bench.gateway_bench", "run_gateway_bench"))
+
+    scheduler = benches.add_parser(
+        "scheduler", help="the engine's own host work per token, model replayed"
+    )
+    scheduler.add_argument("--model", default="tiny", help="whose tokenizer: tiny | smollm2 | …")
+    scheduler.add_argument("--sequences", type=int, default=128)
+    scheduler.add_argument("--tokens", type=int, default=256)
+    scheduler.add_argument("--repeat", type=int, default=7, help="rotations of all paths")
+    scheduler.set_defaults(
+        func=_lazy("mlx_redis_worker.bench.scheduler_bench", "run_scheduler_bench")
+    )
+
+    structured = benches.add_parser(
+        "structured", help="JSON-schema constrained decoding: validity, tok/s, compile time"
+    )
+    structured.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
+    structured.add_argument("--schemas", type=int, default=200, help="size of the schema suite")
+    structured.add_argument("--seed", type=int, default=0, help="of the schema suite")
+    structured.add_argument("--batch", type=int, default=8, help="requests in flight at once")
+    structured.add_argument("--max-tokens", type=int, default=256)
+    structured.add_argument("--temperature", type=float, default=0.7)
+    structured.add_argument("--repeat", type=int, default=4, help="rotations of both paths")
+    structured.set_defaults(
+        func=_lazy("mlx_redis_worker.bench.structured_bench", "run_structured_bench")
+    )
+
+
+def _add_load_flags(bench: argparse.ArgumentParser) -> None:
+    """The generation load of the engine and end-to-end benches."""
+    bench.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
+    bench.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
+    bench.add_argument("--prompt-tokens", type=int, default=32)
+    bench.add_argument("--max-tokens", type=int, default=64)
+    bench.add_argument("--repeat", type=int, default=3, help="rotations of all paths per level")
+
+
+def _add_daemon_commands(commands: Any) -> None:
+    run = commands.add_parser("run", help="run the worker daemon")
+    _add_worker_flags(run)
+    run.set_defaults(func=_run_worker)
+    health = commands.add_parser("health", help="exit 0 when the worker's heartbeat is alive")
+    _add_worker_flags(
+        health,
+        only=("redis_url", "redis_url_file", "redis_topology", "prefix", "worker_id", "config"),
+    )
+    health.set_defaults(func=_check_health)
+
+
+def _add_demo_command(commands: Any) -> None:
+    demo = commands.add_parser("demo", help="stream a few concurrent generations")
+    demo.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument(
+        "--embedded-redis",
+        action="store_true",
+        help="use the embedded Redis even when a real one is available",
+    )
+    demo.set_defaults(func=_lazy("mlx_redis_worker.demo", "run_demo"))
+
+
+WORKER_FLAGS: dict[str, tuple[type, str]] = {
+    "model": (
+        list,
+        "a model to serve, [NAME=]SOURCE with SOURCE a folder, hub id or fixture name (tiny, "
+        "smollm2); repeat for several (env: comma-separated)",
+    ),
+    "default_model": (str, "the model jobs naming none run with (default: the first --model)"),
+    "memory_limit_mb": (int, "memory the models may use (default: what the machine has free)"),
+    "redis_url": (
+        str,
+        "redis://[user:password@]host:port/db (a server or any Cluster node), rediss:// for "
+        "TLS, or redis+sentinel://host:port[,host:port…]/service_name[/db]",
+    ),
+    "redis_topology": (str, "auto | standalone | cluster: what a redis:// URL names"),
+    "allow_eviction": (bool, "run although Redis may evict keys (maxmemory-policy)"),
+    "redis_url_file": (
+        str,
+        "a file (mode 0600) holding the Redis URL, to keep secrets out of argv",
+    ),
+    "prefix": (str, "key prefix"),
+    "worker_id": (str, "consumer name (default: host name + a stable suffix)"),
+    "max_concurrency": (int, "jobs running at once (the engine's batch)"),
+    "cache_dir": (str, "where cache_save/cache_load keep prefix caches"),
+    "lease_seconds": (float, "idle time after which another worker reclaims a job"),
+    "max_deliveries": (int, "deliveries before a job is dead-lettered"),
+    "dead_letter_maxlen": (int, "dead letters kept (about; the oldest go first)"),
+    "drain_timeout": (float, "seconds in-flight jobs get to finish on SIGTERM"),
+    "heartbeat_interval": (float, "seconds between heartbeats"),
+    "activity_interval": (float, "seconds between writes of the activity key (status page)"),
+    "metrics_port": (int, "serve Prometheus metrics on 127.0.0.1:PORT"),
+}
+
+
+def _add_worker_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    for name, (kind, help_text) in WORKER_FLAGS.items():
+        if only is None or name in only:
+            flag = "--" + name.replace("_", "-")
+            help_text = f"{help_text} (env MLXW_{name.upper()})"
+            if kind is bool:
+                parser.add_argument(
+                    flag, dest=name, action="store_true", default=None, help=help_text
+                )
+            elif kind is list:
+                parser.add_argument(flag, dest=name, action="append", default=None, help=help_text)
+            else:
+                parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
+    parser.add_argument(
+        "--config",
+        default=os.environ.get("MLXW_CONFIG"),
+        help="TOML file with the same settings (env MLXW_CONFIG)",
+    )
+
+
+def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
+    flags = {name: getattr(args, name, None) for name in WORKER_FLAGS}
+    if (models := flags.get("model")) is not None:  # --model repeated: a comma-separated list
+        flags["model"] = ",".join(models)
+    flags["log_format"] = args.log_format
+    flags["log_level"] = args.log_level
+    return load_settings(flags, config_file=args.config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand. No traceback reaches the user without ``--debug``: a mistake of
+    the operator's is one line and status 2, anything unexpected one line and status 1."""
+    args = build_parser().parse_args(argv)
+    try:
+        configure_logging(args.log_format, args.log_level)
+    except ValueError as exc:
+        return _usage_error(args, str(exc), exc)
+    try:
+        command: Command = args.func
+        return command(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        if _is_model_unavailable(exc):
+            return _usage_error(args, one_line(exc), exc)
+        print(
+            f"mlx-worker {args.command}: {one_line(exc, typed=True)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from mlx_redis_worker.daemon.service import serve
+
+    return _with_settings(args, lambda settings: serve(settings, debug=args.debug))
+
+
+def _check_health(args: argparse.Namespace) -> int:
+    from mlx_redis_worker.daemon.service import check_health
+
+    return _with_settings(args, check_health)
+
+
+def _with_settings(args: argparse.Namespace, use: Callable[[WorkerSettings], int]) -> int:
+    """``use`` the settings of flags, env and TOML; bad settings are a usage error."""
+    try:
+        settings = _worker_settings(args)
+    except (ValueError, OSError) as exc:
+        return _usage_error(args, f"bad settings: {one_line(exc)}", exc)
+    return use(settings)
+
+
+def _usage_error(args: argparse.Namespace, message: str, exc: BaseException) -> int:
+    """One line naming the problem (after its traceback with --debug); status 2."""
+    tell_operator(f"mlx-worker {args.command}: {message}", exc, debug=args.debug)
+    return 2
+
+
+def _is_model_unavailable(exc: BaseException) -> bool:
+    """A model that cannot be loaded (demo, bench) is the operator's mistake. Its class is
+    looked up only once loaded: importing it imports mlx (a second), which submit, stream and
+    ctl never need."""
+    loading = sys.modules.get("mlx_redis_worker.models.loading")
+    return loading is not None and isinstance(exc, loading.ModelUnavailable)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

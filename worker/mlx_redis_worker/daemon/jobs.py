@@ -1,0 +1,428 @@
+"""Running one delivered job: validate, check, start, wait for its terminal event, acknowledge.
+
+Order matters for at-least-once: the entry is acknowledged only after its terminal event is in
+the request's log, and a job is skipped (but acknowledged) when its log already ends in a
+terminal event, so a redelivery never runs a finished job twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from structlog.contextvars import bound_contextvars
+
+from mlx_redis_protocol.codec_job import decode_job
+from mlx_redis_protocol.connection import RedisClient
+from mlx_redis_protocol.errors import ProtocolError
+from mlx_redis_protocol.identifiers import stream_id_time
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.limits import Limits
+from mlx_redis_protocol.messages import SYSTEM_PREFIX, Job
+from mlx_redis_protocol.replay_log import (
+    FINISHED,
+    STALE_ATTEMPT,
+    Outcome,
+    begin_attempt,
+    new_run,
+    parse_fence,
+)
+from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
+from mlx_redis_worker.daemon.publisher import AttemptLost, EventPublisher
+from mlx_redis_worker.daemon.redis_retry import retry_until_done
+from mlx_redis_worker.engine import EngineCore, QueueFullError, ResponseFormat, SamplingParams
+from mlx_redis_worker.engine.prompt import chat_prompt
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyEnd:
+    """How a job ends before (or instead of) generating: the terminal event it gets (an
+    ``error`` when ``error`` is set, else ``done`` with ``finish_reason``), and where its entry
+    goes: acknowledged, dead-lettered (``dead = (code, message)``) or, with ``requeue``, left
+    pending for a retry after its lease (no terminal event)."""
+
+    outcome: str
+    finish_reason: str = ""
+    error: tuple[str, str] | None = None
+    dead: tuple[str, str] | None = None
+    requeue: bool = False
+
+    @classmethod
+    def invalid(cls, code: str, message: str) -> EarlyEnd:
+        return cls("invalid", error=("invalid_job", f"{code}: {message}"), dead=(code, message))
+
+
+REQUEUED = EarlyEnd("requeued", requeue=True)
+
+
+@dataclass(frozen=True, slots=True)
+class JobStats:
+    in_flight: list[str]  # request ids running in the engine
+    outcomes: dict[str, int]  # jobs handled, by outcome (completed, expired, lost_lease, ...)
+
+
+class JobRunner:
+    def __init__(
+        self,
+        *,
+        engine: EngineCore,
+        redis: RedisClient,
+        keys: Keys,
+        queue: JobQueue,
+        publisher: EventPublisher,
+        limits: Limits,
+        max_deliveries: int,
+        default_stream_interval: int,
+        worker_id: str,
+        model: str,
+    ) -> None:
+        """``model``: the fleet's name of the engine's model; the queue is its stream."""
+        self.engine = engine
+        self.model = model
+        self.worker_id = worker_id
+        self.redis = redis
+        self.keys = keys
+        self.queue = queue
+        self.publisher = publisher
+        self.limits = limits
+        self.max_deliveries = max_deliveries
+        self.default_stream_interval = default_stream_interval
+        self.in_flight: dict[str, str] = {}  # request_id -> entry id
+        self.outcomes: dict[str, int] = {}
+        self.draining = False
+
+    async def run(self, delivery: Delivery) -> None:
+        try:
+            job = decode_job(delivery.job_bytes, self.limits)
+        except ProtocolError as exc:
+            await self._reject(delivery, exc.request_id, exc.code, exc.message)
+            return
+        with bound_contextvars(request_id=job.request_id, entry_id=delivery.entry_id):
+            await self._run_job(delivery, job)
+
+    async def _run_job(self, delivery: Delivery, job: Job) -> None:
+        """Begin an attempt, end the job early when its checks say so, else generate and wait
+        for the terminal event; acknowledge only once that event is in the log."""
+        rid = job.request_id
+        if rid in self.in_flight:  # the same request twice at once: let the first one finish
+            log.warning("job_duplicate_in_flight")
+            return
+        written = await self._begin(delivery, rid, job.metadata)
+        if written is None:
+            return
+        started = time.monotonic()
+        early = await self._precheck(delivery, job) or await self._start(delivery, job)
+        if early is not None:
+            await self._end_early(delivery, rid, written, early)
+            return
+        if await self._written(rid, written):
+            await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
+            self._count("completed")
+            log.info("job_finished", seconds=round(time.monotonic() - started, 3))
+
+    async def _begin(
+        self, delivery: Delivery, rid: str, metadata: Mapping[str, Any] | None
+    ) -> asyncio.Future[None] | None:
+        """Fence the request for this delivery's attempt and open its events; None when it is
+        not ours to run (already finished: acknowledged; a newer attempt runs elsewhere)."""
+        attempt = delivery.times_delivered
+        run = new_run(self.worker_id)
+        last_seq = await self._begin_attempt(rid, attempt, run)
+        if last_seq == FINISHED:  # its log already ends: a redelivery of a finished job
+            await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
+            self._count("already_done")
+            log.info("job_already_done")
+            return None
+        if last_seq == STALE_ATTEMPT:  # a newer attempt runs elsewhere: that worker owns it now
+            self._count("stale_delivery")
+            log.warning("job_stale_delivery", attempt=attempt)
+            return None
+        return self._open(rid, attempt, run, last_seq, metadata, delivery)
+
+    async def _precheck(self, delivery: Delivery, job: Job) -> EarlyEnd | None:
+        """The checks a job passes before the engine sees it; how it ends when one fails."""
+        if delivery.times_delivered > self.max_deliveries:
+            message = f"delivered {delivery.times_delivered} times (limit {self.max_deliveries})"
+            return EarlyEnd(
+                "dead_lettered",
+                error=("dead_lettered", message),
+                dead=("dead_lettered", message),
+            )
+        if job.model is not None and job.model != self.model:
+            right = self.keys.model_stream(job.model).stream
+            return EarlyEnd.invalid(
+                "invalid_field",
+                f"job names model {job.model!r} but was queued on the stream of model "
+                f"{self.model!r} ({self.queue.stream.stream}): queue it on {right} or "
+                f"{self.keys.jobs}",
+            )
+        rid = job.request_id
+        if await retry_until_done(lambda: self.redis.exists(self.keys.abort(rid)), "abort check"):
+            return EarlyEnd("aborted_before_start", finish_reason="abort")
+        if job.is_expired(time.time()):
+            return EarlyEnd("expired", finish_reason="expired")
+        return None
+
+    async def _start(self, delivery: Delivery, job: Job) -> EarlyEnd | None:
+        """Hand the job to the engine; how it ends instead when the engine refuses it."""
+        rid = job.request_id
+        try:
+            prompt, prefix_boundary = self._prompt(job)
+            params = SamplingParams(**job.sampling_kwargs(), response_format=_response_format(job))
+            self.in_flight[rid] = delivery.entry_id
+            log.info("job_started", attempt=delivery.times_delivered, prompt_kind=_prompt_kind(job))
+            await self.engine.add_request(
+                prompt,
+                params,
+                request_id=rid,
+                prefix_boundary=prefix_boundary,
+                stream_interval=job.stream_interval or self.default_stream_interval,
+                collect=False,
+            )
+        except (ValueError, TypeError) as exc:
+            # Checks that need the model (a prompt's token count, the chat template): the
+            # decoder's kind of verdict, stated the same way.
+            self.in_flight.pop(rid, None)
+            return EarlyEnd.invalid("invalid_field", str(exc))
+        except QueueFullError:
+            self.in_flight.pop(rid, None)
+            return REQUEUED
+        return None
+
+    async def _written(self, rid: str, written: asyncio.Future[None]) -> bool:
+        """Wait for the running request's terminal event to be in the log: True. False (the
+        outcome counted) when the attempt ended without it: lost to another attempt, or
+        abandoned at shutdown."""
+        try:
+            await written
+        except AttemptLost as lost:
+            # Another worker runs (or will run) it: stop here, publish nothing, keep pending.
+            self._count_lost(lost)
+            await self.engine.abort_request(rid)
+            return False
+        except asyncio.CancelledError:
+            if not self.draining:
+                raise
+            # Abandoned at shutdown: not acknowledged, another worker re-runs it.
+            self._count("abandoned")
+            log.info("job_abandoned")
+            return False
+        finally:
+            self.in_flight.pop(rid, None)
+        return True
+
+    def running(self, request_id: str) -> bool:
+        return request_id in self.in_flight
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a job running here; its stream ends with ``done(abort)``."""
+        if request_id not in self.in_flight:
+            return False
+        return await self.engine.abort_request(request_id)
+
+    async def end_waiting(self, request_id: str) -> str:
+        """End with ``done(abort)`` a request that waits: no worker has begun it (its job is in
+        the stream, or in some worker's backlog), or the worker that began it is dead (no
+        heartbeat: the job waits for its lease to run out). "queued": ended here; its job
+        entry, when a worker takes it, finds the request finished and is acknowledged without
+        running. "finished" when it had already ended; "elsewhere" when a live worker has
+        begun it (that worker stops it, by the abort command or the marker)."""
+        state = await self._end_as(request_id, 1, if_free=True)
+        if state != "elsewhere":
+            return state
+        fence = parse_fence(
+            await retry_until_done(lambda: self.redis.get(self.keys.attempt(request_id)), "read")
+        )
+        if fence is None or fence.worker_id in (None, self.worker_id):
+            return state
+        owner = fence.worker_id
+        if await retry_until_done(lambda: self.redis.exists(self.keys.worker(owner)), "read"):
+            return state
+        # Its worker died mid-run: take the request from that run only (a newer attempt,
+        # opening with its reset), never from one that began since.
+        return await self._end_as(request_id, fence.attempt + 1, if_fence=fence.raw)
+
+    async def _end_as(
+        self,
+        request_id: str,
+        attempt: int,
+        *,
+        if_free: bool = False,
+        if_fence: bytes | None = None,
+    ) -> str:
+        run = new_run(self.worker_id)
+        last_seq = await self._begin_attempt(
+            request_id, attempt, run, if_free=if_free, if_fence=if_fence
+        )
+        if last_seq == FINISHED:
+            return "finished"
+        if last_seq == STALE_ATTEMPT:
+            return "elsewhere"
+        written = self._open(request_id, attempt, run, last_seq, None)
+        self.publisher.done(request_id, "abort")
+        try:
+            await written
+        except AttemptLost:
+            return "elsewhere"  # a worker began it meanwhile, and its fence refused our event
+        return "queued"
+
+    def lose_entries(self, entry_ids: list[str]) -> None:
+        """Our leases on these entries are gone (another worker claimed them): their running
+        attempts are over (``AttemptLost``)."""
+        lost = set(entry_ids)
+        for request_id, entry_id in list(self.in_flight.items()):
+            if entry_id in lost:
+                self.publisher.abandon(request_id, lost=Outcome.FENCED)
+
+    async def abandon_all(self) -> None:
+        """Shutdown after the drain timeout: stop what runs, publish no terminal, keep pending."""
+        self.draining = True
+        for rid in list(self.in_flight):
+            self.publisher.abandon(rid)
+            await self.engine.abort_request(rid)
+
+    def _prompt(self, job: Job) -> tuple[str | list[int], int]:
+        """The engine's prompt and its shared-prefix length (``prefix_boundary``)."""
+        boundary = job.prefix_boundary if isinstance(job.prefix_boundary, int) else 0
+        if job.prompt is not None:
+            return job.prompt, boundary
+        if job.prompt_token_ids is not None:
+            return list(job.prompt_token_ids), boundary
+        system_prefix = job.prefix_boundary == SYSTEM_PREFIX
+        token_ids, system_end = chat_prompt(
+            self.engine.tokenizer, job.chat_messages() or [], system_prefix=system_prefix
+        )
+        return token_ids, system_end if system_prefix else boundary
+
+    async def _begin_attempt(
+        self,
+        request_id: str,
+        attempt: int,
+        run: str,
+        *,
+        if_free: bool = False,
+        if_fence: bytes | None = None,
+    ) -> int:
+        """Fence the request for this run (one round trip, atomic with the "already
+        finished?" check); the log's last seq, or ``STALE_ATTEMPT`` / ``FINISHED``."""
+        return await retry_until_done(
+            lambda: begin_attempt(
+                self.redis,
+                self.keys,
+                request_id,
+                attempt,
+                self.publisher.log_ttl,
+                run,
+                if_free=if_free,
+                if_fence=if_fence,
+            ),
+            "begin attempt",
+        )
+
+    def _open(
+        self,
+        request_id: str,
+        attempt: int,
+        run: str,
+        last_seq: int,
+        metadata: Mapping[str, Any] | None,
+        delivery: Delivery | None = None,
+    ) -> asyncio.Future[None]:
+        """Start publishing a begun attempt after the log's ``last_seq``; every attempt after
+        the first opens with a reset. Usage timings count from the job's arrival (its
+        ``delivery``'s entry id) when there is one."""
+        arrival = stream_id_time(delivery.arrival_id) if delivery is not None else None
+        written = self.publisher.open(
+            request_id, attempt, run, last_seq + 1, metadata, arrival=arrival, model=self.model
+        )
+        if attempt > 1:
+            self.publisher.reset(request_id)
+        return written
+
+    async def _reject(self, delivery: Delivery, rid: str | None, code: str, message: str) -> None:
+        """An undecodable job: dead-letter it, and tell its request when we know which one."""
+        log.warning("job_rejected", code=code, error=message, request_id=rid)
+        end = EarlyEnd.invalid(code, message)
+        written = None
+        if rid is not None and rid not in self.in_flight:
+            attempt, run = delivery.times_delivered, new_run(self.worker_id)
+            last_seq = await self._begin_attempt(rid, attempt, run)
+            if last_seq >= 0:  # else finished, or begun elsewhere: dead-lettered all the same
+                written = self._open(rid, attempt, run, last_seq, None, delivery)
+                self._publish_end(rid, end)
+        await self._settle(delivery, written, end, rid)
+
+    async def _end_early(
+        self, delivery: Delivery, rid: str, written: asyncio.Future[None], end: EarlyEnd
+    ) -> None:
+        """Publish the early end's terminal event, then settle its entry."""
+        if end.requeue:
+            self.publisher.abandon(rid)  # left pending: retried after the lease
+            self._count(end.outcome)
+            return
+        self._publish_end(rid, end)
+        await self._settle(delivery, written, end, rid)
+
+    def _publish_end(self, rid: str, end: EarlyEnd) -> None:
+        if end.error is not None:
+            self.publisher.error(rid, *end.error)
+        else:
+            self.publisher.done(rid, end.finish_reason)
+
+    async def _settle(
+        self,
+        delivery: Delivery,
+        written: asyncio.Future[None] | None,
+        end: EarlyEnd,
+        rid: str | None,
+    ) -> None:
+        """Acknowledge (or dead-letter) once the terminal event is written."""
+        if written is not None:
+            try:
+                await written
+            except AttemptLost as lost:  # another attempt owns the request: not ours to settle
+                self._count_lost(lost)
+                return
+        if end.dead is not None:
+            code, message = end.dead
+            moved = await retry_until_done(
+                lambda: self.queue.dead_letter(delivery, code, message, rid), "dead-letter"
+            )
+            if not moved:  # another worker took the entry over meanwhile: theirs now
+                log.warning("dead_letter_not_ours", code=code)
+        else:
+            await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
+        self._count(end.outcome)
+        log.info("job_finished_early", outcome=end.outcome)
+
+    def _count_lost(self, lost: AttemptLost) -> None:
+        outcome = "log_gap" if lost.outcome is Outcome.LOG_GAP else "lost_lease"
+        self._count(outcome)
+        log.warning("job_attempt_lost", outcome=outcome)
+
+    def _count(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def stats(self) -> JobStats:
+        return JobStats(in_flight=sorted(self.in_flight), outcomes=dict(self.outcomes))
+
+
+def _prompt_kind(job: Job) -> str:
+    if job.prompt is not None:
+        return "prompt"
+    return "prompt_token_ids" if job.prompt_token_ids is not None else "messages"
+
+
+def _response_format(job: Job) -> ResponseFormat | None:
+    """The engine's form of the job's response_format (the decoder checked its shape; the
+    engine checks that it can enforce it, or refuses the job)."""
+    if job.response_format is None:
+        return None
+    # The decoder leaves ``type`` and that type's one field: ResponseFormat's own names.
+    return ResponseFormat(**job.response_format)

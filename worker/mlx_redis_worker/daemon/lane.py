@@ -1,0 +1,171 @@
+"""One model's lane through a worker: its job stream, its engine and the jobs between them.
+
+A worker serves each of its models in a lane of its own: the lane reads the model's stream
+(``mlxw:jobs:{model}``) only as fast as the model's engine has free slots, takes over jobs
+whose worker died (XAUTOCLAIM), keeps the leases of its running jobs, and on a stop drains
+them. Lanes share the worker's Redis connection, publisher, heartbeat and control channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+from typing import Any
+
+import structlog
+
+from mlx_redis_protocol.codec_job import readable_request_id
+from mlx_redis_protocol.heartbeat import ServedModel
+from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
+from mlx_redis_worker.daemon.jobs import JobRunner
+from mlx_redis_worker.daemon.redis_retry import REDIS_FAILURES, describe, retry_until_done
+from mlx_redis_worker.engine import EngineCore
+
+log = structlog.get_logger(__name__)
+
+
+class ModelLane:
+    def __init__(
+        self,
+        *,
+        name: str,
+        engine: EngineCore,
+        queue: JobQueue,
+        runner: JobRunner,
+        max_concurrency: int,
+        read_block_ms: int,
+        backlog: list[Delivery],
+        stop: asyncio.Event,
+    ) -> None:
+        """``backlog``: jobs already delivered to this consumer (a restart under the same id),
+        run before new ones; ``stop``: set when the worker stops reading."""
+        self.name = name
+        self.engine = engine
+        self.queue = queue
+        self.runner = runner
+        self.max_concurrency = max_concurrency
+        self.read_block_ms = read_block_ms
+        self.backlog = backlog
+        self._stop = stop
+        self._slot_freed = asyncio.Event()
+        self.jobs: dict[str, asyncio.Task[None]] = {}  # entry id -> task
+
+    # -- reading jobs ------------------------------------------------------------------------
+
+    async def consume(self) -> None:
+        while not self._stop.is_set():
+            free = self.max_concurrency - len(self.jobs)
+            if free <= 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            if self.backlog:
+                batch, self.backlog = self.backlog[:free], self.backlog[free:]
+                self.start(batch)
+                continue
+            deliveries = await retry_until_done(
+                functools.partial(self.queue.read_new, free, self.read_block_ms),
+                f"read jobs of {self.name}",
+                on_failure=self.queue.recreate_group_if_lost,
+            )
+            if self._stop.is_set():
+                # Stopping, and the cancel of this task was lost (redis-py can swallow one
+                # that lands as its read completes): start nothing more. What this read took
+                # stays pending for us: a restart or another worker's reclaim runs it.
+                return
+            self.start(deliveries)
+
+    async def reclaim(self) -> None:
+        """Take over jobs whose worker died (or gave the attempt up). Also while every slot is
+        busy: what does not fit waits in the backlog, leases kept, and the consumer serves the
+        backlog before reading new jobs. So orphaned jobs, older than anything new, run next
+        instead of waiting until the stream runs dry."""
+        room = self.max_concurrency - len(self.backlog)
+        if room > 0:
+            claimed = await self.queue.reclaim(room)
+            if claimed:
+                log.info("jobs_reclaimed", model=self.name, count=len(claimed))
+            self.start(claimed)
+
+    async def extend_leases(self) -> None:
+        lost = await self.queue.extend_leases(list(self.jobs) + [d.entry_id for d in self.backlog])
+        if lost:
+            log.warning("leases_lost", model=self.name, entries=lost)
+            self.backlog = [d for d in self.backlog if d.entry_id not in lost]
+            self.runner.lose_entries(lost)
+
+    def start(self, deliveries: list[Delivery], *, now: bool = False) -> None:
+        """Run the deliveries, as many as there are free slots (``now``: all of them; for jobs
+        that end before they reach the engine) and keep the rest in the backlog."""
+        for delivery in deliveries:
+            if delivery.entry_id in self.jobs:
+                continue
+            if len(self.jobs) >= self.max_concurrency and not now:
+                # The consumer's read and the reclaimer both sized their batch from the same
+                # free slots: what does not fit waits in the backlog (ours, its lease kept)
+                # instead of overfilling the engine, whose full queue would fail the job.
+                if all(d.entry_id != delivery.entry_id for d in self.backlog):
+                    self.backlog.append(delivery)
+                continue
+            task = asyncio.create_task(self.runner.run(delivery))
+            self.jobs[delivery.entry_id] = task
+            task.add_done_callback(functools.partial(self._job_done, delivery.entry_id))
+
+    def _job_done(self, entry_id: str, task: asyncio.Task[None]) -> None:
+        self.jobs.pop(entry_id, None)
+        self._slot_freed.set()
+        if not task.cancelled() and (failure := task.exception()) is not None:
+            log.error("job_task_failed", entry_id=entry_id, error=describe(failure))
+
+    # -- aborts ------------------------------------------------------------------------------
+
+    async def abort_here(self, request_id: str) -> dict[str, Any] | None:
+        """Stop the request if it runs or waits in this lane; None when it is not here."""
+        if self.runner.running(request_id):
+            return {"aborted": await self.runner.abort(request_id), "state": "running"}
+        waiting = [d for d in self.backlog if readable_request_id(d.job_bytes) == request_id]
+        if waiting:  # ours, waiting for a slot: it starts, sees its marker and ends at once
+            self.backlog = [d for d in self.backlog if d not in waiting]
+            self.start(waiting, now=True)
+            return {"aborted": True, "state": "queued"}
+        return None
+
+    # -- stopping ----------------------------------------------------------------------------
+
+    async def drain(self, timeout: float) -> None:
+        """Let running jobs finish for ``timeout`` seconds, then abandon the rest (not
+        acknowledged: another worker re-runs them)."""
+        jobs = list(self.jobs.values())
+        if jobs:
+            _, still_running = await asyncio.wait(jobs, timeout=timeout)
+            if still_running:
+                log.warning("drain_timeout_abandoning", model=self.name, jobs=len(still_running))
+                await self.runner.abandon_all()
+                await asyncio.wait(still_running, timeout=10)
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    def served(self) -> ServedModel:
+        """What the heartbeat advertises of this lane."""
+        in_flight = len(self.jobs)
+        return ServedModel(
+            max_concurrency=self.max_concurrency,
+            free_slots=max(self.max_concurrency - in_flight, 0),
+            in_flight=in_flight,
+        )
+
+    async def stats(self) -> dict[str, Any]:
+        """The lane's part of the ``stats`` reply."""
+        try:
+            group: dict[str, Any] = await self.queue.group_info()
+        except REDIS_FAILURES as exc:
+            group = {"error": describe(exc)}
+        cache = self.engine.cache_stats()
+        return {
+            "engine": self.engine.stats().as_dict(),
+            "prefix_cache": cache.as_dict() if cache is not None else None,
+            "jobs": dataclasses.asdict(self.runner.stats()),
+            "group": group,
+            "stream": self.queue.stream.stream,
+        }

@@ -1,0 +1,390 @@
+"""Engine outputs → protocol events → Redis, one round trip per engine step.
+
+The engine calls ``on_step`` once per step with every streamed output; the events it makes are
+drafts until a flush gives them their ``seq`` and sends them all through the PUBLISH_EVENTS
+script, which appends each to its request's log and publishes it on its channel: one call per
+step on a single server (redis-py's packing and parsing cost per command, not per byte), one
+per hash slot on a Redis Cluster, pipelined. When Redis fails the flush keeps the numbered
+batch and sends it again with backoff; the script writes nothing twice, so a batch that ran
+before its reply was lost is harmless. Meanwhile new deltas of a request merge into its unsent
+delta, so the buffer stays one delta plus one terminal event per request and no token and no
+terminal event is lost. A slow subscriber costs nothing here: Redis buffers pub/sub output
+per client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from mlx_redis_protocol.activity import RequestActivity
+from mlx_redis_protocol.connection import RedisClient
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.messages import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    ResetEvent,
+    TokenLogprob,
+    Usage,
+)
+from mlx_redis_protocol.replay_log import Outcome, publish_events
+from mlx_redis_worker.daemon.activity import TokenHistory
+from mlx_redis_worker.daemon.redis_retry import retry_until_done
+from mlx_redis_worker.engine import RequestOutput
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Publishing state of one request attempt."""
+
+    request_id: str
+    attempt: int
+    run: str  # the token BEGIN_ATTEMPT fenced the request with for this run
+    next_seq: int
+    metadata: Mapping[str, Any] | None
+    # When the producer queued the job (epoch seconds, Redis' clock: its entry id) and when
+    # this attempt opened (this host's clock): usage timings count from the arrival.
+    arrival: float
+    opened: float
+    written: asyncio.Future[None]
+    model: str | None = None  # the fleet's name of the model running it (for on_done)
+    tokens: int = 0  # completion tokens this attempt streamed so far
+
+
+@dataclass(slots=True)
+class _Draft:
+    """An event waiting for its seq; deltas of one request merge while unsent."""
+
+    stream: _Stream
+    kind: str
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def terminal(self) -> bool:
+        return self.kind in ("done", "error")
+
+    def to_event(self, seq: int) -> Event:
+        common: dict[str, Any] = {
+            "request_id": self.stream.request_id,
+            "seq": seq,
+            "attempt": self.stream.attempt,
+        }
+        if self.kind == "delta":
+            return DeltaEvent(
+                **common,
+                new_text=self.new_text,
+                new_token_ids=tuple(self.new_token_ids),
+                logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
+            )
+        if self.kind == "reset":
+            return ResetEvent(**common)
+        if self.kind == "done":
+            return DoneEvent(**common, metadata=self.stream.metadata, **self.fields)
+        return ErrorEvent(**common, metadata=self.stream.metadata, **self.fields)
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherStats:
+    steps: int  # engine steps whose outputs were handed over
+    round_trips: int  # flushes (one script call per hash slot each)
+    events_published: int
+    redis_failures: int  # flushes that failed and were sent again
+    fenced: int  # requests whose events a newer attempt refused
+    log_gaps: int  # requests whose log lost events this attempt wrote
+    pending_events: int
+    open_streams: int
+
+
+class AttemptLost(Exception):
+    """Raised by a request's ``written`` future when its attempt is over without a terminal
+    event of ours: a newer attempt took the request over (``Outcome.FENCED``: we stalled past
+    the lease, or the lease was lost) or its log lost events this attempt wrote
+    (``Outcome.LOG_GAP``: a failover). Publish nothing more, do not acknowledge: the job is
+    reclaimed after its lease and runs again as a new attempt, which starts with a reset."""
+
+    def __init__(self, request_id: str, outcome: Outcome) -> None:
+        super().__init__(f"attempt of {request_id} lost: {outcome.name}")
+        self.request_id = request_id
+        self.outcome = outcome
+
+
+class EventPublisher:
+    def __init__(
+        self,
+        *,
+        redis: RedisClient,
+        keys: Keys,
+        log_ttl: int,
+        on_done: Callable[[str | None, Usage], None] | None = None,
+    ) -> None:
+        """``on_done`` observes each done event's model and usage (metrics); a plain hook, so
+        the publisher knows nothing of who listens."""
+        self.redis = redis
+        self.keys = keys
+        self.log_ttl = log_ttl
+        self.on_done = on_done
+        self.token_history = TokenHistory()
+        self._streams: dict[str, _Stream] = {}
+        self._drafts: list[_Draft] = []
+        self._unsent_delta: dict[str, _Draft] = {}
+        self._failed: list[tuple[_Draft, Event]] = []
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.steps = 0
+        self.round_trips = 0
+        self.events_published = 0
+        self.redis_failures = 0
+        self.fenced = 0
+        self.log_gaps = 0
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def open(
+        self,
+        request_id: str,
+        attempt: int,
+        run: str,
+        first_seq: int,
+        metadata: Mapping[str, Any] | None,
+        *,
+        arrival: float | None = None,
+        model: str | None = None,
+    ) -> asyncio.Future[None]:
+        """Start publishing a request (its attempt begun with ``run``; ``arrival`` when its job
+        was queued, default now). The future resolves once its terminal event is in Redis,
+        raises ``AttemptLost`` when Redis refused the attempt's events, and is cancelled when
+        the request is abandoned."""
+        now = time.time()
+        stream = _Stream(
+            request_id=request_id,
+            attempt=attempt,
+            run=run,
+            next_seq=first_seq,
+            metadata=metadata,
+            arrival=now if arrival is None else arrival,
+            opened=now,
+            written=asyncio.get_running_loop().create_future(),
+            model=model,
+        )
+        self._streams[request_id] = stream
+        return stream.written
+
+    def reset(self, request_id: str) -> None:
+        self._add(_Draft(self._streams[request_id], "reset"))
+
+    def error(self, request_id: str, code: str, message: str) -> None:
+        self._add(
+            _Draft(self._streams[request_id], "error", fields={"code": code, "message": message})
+        )
+
+    def done(
+        self, request_id: str, finish_reason: str, output: RequestOutput | None = None
+    ) -> None:
+        """The request's ``done``; ``output`` is None for a job that never started (expired,
+        aborted while it waited), whose usage is all zero."""
+        stream = self._streams[request_id]
+        usage = _usage(stream, output) if output is not None else Usage(0, 0)
+        fields = {
+            "finish_reason": finish_reason,
+            "output_text": output.output_text if output else "",
+            "usage": usage,
+            "output_valid": output.output_valid if output else None,
+        }
+        self._add(_Draft(stream, "done", fields=fields))
+        if self.on_done is not None:
+            # Called from the engine's step listener: an observer's bug must not cost the
+            # step's other outputs.
+            try:
+                self.on_done(stream.model, usage)
+            except Exception:
+                log.exception("on_done_observer_failed")
+
+    def abandon(self, request_id: str, lost: Outcome | None = None) -> None:
+        """Stop publishing a request without a terminal event: at shutdown (it will be re-run;
+        its future is cancelled), or because its attempt was ``lost`` (see ``AttemptLost``)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self._drafts = [d for d in self._drafts if d.stream is not stream]
+        self._unsent_delta.pop(request_id, None)
+        if stream.written.done():
+            return
+        if lost is None:
+            stream.written.cancel()
+        else:
+            stream.written.set_exception(AttemptLost(request_id, lost))
+
+    def on_step(self, outputs: list[RequestOutput]) -> None:
+        """Engine step listener (event loop thread)."""
+        self.steps += 1
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream.tokens += len(output.new_token_ids)
+            self.token_history.add(len(output.new_token_ids))
+            if output.new_token_ids or output.new_text:
+                self._add_delta(output)
+            if output.finished:
+                if output.finish_reason == "error":
+                    self.error(output.request_id, "engine_error", output.error or "engine error")
+                else:
+                    self.done(output.request_id, output.finish_reason or "stop", output)
+
+    # -- sending -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Flush forever; cancel to stop (``drain`` first to send what is pending)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._failed or self._drafts:
+                await retry_until_done(
+                    self._flush_once,
+                    "publish",
+                    on_failure=self._count_failure,
+                    pending=len(self._failed) + len(self._drafts),
+                )
+            self._idle.set()
+
+    async def _count_failure(self, exc: Exception) -> None:
+        self.redis_failures += 1
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until everything queued so far is in Redis; False on timeout."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return self._idle.is_set() and not self._drafts and not self._failed
+
+    def running(self) -> list[RequestActivity]:
+        """The requests being published now, with their tokens so far (for the activity key)."""
+        return [
+            RequestActivity(
+                request_id=stream.request_id,
+                model=stream.model,
+                attempt=stream.attempt,
+                tokens=stream.tokens,
+                started_at=stream.opened,
+            )
+            for stream in self._streams.values()
+        ]
+
+    def stats(self) -> PublisherStats:
+        return PublisherStats(
+            steps=self.steps,
+            round_trips=self.round_trips,
+            events_published=self.events_published,
+            redis_failures=self.redis_failures,
+            fenced=self.fenced,
+            log_gaps=self.log_gaps,
+            pending_events=len(self._drafts) + len(self._failed),
+            open_streams=len(self._streams),
+        )
+
+    async def _flush_once(self) -> None:
+        batch = self._failed or self._number(self._take_drafts())
+        self._failed = batch  # until Redis confirms it, it is the batch to resend
+        runs = {draft.stream.request_id: draft.stream.run for draft, _ in batch}
+        outcomes = await self._send([event for _, event in batch], runs)
+        self._failed = []
+        self.round_trips += 1
+        self.events_published += len(batch)
+        lost: dict[str, Outcome] = {}
+        for (draft, event), outcome in zip(batch, outcomes, strict=True):
+            if outcome is not Outcome.LOGGED:
+                lost.setdefault(event.request_id, outcome)
+            elif draft.terminal:
+                self._finish(draft.stream)
+        for request_id, outcome in lost.items():
+            if outcome is Outcome.FENCED:  # a newer attempt owns the log: this one lost the job
+                self.fenced += 1
+                log.warning("events_fenced", request_id=request_id)
+            else:  # Redis lost events of this attempt (a failover): it must start over
+                self.log_gaps += 1
+                log.warning("log_lost_events", request_id=request_id)
+            self.abandon(request_id, lost=outcome)
+
+    async def _send(self, events: list[Event], runs: Mapping[str, str]) -> list[Outcome]:
+        """One round trip (one script call per hash slot on a Cluster, pipelined)."""
+        return await publish_events(
+            self.redis, self.keys, events, ttl_seconds=self.log_ttl, runs=runs
+        )
+
+    def _take_drafts(self) -> list[_Draft]:
+        drafts, self._drafts = self._drafts, []
+        self._unsent_delta.clear()
+        return drafts
+
+    def _number(self, drafts: list[_Draft]) -> list[tuple[_Draft, Event]]:
+        numbered = []
+        for draft in drafts:
+            numbered.append((draft, draft.to_event(draft.stream.next_seq)))
+            draft.stream.next_seq += 1
+        return numbered
+
+    def _finish(self, stream: _Stream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+        if not stream.written.done():
+            stream.written.set_result(None)
+
+    def _add_delta(self, output: RequestOutput) -> None:
+        pending = self._unsent_delta.get(output.request_id)
+        logprobs = (
+            [
+                TokenLogprob(lp.token_id, lp.logprob, tuple(lp.top_logprobs))
+                for lp in output.logprobs
+            ]
+            if output.logprobs is not None
+            else None
+        )
+        if pending is not None:
+            pending.new_text += output.new_text
+            pending.new_token_ids.extend(output.new_token_ids)
+            if logprobs is not None:
+                pending.logprobs = (pending.logprobs or []) + logprobs
+            return
+        draft = _Draft(
+            self._streams[output.request_id],
+            "delta",
+            new_text=output.new_text,
+            new_token_ids=list(output.new_token_ids),
+            logprobs=logprobs,
+        )
+        self._add(draft)
+        self._unsent_delta[output.request_id] = draft
+
+    def _add(self, draft: _Draft) -> None:
+        self._unsent_delta.pop(draft.stream.request_id, None)  # later deltas must follow this
+        self._drafts.append(draft)
+        self._idle.clear()
+        self._wake.set()
+
+
+def _usage(stream: _Stream, output: RequestOutput) -> Usage:
+    """Usage of a finished run: timings from the job's arrival (its queue wait included), so
+    ``ttft_ms`` is what the producer waited for the first token. Redis' clock and this host's
+    may differ a little; no timing goes below zero."""
+    waited = max(stream.opened - stream.arrival, 0.0)
+    return Usage(
+        prompt_tokens=output.prompt_tokens,
+        completion_tokens=output.completion_tokens,
+        cached_tokens=output.cached_tokens,
+        ttft_ms=(waited + output.ttft) * 1000 if output.ttft is not None else None,
+        tokens_per_second=output.tokens_per_second,
+        duration_ms=max(time.time() - stream.arrival, 0.0) * 1000,
+    )

@@ -1,0 +1,94 @@
+"""Process-level entry points: ``mlx-worker run`` (signals, exit codes) and ``health``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import structlog
+
+from mlx_redis_protocol.connection import UnsupportedRedis, connect, redact
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_worker.daemon.eviction import EvictingRedis
+from mlx_redis_worker.daemon.permissions import MissingPermission
+from mlx_redis_worker.daemon.redis_retry import REDIS_FAILURES, REDIS_REFUSED, describe
+from mlx_redis_worker.daemon.settings import WorkerSettings
+from mlx_redis_worker.daemon.worker import Worker
+from mlx_redis_worker.logs import one_line, tell_operator
+from mlx_redis_worker.models import ModelUnavailable
+
+log = structlog.get_logger(__name__)
+
+# `mlx-worker run`'s exit statuses besides 0 and 1 (the table: README.md, "Operating the
+# worker").
+EXIT_USAGE = 2  # settings, model, or a Redis that refuses us or would evict our keys
+EXIT_FORCED = 130  # a second SIGTERM/SIGINT while stopping
+
+
+def serve(settings: WorkerSettings, *, debug: bool = False) -> int:
+    """Run the worker until SIGTERM/SIGINT; a second signal exits at once. Exit statuses:
+    0 a clean stop (also one requested before serving), 2 a configuration the worker cannot
+    serve with (one line on stderr; the traceback too with ``debug``), 130 a second signal.
+    Anything unexpected propagates: ``mlx-worker`` turns it into one line and status 1."""
+
+    async def main() -> int:
+        worker = Worker(settings)
+        loop = asyncio.get_running_loop()
+        signals_seen = 0
+
+        def on_signal(signum: int) -> None:
+            nonlocal signals_seen
+            signals_seen += 1
+            if signals_seen > 1:
+                log.warning("second_signal_exiting_now", signal=signal.Signals(signum).name)
+                os._exit(EXIT_FORCED)
+            log.info("signal_received", signal=signal.Signals(signum).name)
+            worker.request_stop()
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, on_signal, signum)
+        return await worker.run()
+
+    try:
+        return asyncio.run(main())
+    except REDIS_REFUSED as exc:
+        return _refused(
+            f"Redis refused us at {redact(settings.redis_url)}: {one_line(exc)}", exc, debug
+        )
+    except (EvictingRedis, UnsupportedRedis, MissingPermission, ModelUnavailable) as exc:
+        return _refused(one_line(exc), exc, debug)
+
+
+def _refused(line: str, exc: BaseException, debug: bool) -> int:
+    """One line for the operator (after the traceback with ``debug``); the usage status."""
+    tell_operator(f"mlx-worker: {line}", exc, debug=debug)
+    return EXIT_USAGE
+
+
+def check_health(settings: WorkerSettings) -> int:
+    """0 when the worker's heartbeat key is alive in Redis, 1 otherwise."""
+
+    async def main() -> int:
+        try:
+            redis = await connect(
+                settings.redis_url,
+                topology=settings.redis_topology,
+                socket_timeout=5,
+                socket_connect_timeout=5,
+            )
+        except (*REDIS_FAILURES, UnsupportedRedis) as exc:
+            print(f"mlx-worker health: cannot reach Redis: {describe(exc)}", file=sys.stderr)
+            return 1
+        try:
+            alive = await redis.exists(Keys(settings.prefix).worker(settings.worker_id))
+        except REDIS_FAILURES as exc:
+            print(f"mlx-worker health: cannot reach Redis: {describe(exc)}", file=sys.stderr)
+            return 1
+        finally:
+            await redis.aclose()
+        print(f"{settings.worker_id}: {'alive' if alive else 'no heartbeat'}")
+        return 0 if alive else 1
+
+    return asyncio.run(main())

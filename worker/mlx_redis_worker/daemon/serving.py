@@ -1,0 +1,338 @@
+"""A serving worker's tasks, from ready to stopped.
+
+On one event loop: per model lane (worker/mlx_redis_worker/daemon/lane.py) the consumer (reads only
+as many jobs as there are free slots), the reclaimer (XAUTOCLAIM of jobs whose worker died) and the
+lease keeper (re-claims our running jobs so they never look idle); the default stream's forwarder;
+the abort-marker poll, the heartbeat and the activity key, the control listener, the
+publisher and the metrics refresh. Stopping: no new reads, in-flight jobs get
+``drain_timeout`` to finish, the rest are aborted without acknowledgement (another worker
+re-runs them), then the consumer leaves the group if it holds nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from importlib.metadata import version
+from typing import Any
+
+import structlog
+from redis.exceptions import OutOfMemoryError
+
+from mlx_redis_protocol.activity import Activity
+from mlx_redis_protocol.connection import RedisClient, exists_each
+from mlx_redis_protocol.constants import DEFAULT_ABORT_TTL_SECONDS
+from mlx_redis_protocol.heartbeat import Heartbeat
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_worker.daemon.control import CommandRefused, ControlListener
+from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
+from mlx_redis_worker.daemon.job_queue import JobQueue
+from mlx_redis_worker.daemon.lane import ModelLane
+from mlx_redis_worker.daemon.metrics import Metrics, MetricSources
+from mlx_redis_worker.daemon.publisher import EventPublisher
+from mlx_redis_worker.daemon.redis_retry import (
+    REDIS_FAILURES,
+    REDIS_REFUSED,
+    Outage,
+    describe,
+)
+from mlx_redis_worker.daemon.sd_notify import Notifier
+from mlx_redis_worker.daemon.settings import WorkerSettings
+
+log = structlog.get_logger(__name__)
+
+# How often the abort markers of running jobs are checked: the marker alone stops a job
+# within this (the abort command is the faster path).
+ABORT_POLL_SECONDS = 0.5
+WORKER_VERSION = version("mlx-redis-worker")
+
+
+class Serving:
+    """Everything a worker does between "ready" and "stopped", given its collaborators."""
+
+    def __init__(
+        self,
+        *,
+        settings: WorkerSettings,
+        redis: RedisClient,
+        keys: Keys,
+        lanes: list[ModelLane],
+        forwarder: DefaultStreamForwarder,
+        publisher: EventPublisher,
+        metrics: Metrics | None,
+        stop: asyncio.Event,
+        started_at: float,
+    ) -> None:
+        """``lanes``: one per model, the default model's first when it is served here;
+        ``stop``: set to stop serving."""
+        self.settings = settings
+        self.redis = redis
+        self.keys = keys
+        self.lanes = lanes
+        self.forwarder = forwarder
+        self.publisher = publisher
+        self.metrics = metrics
+        self.notifier = Notifier()
+        self._stop = stop
+        self.started_at = started_at
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(lane.jobs) for lane in self.lanes)
+
+    @property
+    def queues(self) -> list[JobQueue]:
+        """Every job stream this worker reads: the default one, then each model's."""
+        return [self.forwarder.queue, *(lane.queue for lane in self.lanes)]
+
+    def lanes_for(self, model: str | None) -> list[ModelLane]:
+        """The lanes a command for ``model`` concerns (all of them for None)."""
+        return [lane for lane in self.lanes if model is None or lane.name == model]
+
+    async def serve(self, control: ControlListener, on_ready: Callable[[], None]) -> int:
+        """Serve until the stop event; ``on_ready`` is called once every task runs."""
+        settings = self.settings
+        background = [
+            asyncio.create_task(self.publisher.run(), name="publisher"),
+            asyncio.create_task(control.listen(), name="control"),
+            self._periodic(settings.heartbeat_interval, self._heartbeat),
+            self._periodic(settings.activity_interval, self._activity),
+            self._periodic(ABORT_POLL_SECONDS, self._stop_aborted),
+            asyncio.create_task(self.notifier.keep_alive(self._engines_running), name="watchdog"),
+        ]
+        background += [
+            self._periodic(settings.lease_refresh_interval, lane.extend_leases)
+            for lane in self.lanes
+        ]
+        if self.metrics is not None:
+            sources = [
+                MetricSources(
+                    model=lane.name, engine=lane.engine, runner=lane.runner, queue=lane.queue
+                )
+                for lane in self.lanes
+            ]
+            metrics, publisher = self.metrics, self.publisher
+
+            async def refresh_metrics() -> None:
+                await metrics.refresh(sources, publisher)
+
+            background.append(self._periodic(settings.heartbeat_interval, refresh_metrics))
+        readers = [asyncio.create_task(self.forwarder.consume(), name="forwarder")]
+        readers.append(self._periodic(settings.reclaim_interval, self.forwarder.reclaim))
+        for lane in self.lanes:
+            readers.append(asyncio.create_task(lane.consume(), name=f"consumer {lane.name}"))
+            readers.append(self._periodic(settings.reclaim_interval, lane.reclaim))
+        models = [lane.name for lane in self.lanes]
+        log.info(
+            "worker_ready",
+            worker_id=settings.worker_id,
+            backlog=sum(len(lane.backlog) for lane in self.lanes),
+            models=models,
+            default_model=self.forwarder.default_model,
+            max_concurrency=settings.max_concurrency,
+        )
+        self.notifier.ready(status=f"serving {', '.join(models)} as {settings.worker_id}")
+        on_ready()
+        await self._stop.wait()
+        log.info("worker_stopping", in_flight=self.in_flight)
+        self.notifier.stopping(status=f"draining {self.in_flight} jobs")
+        await _cancel(readers)
+        await self._drain()
+        await _cancel(background)
+        await self._leave()
+        return 0
+
+    def _engines_running(self) -> bool:
+        return all(lane.engine.is_running() for lane in self.lanes)
+
+    async def _leave(self) -> None:
+        """Say goodbye in Redis: no heartbeat, and no consumer unless it still holds jobs."""
+        with contextlib.suppress(*REDIS_FAILURES):
+            worker_id = self.settings.worker_id
+            await self.redis.delete(self.keys.worker(worker_id), self.keys.activity(worker_id))
+        for queue in self.queues:
+            try:
+                # Jobs left pending (abandoned after the drain timeout) keep the consumer: they
+                # wait for a restart under this id, or for another worker to reclaim them.
+                left = await queue.leave_group()
+            except REDIS_FAILURES as exc:
+                log.warning("consumer_not_removed", stream=queue.stream.stream, error=describe(exc))
+            else:
+                log.info(
+                    "consumer_removed" if left else "consumer_kept_with_pending_jobs",
+                    stream=queue.stream.stream,
+                )
+
+    async def _drain(self) -> None:
+        await asyncio.gather(*(lane.drain(self.settings.drain_timeout) for lane in self.lanes))
+        if not await self.publisher.drain(timeout=10):
+            log.warning("publisher_not_drained", **dataclasses.asdict(self.publisher.stats()))
+
+    # -- aborts ------------------------------------------------------------------------------
+
+    async def abort(self, request_id: str) -> dict[str, Any]:
+        """The abort command: stop the request wherever it is, as far as this worker can."""
+        # The marker a producer sets (rule 5), so the command alone is enough.
+        await self.redis.set(self.keys.abort(request_id), b"1", ex=DEFAULT_ABORT_TTL_SECONDS)
+        for lane in self.lanes:
+            if (here := await lane.abort_here(request_id)) is not None:
+                return here
+        if not await self.redis.exists(self.keys.log(request_id)):
+            raise CommandRefused("not_found", f"request {request_id!r} is unknown or expired")
+        state = await self.lanes[0].runner.end_waiting(request_id)
+        return {"aborted": state == "queued", "state": state}
+
+    async def _stop_aborted(self) -> None:
+        """Stop running jobs whose abort marker is set: the marker alone (without the control
+        command, which may have gone to a worker that was not listening) stops a job within
+        ``ABORT_POLL_SECONDS``. Also catches a command that arrived while the job was between
+        its start checks and the engine. One round trip for all of them."""
+        running = [(lane, rid) for lane in self.lanes for rid in lane.runner.in_flight]
+        marked = await exists_each(self.redis, [self.keys.abort(rid) for _, rid in running])
+        for (lane, request_id), is_marked in zip(running, marked, strict=True):
+            if is_marked and await lane.runner.abort(request_id):
+                log.info("job_aborted_by_marker", request_id=request_id)
+
+    # -- periodic ----------------------------------------------------------------------------
+
+    def _periodic(
+        self, seconds: float, action: Callable[[], Awaitable[None]]
+    ) -> asyncio.Task[None]:
+        """A task that runs ``action`` every ``seconds`` and waits out Redis failures."""
+        name = getattr(action, "__name__", "periodic").strip("_")
+        return asyncio.create_task(self._every(seconds, action, Outage(name)), name=name)
+
+    async def _every(
+        self, seconds: float, action: Callable[[], Awaitable[None]], outage: Outage
+    ) -> None:
+        while True:
+            try:
+                await action()
+            except REDIS_REFUSED:
+                raise
+            except REDIS_FAILURES as exc:
+                outage.failed(exc)
+                for queue in self.queues:
+                    await queue.recreate_group_if_lost(exc)
+            else:
+                outage.recovered()
+            await asyncio.sleep(seconds)
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            worker_id=self.settings.worker_id,
+            pid=os.getpid(),
+            started_at=self.started_at,
+            in_flight=self.in_flight,
+            default_model=self.forwarder.default_model,
+            models={lane.name: lane.served() for lane in self.lanes},
+            version=WORKER_VERSION,
+        )
+
+    async def _heartbeat(self) -> None:
+        key, ttl_ms = (
+            self.keys.worker(self.settings.worker_id),
+            int(self.settings.heartbeat_ttl * 1000),
+        )
+        try:
+            await self.redis.set(key, self.heartbeat().encode(), px=ttl_ms)
+        except OutOfMemoryError:
+            # A full Redis (noeviction) refuses the write but not a new TTL: keep the last beat
+            # alive, so a live worker does not look dead while memory is being freed.
+            if not await self.redis.pexpire(key, ttl_ms):
+                raise
+
+    def activity(self) -> Activity:
+        history = self.publisher.token_history
+        return Activity(
+            worker_id=self.settings.worker_id,
+            at=time.time(),
+            bucket_seconds=history.bucket_seconds,
+            buckets=history.buckets(),
+            requests=tuple(self.publisher.running()),
+        )
+
+    async def _activity(self) -> None:
+        """Best effort: a full Redis (noeviction) refuses it, and dashboards do without."""
+        key = self.keys.activity(self.settings.worker_id)
+        ttl_ms = int(self.settings.heartbeat_ttl * 1000)
+        with contextlib.suppress(OutOfMemoryError):
+            await self.redis.set(key, self.activity().encode(), px=ttl_ms)
+
+    async def stats(self, model: str | None) -> dict[str, Any]:
+        """The worker's figures for the ``stats`` reply: per model (only ``model``'s when
+        given), and the first of those at the top level as well, as before models."""
+        lanes = self.lanes_for(model)
+        per_model = {lane.name: await lane.stats() for lane in lanes}
+        first = per_model[lanes[0].name] if lanes else {}
+        return {
+            **{key: first.get(key) for key in ("engine", "prefix_cache", "group")},
+            "jobs": _jobs_total(per_model.values()),
+            "models": per_model,
+            "default_model": self.forwarder.default_model,
+            "forwarded": self.forwarder.forwarded,
+            "worker_id": self.settings.worker_id,
+            "publisher": dataclasses.asdict(self.publisher.stats()),
+            "memory": await self._memory(lanes),
+            "uptime_seconds": time.time() - self.started_at,
+        }
+
+    async def _memory(self, lanes: list[ModelLane]) -> dict[str, Any]:
+        """The process's resident memory and MLX's allocator figures (one allocator for every
+        engine of the process). MLX is asked on an engine thread (the one thread that touches
+        that engine's MLX work), between two steps; a step longer than a second (a long
+        prefill) leaves them out rather than hold up the reply."""
+        memory: dict[str, Any] = {"rss_bytes": _rss_bytes()}
+        if not lanes:
+            return memory
+        try:
+            mlx = await asyncio.to_thread(lanes[0].engine.memory_stats, 1.0)
+        except Exception as exc:  # engine stopped, or busy past the timeout: say so, don't fail
+            memory["mlx_error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            memory.update(
+                mlx_active_memory_bytes=mlx.active_bytes,
+                mlx_cache_memory_bytes=mlx.cache_bytes,
+                mlx_peak_memory_bytes=mlx.peak_bytes,
+            )
+        return memory
+
+
+def _jobs_total(lanes: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The lanes' ``jobs`` figures added up."""
+    in_flight: list[str] = []
+    outcomes: Counter[str] = Counter()
+    for lane in lanes:
+        in_flight += lane["jobs"]["in_flight"]
+        outcomes.update(lane["jobs"]["outcomes"])
+    return {"in_flight": in_flight, "outcomes": dict(outcomes)}
+
+
+def _rss_bytes() -> int | None:
+    """Resident set size from /proc (Linux); None where there is no /proc."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel and wait; cancel again while any survives (on Python 3.11 redis-py's internal
+    ``wait_for`` can swallow a cancel that lands as its command completes)."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=1.0)
+    for task in tasks:
+        if not task.cancelled() and (failure := task.exception()) is not None:
+            log.warning("task_failed", task=task.get_name(), error=describe(failure))

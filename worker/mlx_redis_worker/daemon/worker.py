@@ -1,0 +1,303 @@
+"""The worker daemon: from a process start to serving, and back to a clean stop.
+
+Redis first (a wrong password, a missing permission or an evicting Redis fails before a model
+load that can take minutes; an unreachable Redis is waited for, until a stop request), then the
+models, each with its engine (on its own thread), then the collaborators, wired here and
+nowhere else, and ``Serving`` runs until told to stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import structlog
+
+from mlx_redis_protocol.channels import ChannelHub
+from mlx_redis_protocol.connection import RedisClient, connect, redact
+from mlx_redis_protocol.keys import JobStream, Keys
+from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
+from mlx_redis_worker.daemon.control import ControlListener
+from mlx_redis_worker.daemon.eviction import check_eviction_policy
+from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
+from mlx_redis_worker.daemon.job_queue import JobQueue
+from mlx_redis_worker.daemon.jobs import JobRunner
+from mlx_redis_worker.daemon.lane import ModelLane
+from mlx_redis_worker.daemon.memory_fit import check_fit
+from mlx_redis_worker.daemon.metrics import Metrics
+from mlx_redis_worker.daemon.permissions import check_permissions, redis_user
+from mlx_redis_worker.daemon.publisher import EventPublisher
+from mlx_redis_worker.daemon.redis_retry import retry_until_done
+from mlx_redis_worker.daemon.serving import Serving
+from mlx_redis_worker.daemon.settings import WorkerSettings
+from mlx_redis_worker.engine import EngineConfig, EngineCore, SchedulerConfig
+from mlx_redis_worker.models import load_model
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+BACKLOG_READ_LIMIT = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    name: str
+    source: str
+    model: Any
+    tokenizer: Any
+
+
+def scheduler_config(*, max_concurrency: int, limits: Limits) -> SchedulerConfig:
+    """The engine's batch for a worker. The caps a job meets twice (the decoder, then the
+    engine) are the wire's, so the engine never refuses for another number what the decoder
+    let through."""
+    return SchedulerConfig(
+        max_num_seqs=max_concurrency,
+        max_waiting_requests=max_concurrency,
+        max_prompt_tokens=limits.max_prompt_tokens,
+        max_logprobs=limits.max_logprobs,
+    )
+
+
+class Worker:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        *,
+        model_and_tokenizer: tuple[Any, Any] | None = None,
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:
+        """``model_and_tokenizer``: an already loaded model, served as the settings' first
+        (else every model of ``settings.model`` is loaded); ``on_ready`` is called once the
+        worker serves (``ready`` is set too)."""
+        self.settings = settings
+        self.keys = Keys(settings.prefix)
+        self._model_and_tokenizer = model_and_tokenizer
+        self._on_ready = on_ready
+        self._stop = asyncio.Event()
+        self.started_at = time.time()
+        self.ready = asyncio.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> int:
+        settings = self.settings
+        redis = await self._unless_stopped(retry_until_done(self._connect, "connect"))
+        if redis is None:
+            log.info("worker_stopped_before_serving", waiting_for="redis")
+            return 0
+        hub = ChannelHub(redis)
+        forwarding = self._queue(redis, self.keys.default_stream)
+        queues = {
+            m.name: self._queue(redis, self.keys.model_stream(m.name)) for m in settings.models
+        }
+        engines: dict[str, EngineCore] = {}
+        try:
+            if not await self._unless_stopped(
+                self._check_redis(redis, [forwarding, *queues.values()])
+            ):
+                log.info("worker_stopped_before_serving", waiting_for="redis")
+                return 0
+            scheduler = scheduler_config(
+                max_concurrency=settings.max_concurrency, limits=DEFAULT_LIMITS
+            )
+            for served in self._loaded_models():
+                if self._stop.is_set():
+                    log.info("worker_stopped_before_serving", waiting_for="model")
+                    return 0
+                engines[served.name] = EngineCore(
+                    served.model,
+                    served.tokenizer,
+                    EngineConfig(model_name=served.source, scheduler_config=scheduler),
+                )
+            return await self._serve(redis, hub, forwarding, queues, engines)
+        finally:
+            for engine in engines.values():
+                engine.close()
+            await hub.aclose()
+            await redis.aclose()
+
+    def _queue(self, redis: RedisClient, stream: JobStream) -> JobQueue:
+        settings = self.settings
+        return JobQueue(
+            redis=redis,
+            stream=stream,
+            consumer=settings.worker_id,
+            lease_ms=int(settings.lease_seconds * 1000),
+            dead_letter_maxlen=settings.dead_letter_maxlen,
+        )
+
+    def _loaded_models(self) -> Iterator[LoadedModel]:
+        """Each model to serve, loaded in turn, after checking that all their weights fit."""
+        models = self.settings.models
+        if self._model_and_tokenizer is not None:  # tests hand in one model, loaded already
+            model, tokenizer = self._model_and_tokenizer
+            yield LoadedModel(models[0].name, models[0].source, model, tokenizer)
+            return
+        check_fit(models, limit_mb=self.settings.memory_limit_mb)
+        for served in models:
+            model, tokenizer = load_model(served.source)
+            log.info("model_loaded", model=served.name, source=served.source)
+            yield LoadedModel(served.name, served.source, model, tokenizer)
+
+    async def _unless_stopped(self, step: Awaitable[T]) -> T | None:
+        """The step's result, or None when a stop request comes first (the step is
+        cancelled): waiting for Redis must not make a service manager kill the worker."""
+        task, stop = asyncio.ensure_future(step), asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait((task,))
+        return None if task.cancelled() else task.result()
+
+    async def _check_redis(self, redis: RedisClient, queues: list[JobQueue]) -> bool:
+        """Everything the worker needs from Redis, before it loads the model: a policy that
+        keeps its keys, every command it will send, and the consumer group."""
+        settings = self.settings
+        await retry_until_done(
+            lambda: check_eviction_policy(
+                redis, redact(settings.redis_url), allow=settings.allow_eviction
+            ),
+            "check maxmemory-policy",
+        )
+        await retry_until_done(
+            lambda: check_permissions(
+                redis,
+                self.keys,
+                settings.worker_id,
+                redis_user(settings.redis_url),
+                settings.dead_letter_maxlen,
+            ),
+            "check permissions",
+        )
+        for queue in queues:
+            await retry_until_done(queue.ensure_group, f"create the group of {queue.stream.stream}")
+        return True
+
+    async def _connect(self) -> RedisClient:
+        settings = self.settings
+        return await connect(
+            settings.redis_url,
+            topology=settings.redis_topology,
+            socket_timeout=settings.socket_timeout,
+            socket_connect_timeout=settings.socket_timeout,
+            health_check_interval=30,
+            # Every running job may have a command on the wire, plus the background tasks.
+            max_connections=2 * settings.max_concurrency + 16,
+        )
+
+    async def _serve(
+        self,
+        redis: RedisClient,
+        hub: ChannelHub,
+        forwarding: JobQueue,
+        queues: dict[str, JobQueue],
+        engines: dict[str, EngineCore],
+    ) -> int:
+        """Wire the collaborators around the engines and serve until stopped."""
+        settings = self.settings
+        metrics = Metrics(settings.metrics_port) if settings.metrics_port is not None else None
+        publisher = EventPublisher(
+            redis=redis,
+            keys=self.keys,
+            log_ttl=settings.log_ttl,
+            on_done=metrics.observe_done if metrics is not None else None,
+        )
+        # The default model's lane first: stats and old readers of one model see that one.
+        default = settings.default_model_name
+        names = sorted(engines, key=lambda name: name != default)
+        try:
+            lanes = []
+            for name in names:
+                engine, queue = engines[name], queues[name]
+                engine.set_step_listener(publisher.on_step)
+                await engine.start()
+                lanes.append(await self._lane(name, engine, queue, redis, publisher))
+            if metrics is not None:
+                metrics.start()
+            serving = Serving(
+                settings=settings,
+                redis=redis,
+                keys=self.keys,
+                lanes=lanes,
+                forwarder=DefaultStreamForwarder(
+                    redis=redis,
+                    keys=self.keys,
+                    queue=forwarding,
+                    default_model=default,
+                    read_block_ms=settings.read_block_ms,
+                    marker_ttl=settings.log_ttl,
+                    stop=self._stop,
+                ),
+                publisher=publisher,
+                metrics=metrics,
+                stop=self._stop,
+                started_at=self.started_at,
+            )
+            control = ControlListener(
+                redis=redis,
+                hub=hub,
+                keys=self.keys,
+                worker_id=settings.worker_id,
+                engines=engines,
+                cache_dir=settings.cache_path,
+                reply_ttl=settings.reply_ttl,
+                limits=DEFAULT_LIMITS,
+                abort_job=serving.abort,
+                stats=serving.stats,
+            )
+            status = await serving.serve(control, on_ready=self._became_ready)
+            for engine in engines.values():
+                await engine.stop()
+            log.info("worker_stopped")
+            return status
+        finally:
+            if metrics is not None:
+                metrics.close()
+
+    async def _lane(
+        self,
+        name: str,
+        engine: EngineCore,
+        queue: JobQueue,
+        redis: RedisClient,
+        publisher: EventPublisher,
+    ) -> ModelLane:
+        settings = self.settings
+        runner = JobRunner(
+            engine=engine,
+            redis=redis,
+            keys=self.keys,
+            queue=queue,
+            publisher=publisher,
+            limits=DEFAULT_LIMITS,
+            max_deliveries=settings.max_deliveries,
+            default_stream_interval=settings.stream_interval,
+            worker_id=settings.worker_id,
+            model=name,
+        )
+        backlog = await retry_until_done(
+            lambda: queue.read_own_pending(BACKLOG_READ_LIMIT), "read own pending"
+        )
+        return ModelLane(
+            name=name,
+            engine=engine,
+            queue=queue,
+            runner=runner,
+            max_concurrency=settings.max_concurrency,
+            read_block_ms=settings.read_block_ms,
+            backlog=backlog,
+            stop=self._stop,
+        )
+
+    def _became_ready(self) -> None:
+        self.ready.set()
+        if self._on_ready is not None:
+            self._on_ready()

@@ -1,0 +1,45 @@
+"""The continuous-batching inference engine on MLX (no Redis in here).
+
+Public API mirrors the reference ``vllm_mlx.engine_core``.
+"""
+
+from mlx_redis_worker.engine.config import EngineConfig, SchedulerConfig
+from mlx_redis_worker.engine.engine_core import AsyncEngineCore, EngineCore
+from mlx_redis_worker.engine.engine_thread import EngineStoppedError
+from mlx_redis_worker.engine.output_collector import RequestOutputCollector, RequestStreamState
+from mlx_redis_worker.engine.registry import ModelOwnershipError, ModelRegistry, get_registry
+from mlx_redis_worker.engine.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    ResponseFormat,
+    SamplingParams,
+    TokenLogprob,
+)
+from mlx_redis_worker.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from mlx_redis_worker.engine.stats import EngineStats, MlxMemory, PrefixCacheStats
+
+__all__ = [
+    "AsyncEngineCore",
+    "EngineConfig",
+    "EngineCore",
+    "EngineStats",
+    "EngineStoppedError",
+    "MlxMemory",
+    "ModelOwnershipError",
+    "ModelRegistry",
+    "PrefixCacheStats",
+    "QueueFullError",
+    "Request",
+    "RequestOutput",
+    "RequestOutputCollector",
+    "RequestStatus",
+    "RequestStreamState",
+    "ResponseFormat",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "TokenLogprob",
+    "get_registry",
+]

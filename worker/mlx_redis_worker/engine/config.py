@@ -1,0 +1,77 @@
+"""Engine and scheduler configuration: one frozen-by-convention dataclass each, checked on build."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlx_redis_worker.engine.request import SamplingParams
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """How the scheduler batches work over mlx-lm's BatchGenerator.
+
+    ``max_num_seqs`` is the decode batch (sequences generating at once); requests beyond it wait
+    in a FIFO queue capped at ``max_waiting_requests`` (a full queue is a clear error to the
+    caller, never unbounded memory). ``prefill_batch_size`` prompts are prefilled together in
+    chunks of ``prefill_step_size`` tokens. A request over ``max_prompt_tokens`` or asking for
+    more than ``max_logprobs`` top log-probabilities per token is refused (``ValueError``).
+    """
+
+    max_num_seqs: int = 32
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 2048
+    max_waiting_requests: int = 1024
+    max_prompt_tokens: int = 32768
+    max_logprobs: int = SamplingParams.MAX_LOGPROBS
+    max_kv_size: int | None = None
+    enable_prefix_cache: bool = True
+    prefix_cache_max_entries: int = 64
+    prefix_cache_max_bytes: int = 2 << 30
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_num_seqs",
+            "prefill_batch_size",
+            "prefill_step_size",
+            "max_prompt_tokens",
+            "prefix_cache_max_entries",
+            "prefix_cache_max_bytes",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting_requests < 0:
+            raise ValueError("SchedulerConfig.max_waiting_requests must be >= 0")
+        if not 0 <= self.max_logprobs <= SamplingParams.MAX_LOGPROBS:
+            raise ValueError(
+                f"SchedulerConfig.max_logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}]"
+            )
+        if self.max_kv_size is not None and self.max_kv_size < 1:
+            raise ValueError("SchedulerConfig.max_kv_size must be >= 1 or None")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Configuration for the engine (names and defaults match the reference API).
+
+    ``step_interval`` is accepted (>= 0) for the reference API and has no effect: the
+    reference polls for work every ``step_interval`` seconds, while this engine's idle thread
+    blocks until a request, command or stop arrives, and steps back to back while there is
+    work. ``stream_interval`` coalesces that many tokens per streamed output (no token is
+    lost); ``gpu_memory_utilization`` is the share of device memory above which the engine
+    thread frees MLX's buffer cache.
+    """
+
+    model_name: str = ""
+    scheduler_config: SchedulerConfig | None = None
+    step_interval: float = 0.001
+    stream_interval: int = 1
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.step_interval < 0:
+            raise ValueError("EngineConfig.step_interval must be >= 0")
+        if self.stream_interval < 1:
+            raise ValueError("EngineConfig.stream_interval must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("EngineConfig.gpu_memory_utilization must be in (0, 1]")

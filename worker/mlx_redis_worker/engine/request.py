@@ -1,0 +1,273 @@
+"""Requests, their sampling parameters and the outputs streamed back to callers."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+# (generated token ids so far as an mx.array, logits) -> logits; runs on the engine thread.
+LogitsProcessor = Callable[[Any, Any], Any]
+
+
+FormatType = Literal["json_object", "json_schema", "regex", "grammar"]
+FORMAT_TYPES: Final[tuple[FormatType, ...]] = ("json_object", "json_schema", "regex", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """What a request's output must match: ``json_object`` (any JSON object),
+    ``json_schema`` (``schema``), ``regex`` (``pattern``, the whole output) or ``grammar``
+    (``lark``, a Lark grammar in llguidance's dialect)."""
+
+    type: FormatType
+    schema: Mapping[str, Any] | None = None
+    pattern: str | None = None
+    lark: str | None = None
+
+    def __post_init__(self) -> None:
+        needs = {"json_schema": "schema", "regex": "pattern", "grammar": "lark"}
+        if self.type not in FORMAT_TYPES:
+            raise ValueError(f"response_format type must be one of {FORMAT_TYPES}")
+        wanted = needs.get(self.type)
+        for name in ("schema", "pattern", "lark"):
+            given = getattr(self, name) is not None
+            if given != (name == wanted):
+                rule = "needs" if name == wanted else "does not take"
+                raise ValueError(f"response_format {self.type!r} {rule} {name!r}")
+
+    def key(self) -> str:
+        """The hash of the format as given: its compiled grammar's cache key. Key order counts:
+        llguidance emits an object's properties in the schema's order, so the same schema
+        with its properties in another order is another grammar (sorting the keys here would
+        hand a request the order of whichever variant was compiled first)."""
+        canonical = json.dumps(
+            [self.type, self.schema, self.pattern, self.lark],
+            separators=(",", ":"),
+            default=str,
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @classmethod
+    def for_finish_reason(cls, reason: str) -> RequestStatus:
+        return {
+            "stop": cls.FINISHED_STOPPED,
+            "length": cls.FINISHED_LENGTH,
+            "error": cls.FINISHED_ERROR,
+        }.get(reason, cls.FINISHED_ABORTED)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling, honoured per sequence inside a shared batch.
+
+    ``temperature == 0`` is greedy. ``seed`` makes sampling reproducible (same seed and prompt,
+    same text). ``stop`` strings end generation and never appear in the text; ``stop_token_ids``
+    end it too (in addition to the model's EOS) and are not part of the output. ``logprobs``:
+    None for none, 0 for the sampled token's logprob, k > 0 to add the top-k alternatives.
+    ``logits_processors`` are extra in-process callables (not part of the wire protocol); one
+    that raises fails only its own request.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 0.9
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_context_size: int = 20
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    logits_processors: list[LogitsProcessor] | None = None
+    # The output must match it (JSON schema, regex, Lark grammar), enforced token by token.
+    response_format: ResponseFormat | None = None
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise bad("top_p", "must be in [0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be an integer >= 0")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        if not isinstance(self.penalty_context_size, int) or self.penalty_context_size < 1:
+            raise bad("penalty_context_size", "must be an integer >= 1")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad("seed", "must be a non-negative integer or None")
+        if self.stop is not None and (
+            not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
+        ):
+            raise bad("stop", "must be a list of non-empty strings")
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, list)
+            or not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
+        ):
+            raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= self.MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"must be None or an integer in [0, {self.MAX_LOGPROBS}]")
+        if self.logits_processors is not None and not all(
+            callable(p) for p in self.logits_processors
+        ):
+            raise bad("logits_processors", "must be a list of callables")
+        if self.response_format is not None and not isinstance(
+            self.response_format, ResponseFormat
+        ):
+            raise bad("response_format", "must be a ResponseFormat or None")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The sampled token's log-probability and, when asked for, the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Transcript:
+    """A request's generated tokens and text pieces, append-only.
+
+    Every output of the request shares it and reads the prefix that existed when it was made,
+    so making an output costs the same at token 4,000 as at token 4 (no cumulative copies).
+    Appended to by the engine thread only; a prefix never changes once written.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One streamed update for a request.
+
+    ``new_text``/``new_token_ids``/``logprobs`` are the delta since the previous output;
+    ``output_text``/``output_token_ids`` are cumulative, built on access from the request's
+    transcript (fresh copies, safe to keep). ``ttft`` is seconds from arrival to the first
+    token; ``tokens_per_second`` is the decode rate so far. ``error`` carries the message when
+    ``finish_reason == "error"``.
+    """
+
+    request_id: str
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float | None = None
+    tokens_per_second: float = 0.0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+    # For a request with a response_format, once finished: whether the output matches it
+    # (False when max_tokens cut it short of a match); None otherwise.
+    output_valid: bool | None = None
+    transcript: Transcript | None = field(default=None, repr=False, compare=False)
+    text_parts: int = field(default=0, repr=False, compare=False)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        if self.transcript is None:
+            return []
+        return self.transcript.token_ids[: self.completion_tokens]
+
+    @property
+    def output_text(self) -> str:
+        if self.transcript is None:
+            return ""
+        return "".join(self.transcript.text_parts[: self.text_parts])
+
+    def merged_after(self, earlier: RequestOutput) -> RequestOutput:
+        """This output with the deltas of an earlier, undelivered one prepended."""
+        self.new_text = earlier.new_text + self.new_text
+        self.new_token_ids = earlier.new_token_ids + self.new_token_ids
+        if earlier.logprobs is not None or self.logprobs is not None:
+            self.logprobs = (earlier.logprobs or []) + (self.logprobs or [])
+        return self
+
+
+@dataclass(eq=False)
+class Request:
+    """A request and its progress. Mutated only by the engine thread once submitted.
+
+    The first ``prefix_boundary`` prompt tokens are a prefix that many requests share (a
+    system prompt): the prefix cache keeps their KV state as one entry of its own.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prefix_boundary: int = 0
+    stream_interval: int = 1
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    first_token_time: float | None = None
+    transcript: Transcript = field(default_factory=Transcript)
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    # The compiled response_format (mlx_redis_worker.engine.structured.CompiledGrammar), if any.
+    grammar: Any = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.transcript.token_ids
+
+    @property
+    def output_text(self) -> str:
+        return "".join(self.transcript.text_parts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.transcript.token_ids)

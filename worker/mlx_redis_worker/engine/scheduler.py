@@ -1,0 +1,381 @@
+"""The scheduler: a FIFO waiting queue in front of mlx-lm's continuous-batching BatchGenerator.
+
+Engine thread only. Each ``step`` admits waiting requests while the decode batch has room
+(reusing prefix-cache hits), runs one ``BatchGenerator.next()`` (a decode step for running
+sequences plus a prefill chunk for new ones), and turns each sequence's token into text and,
+every ``stream_interval`` tokens, a ``RequestOutput``. A failure in one sequence's processing
+finishes that sequence with ``finish_reason="error"``; a failure of the batch step itself fails
+the sequences in the batch and starts a fresh generator, leaving waiting requests untouched.
+
+Prefix cache: a request that declares a shared prefix (``prefix_boundary``) is prefilled in two
+segments, and the KV state at the end of the first is stored as the prefix's entry as soon as
+prefill gets there (whatever becomes of the request). A finished sequence is stored whole,
+unless its shared prefix is an entry of its own: that one entry serves every request behind it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from mlx_lm.generate import BatchGenerator
+
+from mlx_redis_worker.engine.config import SchedulerConfig
+from mlx_redis_worker.engine.output_collector import RequestStreamState
+from mlx_redis_worker.engine.prefix_cache import SHARED_PREFIX, Admission, PrefixCache
+from mlx_redis_worker.engine.prompt import model_vocab_size
+from mlx_redis_worker.engine.request import Request, RequestOutput, RequestStatus
+from mlx_redis_worker.engine.sampling import (
+    build_logits_processors,
+    build_sampler,
+    build_stop_sequences,
+    guard_processor,
+    guard_sampler,
+)
+from mlx_redis_worker.engine.sequence import Sequence, token_logprob
+from mlx_redis_worker.engine.stats import PrefixCacheStats, RequestProgress, SchedulerStats
+from mlx_redis_worker.engine.structured import GrammarCompiler
+from mlx_redis_worker.engine.text_stream import TextStream
+
+log = structlog.get_logger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``SchedulerConfig.max_waiting_requests``; retry later."""
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's outputs, at most one per request."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, model: Any, tokenizer: Any, config: SchedulerConfig | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or SchedulerConfig()
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}
+        self._requests: dict[str, Sequence] = {}
+        self._generator: BatchGenerator | None = None
+        self._stream: Any = None
+        self._finished: SchedulerOutput = SchedulerOutput()
+        self.prefix_cache = (
+            PrefixCache(self.config.prefix_cache_max_entries, self.config.prefix_cache_max_bytes)
+            if self.config.enable_prefix_cache
+            else None
+        )
+        self.eos_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
+        self.grammars = GrammarCompiler(
+            getattr(tokenizer, "_tokenizer", tokenizer), model_vocab_size(model, tokenizer)
+        )
+        self.num_requests_processed = 0
+        self.num_requests_failed = 0
+        self.total_prompt_tokens = 0
+        self.total_completion_tokens = 0
+        self.batch_failures = 0
+        # Wall time inside BatchGenerator.next (model, sampling, waiting on the device): the
+        # rest of a step's time is the engine's own host work.
+        self.model_seconds = 0.0
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(
+                f"waiting queue full ({self.config.max_waiting_requests} requests); retry later"
+            )
+        sequence = Sequence(
+            request=request,
+            text=TextStream(self.tokenizer.detokenizer, request.sampling_params.stop),
+            stream_state=RequestStreamState(request.stream_interval),
+        )
+        self.waiting.append(sequence)
+        self._requests[request.request_id] = sequence
+
+    def abort_request(
+        self, request_id: str, reason: str = "abort", message: str | None = None
+    ) -> bool:
+        """Finish a waiting or running request now; False when it is not in flight."""
+        sequence = self._requests.get(request_id)
+        if sequence is None:
+            return False
+        self._finish(sequence, reason, error=message)
+        return True
+
+    def reject(self, request: Request, message: str) -> None:
+        """Finish a request that could not be queued with a final ``error`` output."""
+        request.status = RequestStatus.FINISHED_ERROR
+        request.finish_reason = "error"
+        request.error = message
+        self._finished.outputs.append(
+            RequestOutput(
+                request_id=request.request_id,
+                finished=True,
+                finish_reason="error",
+                prompt_tokens=request.num_prompt_tokens,
+                error=message,
+            )
+        )
+
+    def abort_all(self, reason: str = "abort", message: str | None = None) -> SchedulerOutput:
+        for sequence in list(self._requests.values()):
+            self._finish(sequence, reason, error=message)
+        return self._take_finished()
+
+    def has_requests(self) -> bool:
+        return bool(self._requests) or bool(self._finished.outputs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- stepping ----------------------------------------------------------------------------
+
+    def attach_stream(self, stream: Any) -> None:
+        """Use ``stream`` (made on the engine thread) for all generation from now on."""
+        self.close()
+        self._stream = stream
+
+    def step(self) -> SchedulerOutput:
+        self._admit()
+        generator = self._generator
+        if generator is not None and self.running:
+            started = time.perf_counter()
+            try:
+                prefill, responses = generator.next()
+            except Exception as exc:
+                self._fail_batch(exc)
+                return self._take_finished()
+            finally:
+                self.model_seconds += time.perf_counter() - started
+            self._store_prefixes(generator, prefill)
+            for response in responses:
+                sequence = self.running.get(response.uid)
+                if sequence is not None:
+                    self._on_token(sequence, response)
+            for sequence in [s for s in self.running.values() if s.failure is not None]:
+                self._finish(sequence, "error", error=_describe(sequence.failure))
+        return self._take_finished()
+
+    def _admit(self) -> None:
+        room = self.config.max_num_seqs - len(self.running)
+        while room > 0 and self.waiting:
+            sequence = self.waiting.popleft()
+            try:
+                self._insert(sequence)
+            except Exception as exc:
+                self._finish(sequence, "error", error=_describe(exc))
+                continue
+            room -= 1
+
+    def _insert(self, sequence: Sequence) -> None:
+        request = sequence.request
+        params = request.sampling_params
+        prompt = request.prompt_token_ids
+        admission = (
+            self.prefix_cache.admit(prompt, request.prefix_boundary)
+            if self.prefix_cache
+            else Admission.uncached(prompt)
+        )
+        request.cached_tokens = admission.cached_tokens
+        sequence.prefix_pending = admission.stores_prefix
+        sampler = build_sampler(params)
+        processors = build_logits_processors(params) + list(params.logits_processors or ())
+        if request.grammar is not None:
+            # Last: the mask applies to the logits every other processor has shaped.
+            sequence.grammar = self.grammars.processor(request.grammar)
+            processors.append(sequence.grammar)
+            sampler = sequence.grammar.sampler(sampler)
+        (uid,) = self._ensure_generator().insert_segments(
+            [admission.segments],
+            max_tokens=[params.max_tokens],
+            caches=[admission.cache],
+            all_tokens=[prompt[: admission.cached_tokens]],
+            samplers=[guard_sampler(sampler, sequence.fail) if sampler else None],
+            logits_processors=[[guard_processor(p, sequence.fail) for p in processors]],
+            stop_sequences=[build_stop_sequences(self.eos_token_ids, params)],
+        )
+        sequence.uid = uid
+        request.status = RequestStatus.RUNNING
+        self.running[uid] = sequence
+
+    def _store_prefixes(self, generator: BatchGenerator, prefill: list[Any]) -> None:
+        """Store the KV state of each shared prefix that this step's prefill completed. The
+        generator reports the end of a prompt segment without a token: nothing to stream."""
+        uids = [
+            r.uid
+            for r in prefill
+            if r.end_of_segment and r.uid in self.running and self.running[r.uid].prefix_pending
+        ]
+        if not uids or self.prefix_cache is None:
+            return
+        for uid, (cache, tokens) in generator.extract_cache(uids).items():
+            sequence = self.running[uid]
+            sequence.prefix_pending = False
+            try:
+                self.prefix_cache.store(list(tokens), cache, SHARED_PREFIX)
+            except Exception as exc:
+                sequence.fail(exc)
+
+    def _on_token(self, sequence: Sequence, response: Any) -> None:
+        # Runs for every token of every sequence: kept to the few operations each token needs.
+        request = sequence.request
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        reason = response.finish_reason  # not None: the generator has let the sequence go
+        try:
+            stopped_by_text = False
+            # A "stop" from the generator is a stop token (EOS or stop_token_ids): not output.
+            if reason != "stop":
+                token = int(response.token)
+                transcript = request.transcript
+                transcript.token_ids.append(token)
+                if request.sampling_params.logprobs is not None:
+                    sequence.pending_logprobs.append(
+                        token_logprob(response.logprobs, token, request.sampling_params.logprobs)
+                    )
+                text = sequence.text.add_token(token)
+                if text:
+                    transcript.text_parts.append(text)
+                stopped_by_text = sequence.text.stopped
+            if reason is not None and response.prompt_cache:
+                self._remember(request, list(response.all_tokens), response.prompt_cache)
+        except Exception as exc:
+            sequence.fail(exc)
+        if sequence.failure is not None:
+            self._finish(
+                sequence, "error", error=_describe(sequence.failure), in_generator=reason is None
+            )
+        elif reason is not None:
+            self._finish(sequence, reason, in_generator=False)
+        elif stopped_by_text:
+            self._finish(sequence, "stop")
+        elif sequence.stream_state.should_send(len(request.transcript.token_ids), False):
+            self._emit(sequence)
+
+    # -- finishing ---------------------------------------------------------------------------
+
+    def _finish(
+        self,
+        sequence: Sequence,
+        reason: str,
+        error: str | None = None,
+        in_generator: bool = True,
+    ) -> None:
+        request = sequence.request
+        if sequence.uid is not None:
+            self.running.pop(sequence.uid, None)
+            if in_generator and self._generator is not None:
+                # Only a sequence past its prefill has a cache that is whole (no batch padding).
+                decoding = request.first_token_time is not None
+                keep = decoding and reason in ("stop", "abort")
+                self._release_from_generator(sequence, keep_cache=keep)
+        elif sequence in self.waiting:
+            self.waiting.remove(sequence)
+        self._requests.pop(request.request_id, None)
+        if reason != "error":
+            text = sequence.text.finish()
+            if text:
+                request.transcript.text_parts.append(text)
+        request.status = RequestStatus.for_finish_reason(reason)
+        request.finish_reason = reason
+        request.error = error
+        self.num_requests_processed += 1
+        self.num_requests_failed += reason == "error"
+        self.total_prompt_tokens += request.num_prompt_tokens
+        self.total_completion_tokens += request.num_output_tokens
+        if error is not None:
+            log.warning("request_failed", request_id=request.request_id, error=error)
+        self._emit(sequence, finished=True)
+
+    def _release_from_generator(self, sequence: Sequence, keep_cache: bool) -> None:
+        assert self._generator is not None and sequence.uid is not None
+        store = keep_cache and self.prefix_cache is not None
+        caches = self._generator.remove([sequence.uid], return_prompt_caches=store)
+        if store and sequence.uid in caches:
+            cache, tokens = caches[sequence.uid]
+            self._remember(sequence.request, list(tokens), cache)
+
+    def _remember(self, request: Request, tokens: list[int], cache: list[Any]) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.store_finished(
+                request.prompt_token_ids, request.prefix_boundary, tokens, cache
+            )
+
+    def _fail_batch(self, exc: BaseException) -> None:
+        """The batch step itself failed: fail what was in it and start over with a fresh one."""
+        self.batch_failures += 1
+        log.error("batch_step_failed", error=_describe(exc), running=len(self.running))
+        generator, self._generator = self._generator, None
+        for sequence in list(self.running.values()):
+            self._finish(
+                sequence, "error", error=f"batch step failed: {_describe(exc)}", in_generator=False
+            )
+        if generator is not None:
+            generator.close()
+
+    def _emit(self, sequence: Sequence, finished: bool = False) -> None:
+        self._finished.outputs.append(sequence.output(finished))
+
+    def _take_finished(self) -> SchedulerOutput:
+        finished, self._finished = self._finished, SchedulerOutput()
+        return finished
+
+    def _ensure_generator(self) -> BatchGenerator:
+        if self._generator is None:
+            self._generator = BatchGenerator(
+                self.model,
+                completion_batch_size=self.config.max_num_seqs,
+                prefill_batch_size=self.config.prefill_batch_size,
+                prefill_step_size=self.config.prefill_step_size,
+                max_kv_size=self.config.max_kv_size,
+                stream=self._stream,
+            )
+        return self._generator
+
+    # -- caches and stats --------------------------------------------------------------------
+
+    def clear_prefix_cache(self) -> dict[str, int]:
+        return self.prefix_cache.clear() if self.prefix_cache else {"entries": 0, "bytes": 0}
+
+    def cache_stats(self) -> PrefixCacheStats | None:
+        return self.prefix_cache.stats() if self.prefix_cache else None
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_waiting=self.num_waiting,
+            num_running=self.num_running,
+            num_requests_processed=self.num_requests_processed,
+            num_requests_failed=self.num_requests_failed,
+            total_prompt_tokens=self.total_prompt_tokens,
+            total_completion_tokens=self.total_completion_tokens,
+            batch_failures=self.batch_failures,
+            model_seconds=self.model_seconds,
+        )
+
+    def open_requests(self) -> tuple[RequestProgress, ...]:
+        """Waiting and running requests (any thread: reads a copy of the table)."""
+        now = time.monotonic()
+        return tuple(s.progress(now) for s in list(self._requests.values()))
+
+    def close(self) -> None:
+        """Drop the generator (engine thread); requests must have been finished first."""
+        generator, self._generator = self._generator, None
+        if generator is not None:
+            generator.close()
+
+
+def _describe(exc: BaseException | None) -> str:
+    return f"{type(exc).__name__}: {exc}" if exc is not None else "unknown error"

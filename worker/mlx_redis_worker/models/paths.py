@@ -1,0 +1,97 @@
+"""Where offline model fixtures live, and how short fixture names map to folders.
+
+The cache root is ``$MLXW_MODEL_CACHE`` when set, else ``~/.cache/mlx-redis-worker/models``.
+Short names (``tiny``, ``tiny-qwen3``, ``tiny-medium``, ``tiny-micro``, ``smollm2``) resolve to
+prepared folders there, preparing them on first use; anything else (a local path, a hub id)
+passes through unchanged so ``mlx_lm.load`` keeps its usual meaning.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from mlx_redis_worker.models.folder import is_prepared
+
+Dtype = Literal["float32", "bfloat16", "q4"]
+Arch = Literal["llama", "qwen3"]
+Size = Literal["micro", "small", "medium"]
+
+CACHE_ENV = "MLXW_MODEL_CACHE"
+DTYPES: tuple[Dtype, ...] = ("float32", "bfloat16", "q4")
+ARCHS: tuple[Arch, ...] = ("llama", "qwen3")
+SIZES: tuple[Size, ...] = ("micro", "small", "medium")
+
+
+def default_cache_dir() -> Path:
+    """The folder that holds every prepared fixture (not created here)."""
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override).expanduser()
+    return Path.home() / ".cache" / "mlx-redis-worker" / "models"
+
+
+def _root(cache_dir: str | os.PathLike[str] | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
+def smollm2_dir(dtype: Dtype = "float32", cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The folder of SmolLM2-135M-Instruct converted to ``dtype``."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
+    return _root(cache_dir) / f"smollm2-135m-instruct-{dtype}"
+
+
+def tiny_dir(
+    arch: Arch = "llama", size: Size = "small", cache_dir: str | os.PathLike[str] | None = None
+) -> Path:
+    """The folder of the random-weight ``arch`` model of ``size``."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
+    return _root(cache_dir) / f"tiny-{arch}-{size}"
+
+
+def _prepare_tiny(arch: Arch, size: Size) -> Callable[[], Path]:
+    def prepare() -> Path:
+        from mlx_redis_worker.models.tiny import prepare_tiny
+
+        return prepare_tiny(arch=arch, size=size)
+
+    return prepare
+
+
+def _prepare_smollm2(dtype: Dtype) -> Callable[[], Path]:
+    def prepare() -> Path:
+        from mlx_redis_worker.models.smollm2 import prepare_smollm2
+
+        return prepare_smollm2(dtype=dtype)
+
+    return prepare
+
+
+# Short name -> (folder in the default cache, how to build it when missing).
+FIXTURES: dict[str, tuple[Callable[[], Path], Callable[[], Path]]] = {
+    "tiny": (lambda: tiny_dir("llama", "small"), _prepare_tiny("llama", "small")),
+    "tiny-qwen3": (lambda: tiny_dir("qwen3", "small"), _prepare_tiny("qwen3", "small")),
+    "tiny-medium": (lambda: tiny_dir("llama", "medium"), _prepare_tiny("llama", "medium")),
+    # Compute so small that serving is host-bound, as on a fast GPU: benchmarks use it to show
+    # the engine's own per-token host work.
+    "tiny-micro": (lambda: tiny_dir("llama", "micro"), _prepare_tiny("llama", "micro")),
+    "smollm2": (lambda: smollm2_dir("float32"), _prepare_smollm2("float32")),
+}
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Map a fixture name to its prepared folder (preparing it if needed); else pass through."""
+    fixture = FIXTURES.get(name_or_path)
+    if fixture is None:
+        return name_or_path
+    folder_of, prepare = fixture
+    folder = folder_of()
+    if not is_prepared(folder):
+        folder = prepare()
+    return str(folder)

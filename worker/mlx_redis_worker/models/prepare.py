@@ -1,0 +1,39 @@
+"""``mlx-worker model prepare {smollm2|tiny}``: build a fixture folder and print its path."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from mlx_redis_worker.models.gguf import MissingGGUFError
+
+EXIT_MISSING_PACKAGE = 2
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    """Dispatch the parsed CLI arguments; return the process exit code."""
+    started = time.monotonic()
+    try:
+        folder = _prepare(args)
+    except MissingGGUFError as exc:
+        print(f"mlx-worker: {exc}", file=sys.stderr)
+        return EXIT_MISSING_PACKAGE
+    print(f"prepared in {time.monotonic() - started:.1f}s", file=sys.stderr)
+    print(folder)
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> Path:
+    if args.name == "smollm2":
+        from mlx_redis_worker.models.smollm2 import prepare_smollm2
+
+        return prepare_smollm2(dtype=args.dtype, cache_dir=args.cache_dir, force=args.force)
+    if args.name == "tiny":
+        from mlx_redis_worker.models.tiny import prepare_tiny
+
+        return prepare_tiny(
+            arch=args.arch, size=args.size, cache_dir=args.cache_dir, force=args.force
+        )
+    raise ValueError(f"unknown model fixture {args.name!r}")
