@@ -21,7 +21,8 @@ from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.connection import connect
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.messages import DoneEvent
-from mlx_redis_worker.daemon.permissions import check_permissions, probes, redis_user
+from mlx_redis_protocol.permissions import redis_user
+from mlx_redis_worker.daemon.permissions import check_permissions, probes
 from mlx_redis_worker.local_redis import LocalCluster
 from tests.daemon.helpers import check_stream, collect
 from tests.support.acl import PASSWORD, MakeUser, denials, documented_minimum_acl, refusal_line

@@ -1,7 +1,9 @@
 """structlog set-up: JSON lines in production, a readable console format for humans.
 
 Jobs bind ``request_id`` with ``structlog.contextvars.bound_contextvars`` so every line logged
-while serving a job carries it.
+while serving a job carries it. The protocol library logs through the standard library's
+``logging`` (a client library imposes no logging framework on producers); its records go
+through the same renderer, their ``extra`` fields as key-value pairs.
 """
 
 from __future__ import annotations
@@ -25,19 +27,40 @@ def configure_logging(log_format: LogFormat = "json", level: str = "INFO") -> No
         if log_format == "json"
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
+    shared: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.format_exc_info,
+    ]
+    _route_standard_logging(shared, renderer, numeric_level)
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+def _route_standard_logging(
+    shared: list[structlog.typing.Processor], renderer: structlog.typing.Processor, level: int
+) -> None:
+    """Records of the standard library's loggers (the protocol library's, redis-py's) rendered
+    like structlog's own lines, on stderr, at the same level."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.ExtraAdder(), *shared],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "_mlxw", False)]:
+        root.removeHandler(old)
+    handler._mlxw = True  # type: ignore[attr-defined]  # ours, replaced when reconfigured
+    root.addHandler(handler)
+    root.setLevel(level)
 
 
 def tell_operator(line: str, exc: BaseException, *, debug: bool) -> None:

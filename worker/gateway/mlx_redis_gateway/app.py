@@ -52,7 +52,7 @@ from mlx_redis_protocol.errors import (
 )
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
 from mlx_redis_protocol.messages import Event
-from mlx_redis_worker.daemon.redis_retry import describe
+from mlx_redis_protocol.redis_retry import describe
 
 log = structlog.get_logger(__name__)
 

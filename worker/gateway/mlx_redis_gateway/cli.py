@@ -88,7 +88,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     from mlx_redis_gateway.permissions import check_gateway_permissions
     from mlx_redis_protocol.connection import REFUSED, redact
     from mlx_redis_protocol.keys import Keys
-    from mlx_redis_worker.daemon.permissions import MissingPermission
+    from mlx_redis_protocol.permissions import MissingPermission
     from mlx_redis_worker.logs import one_line
 
     host, port = _listen_address(args.listen)

@@ -16,7 +16,7 @@ from mlx_redis_protocol.catalogue import served_models
 from mlx_redis_protocol.connection import RedisClient, connect
 from mlx_redis_protocol.control import MIN_BLPOP_TIMEOUT
 from mlx_redis_protocol.keys import Keys
-from mlx_redis_worker.daemon.permissions import (
+from mlx_redis_protocol.permissions import (
     Probe,
     check_probes,
     in_one_round_trip,
@@ -26,7 +26,7 @@ from mlx_redis_worker.daemon.permissions import (
     script_probes,
     subscribe_probe,
 )
-from mlx_redis_worker.daemon.redis_retry import retry_until_done
+from mlx_redis_protocol.redis_retry import retry_until_done
 
 
 async def check_gateway_permissions(

@@ -21,7 +21,7 @@ from mlx_redis_gateway.errors import ApiError
 from mlx_redis_protocol.connection import RedisClient
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.lua import run_script, run_script_each
-from mlx_redis_worker.daemon.redis_retry import REDIS_FAILURES, describe
+from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe
 
 log = structlog.get_logger(__name__)
 

@@ -31,8 +31,8 @@ from mlx_redis_protocol.identifiers import CACHE_NAME_RULE, is_valid_cache_name,
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.limits import Limits
 from mlx_redis_protocol.messages import ControlCommand, ControlReply, ErrorInfo
+from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe, retry_until_done
 from mlx_redis_protocol.wire import top_level_strings
-from mlx_redis_worker.daemon.redis_retry import REDIS_FAILURES, describe, retry_until_done
 from mlx_redis_worker.engine import EngineCore
 from mlx_redis_worker.engine.prefix_cache import IncompatibleCacheError
 

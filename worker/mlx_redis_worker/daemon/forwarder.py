@@ -28,8 +28,8 @@ from mlx_redis_protocol.connection import RedisClient
 from mlx_redis_protocol.constants import FORWARDED_FROM_FIELD, JOB_FIELD
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.lua import run_script_each
+from mlx_redis_protocol.redis_retry import retry_until_done
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
-from mlx_redis_worker.daemon.redis_retry import retry_until_done
 
 log = structlog.get_logger(__name__)
 

@@ -20,7 +20,7 @@ from mlx_redis_protocol.constants import FORWARDED_FROM_FIELD, JOB_FIELD
 from mlx_redis_protocol.group import remove_idle_consumer
 from mlx_redis_protocol.keys import JobStream
 from mlx_redis_protocol.lua import run_script
-from mlx_redis_worker.daemon.redis_retry import REDIS_FAILURES
+from mlx_redis_protocol.redis_retry import REDIS_FAILURES
 
 log = structlog.get_logger(__name__)
 

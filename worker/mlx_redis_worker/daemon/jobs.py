@@ -23,6 +23,7 @@ from mlx_redis_protocol.identifiers import stream_id_time
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.limits import Limits
 from mlx_redis_protocol.messages import SYSTEM_PREFIX, Job
+from mlx_redis_protocol.redis_retry import retry_until_done
 from mlx_redis_protocol.replay_log import (
     FINISHED,
     STALE_ATTEMPT,
@@ -33,7 +34,6 @@ from mlx_redis_protocol.replay_log import (
 )
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.publisher import AttemptLost, EventPublisher
-from mlx_redis_worker.daemon.redis_retry import retry_until_done
 from mlx_redis_worker.engine import EngineCore, QueueFullError, ResponseFormat, SamplingParams
 from mlx_redis_worker.engine.prompt import chat_prompt
 

@@ -17,9 +17,9 @@ import structlog
 
 from mlx_redis_protocol.codec_job import readable_request_id
 from mlx_redis_protocol.heartbeat import ServedModel
+from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe, retry_until_done
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner
-from mlx_redis_worker.daemon.redis_retry import REDIS_FAILURES, describe, retry_until_done
 from mlx_redis_worker.engine import EngineCore
 
 log = structlog.get_logger(__name__)

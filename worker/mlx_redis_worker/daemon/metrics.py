@@ -30,10 +30,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mlx_redis_protocol.messages import Usage
+from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe
 from mlx_redis_worker.daemon.job_queue import JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner
 from mlx_redis_worker.daemon.publisher import EventPublisher
-from mlx_redis_worker.daemon.redis_retry import REDIS_FAILURES, describe
 from mlx_redis_worker.engine import EngineCore
 
 log = structlog.get_logger(__name__)

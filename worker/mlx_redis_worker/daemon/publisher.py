@@ -35,9 +35,9 @@ from mlx_redis_protocol.messages import (
     TokenLogprob,
     Usage,
 )
+from mlx_redis_protocol.redis_retry import retry_until_done
 from mlx_redis_protocol.replay_log import Outcome, publish_events
 from mlx_redis_worker.daemon.activity import TokenHistory
-from mlx_redis_worker.daemon.redis_retry import retry_until_done
 from mlx_redis_worker.engine import RequestOutput
 
 log = structlog.get_logger(__name__)

@@ -29,18 +29,18 @@ from mlx_redis_protocol.connection import RedisClient, exists_each
 from mlx_redis_protocol.constants import DEFAULT_ABORT_TTL_SECONDS
 from mlx_redis_protocol.heartbeat import Heartbeat
 from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.redis_retry import (
+    REDIS_FAILURES,
+    REDIS_REFUSED,
+    Outage,
+    describe,
+)
 from mlx_redis_worker.daemon.control import CommandRefused, ControlListener
 from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
 from mlx_redis_worker.daemon.job_queue import JobQueue
 from mlx_redis_worker.daemon.lane import ModelLane
 from mlx_redis_worker.daemon.metrics import Metrics, MetricSources
 from mlx_redis_worker.daemon.publisher import EventPublisher
-from mlx_redis_worker.daemon.redis_retry import (
-    REDIS_FAILURES,
-    REDIS_REFUSED,
-    Outage,
-    describe,
-)
 from mlx_redis_worker.daemon.sd_notify import Notifier
 from mlx_redis_worker.daemon.settings import WorkerSettings
 

@@ -20,6 +20,8 @@ from mlx_redis_protocol.channels import ChannelHub
 from mlx_redis_protocol.connection import RedisClient, connect, redact
 from mlx_redis_protocol.keys import JobStream, Keys
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
+from mlx_redis_protocol.permissions import redis_user
+from mlx_redis_protocol.redis_retry import retry_until_done
 from mlx_redis_worker.daemon.control import ControlListener
 from mlx_redis_worker.daemon.eviction import check_eviction_policy
 from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
@@ -28,9 +30,8 @@ from mlx_redis_worker.daemon.jobs import JobRunner
 from mlx_redis_worker.daemon.lane import ModelLane
 from mlx_redis_worker.daemon.memory_fit import check_fit
 from mlx_redis_worker.daemon.metrics import Metrics
-from mlx_redis_worker.daemon.permissions import check_permissions, redis_user
+from mlx_redis_worker.daemon.permissions import check_permissions
 from mlx_redis_worker.daemon.publisher import EventPublisher
-from mlx_redis_worker.daemon.redis_retry import retry_until_done
 from mlx_redis_worker.daemon.serving import Serving
 from mlx_redis_worker.daemon.settings import WorkerSettings
 from mlx_redis_worker.engine import EngineConfig, EngineCore, SchedulerConfig

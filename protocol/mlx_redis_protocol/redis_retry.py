@@ -5,22 +5,26 @@ A Redis outage (or an out-of-memory spell) makes every retry fail the same way; 
 when the burst starts, a reminder each minute while it lasts and one line when it ends say
 as much as a warning per retry, without flooding the logs. Error texts never carry command
 arguments: redis-py quotes a failing pipeline command, and those hold job bytes and prompts.
+
+It logs through the standard library's ``logging`` (logger ``mlx_redis_protocol.redis_retry``),
+as a library should: each line's message is an event name and its fields ride in ``extra``,
+which the worker's structlog set-up renders as key-value pairs.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
-import structlog
 from redis.backoff import EqualJitterBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
 from mlx_redis_protocol.connection import REFUSED, retry_forever
 
-log = structlog.get_logger(__name__)
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Everything a Redis call can fail with that waiting may fix: redis-py's errors, a Cluster
@@ -60,25 +64,32 @@ class Outage:
         self.failures += 1
         if self.failures == 1:
             self.started = self.reminded = now
-            log.warning("redis_failing", operation=self.operation, error=describe(exc), **context)
+            log.warning(
+                "redis_failing",
+                extra={"operation": self.operation, "error": describe(exc), **context},
+            )
         elif now - self.reminded >= REMIND_EVERY:
             self.reminded = now
             log.warning(
                 "redis_still_failing",
-                operation=self.operation,
-                failures=self.failures,
-                seconds=round(now - self.started, 1),
-                error=describe(exc),
-                **context,
+                extra={
+                    "operation": self.operation,
+                    "failures": self.failures,
+                    "seconds": round(now - self.started, 1),
+                    "error": describe(exc),
+                    **context,
+                },
             )
 
     def recovered(self) -> None:
         if self.failures:
             log.info(
                 "redis_recovered",
-                operation=self.operation,
-                failures=self.failures,
-                seconds=round(time.monotonic() - self.started, 1),
+                extra={
+                    "operation": self.operation,
+                    "failures": self.failures,
+                    "seconds": round(time.monotonic() - self.started, 1),
+                },
             )
             self.failures = 0
 
