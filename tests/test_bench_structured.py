@@ -12,6 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from mlx_redis_protocol.cli import build_parser
 from mlx_redis_worker.bench.schema_suite import (
     MAX_INSTANCE_CHARS,
     build_suite,
@@ -19,7 +20,6 @@ from mlx_redis_worker.bench.schema_suite import (
     llguidance_accepts,
 )
 from mlx_redis_worker.bench.structured_bench import percentile
-from mlx_redis_worker.cli import build_parser
 
 
 def test_suite_is_deterministic_varied_and_bounded() -> None:

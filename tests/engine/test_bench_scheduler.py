@@ -22,7 +22,7 @@ def test_cli_prints_the_table() -> None:
     # A process of its own: the CLI configures logging for the whole process.
     args = ["bench", "scheduler", "--sequences", "2", "--tokens", "8", "--repeat", "1"]
     done = subprocess.run(
-        [sys.executable, "-m", "mlx_redis_worker.cli", *args],
+        [sys.executable, "-m", "mlx_redis_protocol.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -20,13 +20,20 @@ class GatewayProcess:
     """One ``mlx-worker gateway`` child, its log in ``directory/gateway-N.log``."""
 
     def __init__(
-        self, directory: Path, *, redis_url: str, prefix: str, flags: Sequence[str] = ()
+        self,
+        directory: Path,
+        *,
+        redis_url: str,
+        prefix: str,
+        flags: Sequence[str] = (),
+        program: Sequence[str] = WORKER_COMMAND,
     ) -> None:
+        """``program``: the ``mlx-worker`` command to run (another venv's, say)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = directory / f"gateway-{self.port}.log"
         self.command = [
-            *WORKER_COMMAND,
+            *program,
             "--log-format",
             "json",
             "gateway",

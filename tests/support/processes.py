@@ -28,7 +28,7 @@ from tests.support.waiting import wait_until
 # mlx_redis_worker.cli` where the venv has none.
 _SCRIPT = Path(sys.executable).with_name("mlx-worker")
 WORKER_COMMAND = (
-    (str(_SCRIPT),) if _SCRIPT.exists() else (sys.executable, "-m", "mlx_redis_worker.cli")
+    (str(_SCRIPT),) if _SCRIPT.exists() else (sys.executable, "-m", "mlx_redis_protocol.cli")
 )
 
 # The model test workers serve (its fleet name too): jobs naming no model run on it, from its
@@ -85,10 +85,12 @@ class WorkerProcess:
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
         ready_timeout: float = READY_TIMEOUT,
+        program: Sequence[str] = WORKER_COMMAND,
     ) -> None:
         """``redis_url`` None: the worker finds it itself (``MLXW_REDIS_URL_FILE``); ``env``:
         the variables on top of the clean environment (the caller's fast intervals among
-        them); ``cwd``: the worker's working directory (this process's by default)."""
+        them); ``cwd``: the worker's working directory (this process's by default);
+        ``program``: the ``mlx-worker`` command to run (another venv's, say)."""
         self.worker_id = worker_id
         self.redis_url = redis_url
         self.prefix = prefix
@@ -96,7 +98,7 @@ class WorkerProcess:
         self.log_path = directory / f"worker-{worker_id}.log"
         url_flags = ["--redis-url", redis_url] if redis_url is not None else []
         self.command = [
-            *WORKER_COMMAND,
+            *program,
             "--log-format",
             "json",
             "run",

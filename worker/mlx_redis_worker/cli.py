@@ -1,4 +1,9 @@
-"""The ``mlx-worker`` command: a thin front that hands each subcommand to its layer."""
+"""The worker's verbs of ``mlx-worker``: run, health, model, bench and demo.
+
+The command itself belongs to the protocol distribution (`mlx_redis_protocol.cli`); this
+module is registered in the entry-point group ``mlx_redis_worker.commands`` and adds the
+worker's subcommands, each handing its work to its layer.
+"""
 
 from __future__ import annotations
 
@@ -6,44 +11,22 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import mlx_redis_worker  # noqa: F401  (loads OpenBLAS before anything imports mlx)
-from mlx_redis_gateway.cli import add_gateway_commands
-from mlx_redis_protocol.cli import add_commands as add_client_commands
+from mlx_redis_protocol.cli import OperatorError
 from mlx_redis_worker.daemon.settings import WorkerSettings, load_settings
-from mlx_redis_worker.logs import configure_logging, one_line, tell_operator
 
 Command = Callable[[argparse.Namespace], int]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The whole command line; each subcommand names the function that runs it (``func``)."""
-    parser = argparse.ArgumentParser(prog="mlx-worker", description=__doc__)
-    parser.add_argument(
-        "--log-format",
-        choices=["json", "console"],
-        default=os.environ.get("MLXW_LOG_FORMAT", "console"),
-        help="log lines as JSON (production) or for humans (env MLXW_LOG_FORMAT)",
-    )
-    parser.add_argument(
-        "--log-level", default=os.environ.get("MLXW_LOG_LEVEL", "INFO"), help="env MLXW_LOG_LEVEL"
-    )
-    parser.add_argument(
-        "--debug",
-        action="store_true",
-        default=os.environ.get("MLXW_DEBUG", "").lower() in ("1", "true", "yes", "on"),
-        help="show the Python traceback of a failure, not only its one line (env MLXW_DEBUG=1)",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_commands(commands: Any) -> None:
+    """Register the worker's subcommands on the ``mlx-worker`` parser's subcommands."""
     _add_model_commands(commands)
     _add_bench_commands(commands)
     _add_daemon_commands(commands)
-    add_client_commands(commands)  # submit, stream, ctl, group: the protocol's own client CLI
-    add_gateway_commands(commands)  # gateway, api-key: the OpenAI-compatible HTTP front
     _add_demo_command(commands)
-    return parser
 
 
 def _lazy(module: str, function: str) -> Command:
@@ -52,7 +35,12 @@ def _lazy(module: str, function: str) -> Command:
 
     def command(args: argparse.Namespace) -> int:
         run: Command = getattr(importlib.import_module(module), function)
-        return run(args)
+        try:
+            return run(args)
+        except Exception as exc:
+            if _is_model_unavailable(exc):
+                raise OperatorError(str(exc)) from exc
+            raise
 
     return command
 
@@ -261,32 +249,6 @@ def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
     return load_settings(flags, config_file=args.config)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand. No traceback reaches the user without ``--debug``: a mistake of
-    the operator's is one line and status 2, anything unexpected one line and status 1."""
-    args = build_parser().parse_args(argv)
-    try:
-        configure_logging(args.log_format, args.log_level)
-    except ValueError as exc:
-        return _usage_error(args, str(exc), exc)
-    try:
-        command: Command = args.func
-        return command(args)
-    except KeyboardInterrupt:
-        return 130
-    except Exception as exc:
-        if args.debug:
-            raise
-        if _is_model_unavailable(exc):
-            return _usage_error(args, one_line(exc), exc)
-        print(
-            f"mlx-worker {args.command}: {one_line(exc, typed=True)}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 1
-
-
 def _run_worker(args: argparse.Namespace) -> int:
     from mlx_redis_worker.daemon.service import serve
 
@@ -304,14 +266,8 @@ def _with_settings(args: argparse.Namespace, use: Callable[[WorkerSettings], int
     try:
         settings = _worker_settings(args)
     except (ValueError, OSError) as exc:
-        return _usage_error(args, f"bad settings: {one_line(exc)}", exc)
+        raise OperatorError(f"bad settings: {exc}") from exc
     return use(settings)
-
-
-def _usage_error(args: argparse.Namespace, message: str, exc: BaseException) -> int:
-    """One line naming the problem (after its traceback with --debug); status 2."""
-    tell_operator(f"mlx-worker {args.command}: {message}", exc, debug=args.debug)
-    return 2
 
 
 def _is_model_unavailable(exc: BaseException) -> bool:
@@ -320,7 +276,3 @@ def _is_model_unavailable(exc: BaseException) -> bool:
     ctl never need."""
     loading = sys.modules.get("mlx_redis_worker.models.loading")
     return loading is not None and isinstance(exc, loading.ModelUnavailable)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mlx_redis_protocol.cli import connection_options
+from mlx_redis_protocol.cli_client import connection_options
 from mlx_redis_protocol.constants import DEFAULT_LOG_TTL_SECONDS
 
 
@@ -88,8 +88,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     from mlx_redis_gateway.permissions import check_gateway_permissions
     from mlx_redis_protocol.connection import REFUSED, redact
     from mlx_redis_protocol.keys import Keys
+    from mlx_redis_protocol.logs import one_line
     from mlx_redis_protocol.permissions import MissingPermission
-    from mlx_redis_worker.logs import one_line
 
     host, port = _listen_address(args.listen)
     if args.api_keys is None and not args.no_auth and not _is_loopback(host):

@@ -195,7 +195,7 @@ def _start_worker(
     command = [
         sys.executable,
         "-m",
-        "mlx_redis_worker.cli",
+        "mlx_redis_protocol.cli",
         "--log-level",
         "WARNING",
         "run",

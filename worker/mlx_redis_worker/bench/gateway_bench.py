@@ -257,7 +257,7 @@ async def _gateway_ready(port: int, process: subprocess.Popen[bytes]) -> None:
 
 def _start_gateway(url: str, prefix: str, port: int, log_path: str) -> subprocess.Popen[bytes]:
     listen = f"127.0.0.1:{port}"
-    command = [sys.executable, "-m", "mlx_redis_worker.cli", "--log-level", "WARNING", "gateway"]
+    command = [sys.executable, "-m", "mlx_redis_protocol.cli", "--log-level", "WARNING", "gateway"]
     command += ["--listen", listen, "--redis-url", url, "--prefix", prefix]
     with open(log_path, "ab") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -134,7 +134,7 @@ def start_worker(
     command = [
         sys.executable,
         "-m",
-        "mlx_redis_worker.cli",
+        "mlx_redis_protocol.cli",
         "--log-level",
         "WARNING",
         "run",

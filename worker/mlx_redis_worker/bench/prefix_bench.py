@@ -196,7 +196,7 @@ def _restart_and_serve(
     command = [
         sys.executable,
         "-m",
-        "mlx_redis_worker.cli",
+        "mlx_redis_protocol.cli",
         "--log-level",
         "warning",
         "bench",

@@ -11,12 +11,12 @@ import structlog
 
 from mlx_redis_protocol.connection import UnsupportedRedis, connect, redact
 from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.logs import one_line, tell_operator
 from mlx_redis_protocol.permissions import MissingPermission
 from mlx_redis_protocol.redis_retry import REDIS_FAILURES, REDIS_REFUSED, describe
 from mlx_redis_worker.daemon.eviction import EvictingRedis
 from mlx_redis_worker.daemon.settings import WorkerSettings
 from mlx_redis_worker.daemon.worker import Worker
-from mlx_redis_worker.logs import one_line, tell_operator
 from mlx_redis_worker.models import ModelUnavailable
 
 log = structlog.get_logger(__name__)

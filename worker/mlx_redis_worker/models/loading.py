@@ -14,7 +14,7 @@ from typing import Any
 import mlx_lm
 from huggingface_hub.constants import HF_HUB_CACHE
 
-from mlx_redis_worker.logs import one_line
+from mlx_redis_protocol.logs import one_line
 from mlx_redis_worker.models.paths import FIXTURES, resolve_model
 
 
