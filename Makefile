@@ -4,13 +4,23 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := .stamps
 
-.PHONY: demo test check lint typecheck bench setup models clean
+.PHONY: demo test check lint typecheck bench setup models clean docs dist
 
 demo: models
 	$(BIN)/mlx-worker demo
 
 test: models $(STAMP)/test-system
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -f docs/mkdocs.yml -d $(CURDIR)/site
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# The documentation site (docs/), into site/.
+docs: $(STAMP)/venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -f docs/mkdocs.yml -d $(CURDIR)/site
+
+# The three distributions' sdists and wheels (each wheel built from its sdist), into dist/.
+dist: $(STAMP)/venv
+	for project in protocol worker/gateway .; do \
+		$(BIN)/python -m build --no-isolation --outdir dist $$project || exit 1; done
 
 check: lint typecheck
 

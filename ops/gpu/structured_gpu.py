@@ -11,7 +11,7 @@ so every run makes the same number of tokens; constrained and unconstrained runs
 
 from __future__ import annotations
 
-# `worker` first: on CPU it loads OpenBLAS before anything imports mlx.
+# `mlx_redis_worker` first: on CPU it loads OpenBLAS before anything imports mlx.
 import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import argparse

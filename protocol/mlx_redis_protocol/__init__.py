@@ -1,6 +1,7 @@
 """The Redis wire protocol of mlx-worker: keys, messages, codec, client and CLI.
 
-The specification is protocol/README.md. Nothing here imports from `worker`.
+The specification is protocol/README.md. Nothing here imports from the worker or the gateway, or
+needs MLX.
 """
 
 from mlx_redis_protocol.catalogue import Fleet, fleet_models, served_models

@@ -202,7 +202,7 @@ class Client:
         naming none goes to the default stream.
 
         Not retried: if Redis fails to answer the XADD, it may or may not have queued the job
-        (RedisUnavailable says so); README "Submitting across a Redis restart" shows how to
+        (RedisUnavailable says so); docs/redis.md, "Submitting across a Redis restart", shows how to
         retry without queueing it twice.
         """
         data = encode_job(job)

@@ -13,7 +13,7 @@ greedy text with a direct engine run of the same prompt.
 
 from __future__ import annotations
 
-# `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
+# `mlx_redis_worker` must be imported before anything imports mlx: it loads OpenBLAS first.
 import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import base64

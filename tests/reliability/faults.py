@@ -29,7 +29,7 @@ and forwarded), and the workers' logs (burst logging, no prompt or job bytes in 
 
 from __future__ import annotations
 
-# `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
+# `mlx_redis_worker` must be imported before anything imports mlx: it loads OpenBLAS first.
 import mlx_redis_worker  # noqa: F401  # isort: skip
 
 from collections.abc import Callable

@@ -3,7 +3,7 @@ Each is a Redis set-up, workers and a fault, run through ``faults_harness.run_st
 
 from __future__ import annotations
 
-# `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
+# `mlx_redis_worker` must be imported before anything imports mlx: it loads OpenBLAS first.
 import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import asyncio

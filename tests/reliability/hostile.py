@@ -15,7 +15,7 @@ bounded memory, and the valid jobs must come out with the greedy text of a direc
 
 from __future__ import annotations
 
-# `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
+# `mlx_redis_worker` must be imported before anything imports mlx: it loads OpenBLAS first.
 import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import asyncio

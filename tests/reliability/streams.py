@@ -5,7 +5,7 @@ Jobs are queued on the default stream (``keys.jobs``), as a producer that names 
 the workers forward each entry to the stream of their model (``MODEL``, the reliability
 workers' only model), where it runs, is acknowledged or is dead-lettered.
 
-Imports only ``protocol`` and redis-py (no MLX), so producer processes start fast.
+Imports only ``mlx_redis_protocol`` and redis-py (no MLX), so producer processes start fast.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ connection Redis kills mid-stream (CLIENT KILL). The two that reconnect must get
 
 from __future__ import annotations
 
-# `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
+# `mlx_redis_worker` must be imported before anything imports mlx: it loads OpenBLAS first.
 import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import asyncio

@@ -1,4 +1,4 @@
-"""Redis ACL users for tests: the README's documented grants, made on a test's own server,
+"""Redis ACL users for tests: the documented grants (docs/redis.md), made on a test's own server,
 and what Redis denied them (``ACL LOG``)."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from pathlib import Path
 
 import redis
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REDIS_DOCS = Path(__file__).resolve().parents[2] / "docs" / "redis.md"
 PASSWORD = "acl-test-pw"
 # Makes a user with these rules (after ``reset``); returns its name and a URL logging in as it.
 MakeUser = Callable[[list[str]], tuple[str, str]]
 
 
 def documented_minimum_acl(prefix: str, *, gateway: bool = False) -> list[str]:
-    """The README's minimum ACL line for ``prefix``, as ACL SETUSER rules (after the name);
+    """The documented minimum ACL line for ``prefix``, as ACL SETUSER rules (after the name);
     with ``gateway``, the rules its gateway line adds as well."""
     rules = _rules(lambda line: line.startswith("user mlxw on >PASSWORD") and "-@all" in line)
     if gateway:
@@ -31,7 +31,7 @@ def documented_minimum_acl(prefix: str, *, gateway: bool = False) -> list[str]:
 
 
 def _rules(wanted: Callable[[str], bool]) -> list[str]:
-    lines = [line.strip() for line in README.read_text().splitlines() if wanted(line.strip())]
+    lines = [line.strip() for line in REDIS_DOCS.read_text().splitlines() if wanted(line.strip())]
     assert len(lines) == 1, lines
     return lines[0].split()[2:] if lines[0].startswith("user ") else lines[0].split()[3:]
 

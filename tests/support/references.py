@@ -3,7 +3,7 @@ worker's greedy output must equal."""
 
 from __future__ import annotations
 
-# `worker` must be imported before anything imports mlx: it loads OpenBLAS first.
+# `mlx_redis_worker` must be imported before anything imports mlx: it loads OpenBLAS first.
 import mlx_redis_worker  # noqa: F401  # isort: skip
 
 import functools

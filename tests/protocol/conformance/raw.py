@@ -1,7 +1,7 @@
 """Producer, subscriber and operator of protocol/README.md in raw redis-py + msgpack.
 
-Nothing here imports ``protocol``: every key name, message map and merge step is spelled out
-the way the spec tells a producer in another language to do it, so the tests that use it check
+Nothing here imports ``mlx_redis_protocol``: every key name, message map and merge step is spelled
+out the way the spec tells a producer in another language to do it, so the tests that use it check
 the worker against the document, not against the Python client that shares its code.
 """
 

@@ -1,2 +1,2 @@
 """The OpenAI-compatible HTTP gateway: a stateless producer and subscriber of the protocol
-(it imports ``protocol`` and nothing of the engine: no MLX)."""
+(it imports ``mlx_redis_protocol`` and nothing of the worker: no MLX)."""

@@ -1,7 +1,7 @@
 """OpenAI request bodies → protocol jobs: what is mapped, what is refused, what is ignored.
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` bodies are read field by field:
-known fields map to the job (README "OpenAI-compatible gateway" has the table), fields whose
+known fields map to the job (docs/gateway.md has the table), fields whose
 value we cannot honour (``n`` > 1, tools, ``logit_bias``, ``echo``, ...) are a 400 naming the
 parameter, and unknown fields are ignored, as OpenAI's own clients expect of compatible
 servers. Nothing here touches Redis.
