@@ -11,11 +11,29 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
-from typing import Literal
+from typing import Final, Literal
 
 import structlog
 
 LogFormat = Literal["json", "console"]
+
+
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is when a line is written: a command run in-process (a test's,
+    whose stderr is swapped per test and then closed) never leaves the loggers holding a closed
+    stream."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
+_STDERR: Final = _CurrentStderr()
 
 
 def configure_logging(log_format: LogFormat = "json", level: str = "INFO") -> None:
@@ -38,7 +56,7 @@ def configure_logging(log_format: LogFormat = "json", level: str = "INFO") -> No
     structlog.configure(
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_STDERR),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
 
@@ -48,7 +66,7 @@ def _route_standard_logging(
 ) -> None:
     """Records of the standard library's loggers (the protocol library's, redis-py's) rendered
     like structlog's own lines, on stderr, at the same level."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_STDERR)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[structlog.stdlib.ExtraAdder(), *shared],
