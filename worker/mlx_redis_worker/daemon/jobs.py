@@ -23,7 +23,7 @@ from mlx_redis_protocol.errors import ProtocolError
 from mlx_redis_protocol.identifiers import stream_id_time
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.limits import Limits
-from mlx_redis_protocol.messages import SYSTEM_PREFIX, ErrorEvent, Job
+from mlx_redis_protocol.messages import PROMPT_PREFIX, SYSTEM_PREFIX, ErrorEvent, Job
 from mlx_redis_protocol.redis_retry import retry_until_done
 from mlx_redis_protocol.replay_log import (
     DUPLICATE,
@@ -39,7 +39,7 @@ from mlx_redis_protocol.replay_log import (
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.publisher import AttemptLost, EventPublisher
 from mlx_redis_worker.engine import EngineCore, QueueFullError, ResponseFormat, SamplingParams
-from mlx_redis_worker.engine.prompt import chat_prompt
+from mlx_redis_worker.engine.prompt import chat_prompt, encode_prompt
 
 log = structlog.get_logger(__name__)
 
@@ -346,6 +346,11 @@ class JobRunner:
 
     def _prompt(self, job: Job) -> tuple[str | list[int], int]:
         """The engine's prompt and its shared-prefix length (``prefix_boundary``)."""
+        if job.prefix_boundary == PROMPT_PREFIX:
+            # All but the last token: the entry a copy of the prompt finds holds all its
+            # prefill but the step that gives its first token.
+            token_ids = self._prompt_token_ids(job)
+            return token_ids, max(len(token_ids) - 1, 0)
         boundary = job.prefix_boundary if isinstance(job.prefix_boundary, int) else 0
         if job.prompt is not None:
             return job.prompt, boundary
@@ -356,6 +361,13 @@ class JobRunner:
             self.engine.tokenizer, job.chat_messages() or [], system_prefix=system_prefix
         )
         return token_ids, system_end if system_prefix else boundary
+
+    def _prompt_token_ids(self, job: Job) -> list[int]:
+        if job.prompt is not None:
+            return encode_prompt(self.engine.tokenizer, job.prompt)
+        if job.prompt_token_ids is not None:
+            return list(job.prompt_token_ids)
+        return chat_prompt(self.engine.tokenizer, job.chat_messages() or [], system_prefix=False)[0]
 
     async def _begin_attempt(
         self,
