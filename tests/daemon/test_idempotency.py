@@ -28,9 +28,10 @@ def test_a_finished_request_queued_again_after_its_log_expired_does_not_run_agai
             rid = await client.submit("Once only", request_id="pay-1", max_tokens=8)
             first = await collect(client, rid)
             assert isinstance(first[-1], DoneEvent)
+            # The marker is set after the terminal event is logged, before the ack.
+            await until(lambda: settled(client), 10, "the first entry acknowledged")
             finished = client.keys.finished(rid)
             assert 86400 - 60 <= await client.redis.ttl(finished) <= 86400
-            await until(lambda: settled(client), 10, "the first entry acknowledged")
             log_key = client.keys.log(rid)
             await until(lambda: _gone(client, log_key), LOG_TTL + 10, "the first run's log expired")
 
