@@ -50,6 +50,9 @@ class Probe:
     needed_to: str  # what the worker could not do without it
     subject: str  # the key or channel it touches, for a refusal of that
     send: Callable[[], Awaitable[object]]
+    # The key table's name for the subject's kind (protocol/README.md), e.g.
+    # ``mlxw:forwarded:{MODEL}:ID``, named in a refusal when it differs from the subject.
+    pattern: str | None = None
 
 
 def redis_user(url: str) -> str:
@@ -86,10 +89,11 @@ def refusal(user: str, keys: Keys, probe: Probe, exc: NoPermissionError) -> str:
             f"Redis user {user!r} may not run {name} (needed to {probe.needed_to}); "
             f"grant it ({grant})"
         )
-    kind, pattern = ("channel", "&") if "channel" in text else ("key", "~")
+    kind, rule = ("channel", "&") if "channel" in text else ("key", "~")
+    named = f"pattern {probe.pattern}; " if probe.pattern not in (None, probe.subject) else ""
     return (
         f"Redis user {user!r} has no permission for the {kind} {probe.subject!r} "
-        f"({probe.command}, needed to {probe.needed_to}); grant {pattern}{keys.prefix}:* "
+        f"({named}{probe.command}, needed to {probe.needed_to}); grant {rule}{keys.prefix}:* "
         f"({grant})"
     )
 

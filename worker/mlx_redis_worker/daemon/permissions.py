@@ -16,9 +16,10 @@ rely on that (``XADD … 0-0`` is always refused as an ID, never appended).
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 
 from mlx_redis_protocol.connection import RedisClient
-from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.keys import JobStream, Keys
 from mlx_redis_protocol.permissions import (
     Probe,
     check_probes,
@@ -39,103 +40,116 @@ _NEVER_IDLE_MS = 2**62
 
 
 async def check_permissions(
-    redis: RedisClient, keys: Keys, consumer: str, user: str, dead_letter_maxlen: int
+    redis: RedisClient,
+    keys: Keys,
+    consumer: str,
+    user: str,
+    dead_letter_maxlen: int,
+    models: Sequence[str] = (),
 ) -> None:
     """Send the worker's probes; MissingPermission for the first one Redis refuses."""
-    await check_probes(probes(redis, keys, consumer, dead_letter_maxlen), user, keys)
+    await check_probes(probes(redis, keys, consumer, dead_letter_maxlen, models), user, keys)
 
 
-def probes(redis: RedisClient, keys: Keys, consumer: str, dead_letter_maxlen: int) -> list[Probe]:
-    """The probes, the group's creation first (the others use the group). Their keys and
-    channels are the real kinds' names for a request id, worker id and reply token nobody
-    uses, so they do not exist (and nobody listens on the channel); the job stream, its group
-    and the dead-letter stream are the real ones."""
+def probes(
+    redis: RedisClient,
+    keys: Keys,
+    consumer: str,
+    dead_letter_maxlen: int,
+    models: Sequence[str] = (),
+) -> list[Probe]:
+    """The probes, each stream's group creation first (the others use the group): the
+    default stream's, then each served model's (``models``), whose keys are patterns of
+    their own (a user granted ``~mlxw:jobs`` alone cannot read ``mlxw:jobs:{MODEL}``). The
+    other keys and channels are the real kinds' names for a request id, worker id, entry id
+    and reply token nobody uses, so they do not exist (and nobody listens on the channel); the
+    job streams, their groups and dead-letter streams are the real ones. Each key probe names
+    the key table's pattern (protocol/README.md), so a refusal says which line of an ACL is
+    missing."""
     token = f"permission-probe-{secrets.token_hex(6)}"
-    jobs, group = keys.jobs, keys.group
-    log_key, attempt, abort, beat, reply = (
+    log_key, attempt, finished, abort, beat, activity, reply = (
         keys.log(token),
         keys.attempt(token),
+        keys.finished(token),
         keys.abort(token),
         keys.worker(token),
+        keys.activity(token),
         keys.reply(token),
     )
-
-    return [
-        Probe(
-            "XGROUP CREATE",
-            "create the consumer group",
-            jobs,
-            # What the worker's start does anyway (BUSYGROUP, when it exists, is an allowed no).
-            lambda: redis.xgroup_create(jobs, group, id="0", mkstream=True),
+    found = [
+        *_stream_probes(redis, keys.default_stream, consumer, token, dead_letter_maxlen),
+        *(
+            probe
+            for model in models
+            for probe in _stream_probes(
+                redis, keys.model_stream(model), consumer, token, dead_letter_maxlen
+            )
         ),
-        Probe(
-            "XREADGROUP",
-            "read jobs",
-            jobs,
-            # Its own pending entries after a far-future id: none, and no delivery counted.
-            lambda: redis.xreadgroup(group, consumer, {jobs: _FAR_FUTURE_ID}, count=1),
-        ),
-        Probe(
-            "XPENDING",
-            "count a job's deliveries and check that it is still this worker's",
-            jobs,
-            lambda: redis.xpending_range(jobs, group, "-", "+", 1, consumername=consumer),
-        ),
-        Probe(
-            "XAUTOCLAIM",
-            "reclaim jobs of workers that died",
-            jobs,
-            lambda: redis.xautoclaim(jobs, group, consumer, _NEVER_IDLE_MS, count=1, justid=True),
-        ),
-        Probe(
-            "XCLAIM",
-            "keep the leases of running jobs",
-            jobs,
-            lambda: redis.xclaim(
-                jobs, group, consumer, _NEVER_IDLE_MS, [_NO_SUCH_ENTRY], justid=True
-            ),
-        ),
-        Probe(
-            "XACK",
-            "acknowledge finished jobs",
-            jobs,
-            lambda: redis.xack(jobs, group, _NO_SUCH_ENTRY),
-        ),
-        Probe("XDEL", "delete finished jobs", jobs, lambda: redis.xdel(jobs, _NO_SUCH_ENTRY)),
-        Probe(
-            "XADD",
-            "dead-letter jobs that can never run",
-            keys.dead,
-            # The real dead-letter stream: an id of 0-0 is always refused, after the ACL check.
-            lambda: redis.xadd(
-                keys.dead,
-                {"probe": b""},
-                id="0-0",
-                maxlen=dead_letter_maxlen,
-                approximate=True,
-                nomkstream=True,
-            ),
-        ),
+        *(_forwarded_probe(redis, keys, model) for model in models),
         *replay_log_probes(redis, log_key, "append events to replay logs"),
         Probe(
             "GET",
             "check which attempt may write a request's events",
             attempt,
             lambda: redis.get(attempt),
+            pattern=f"{keys.prefix}:attempt:{{request_id}}",
         ),
         Probe(
-            "SET", "fence a request's attempt", attempt, lambda: redis.set(attempt, b"", xx=True)
+            "SET",
+            "fence a request's attempt",
+            attempt,
+            lambda: redis.set(attempt, b"", xx=True),
+            pattern=f"{keys.prefix}:attempt:{{request_id}}",
         ),
-        Probe("EXISTS", "check abort markers", abort, lambda: redis.exists(abort)),
-        Probe("SET", "mark aborted requests", abort, lambda: redis.set(abort, b"", xx=True, ex=60)),
-        Probe("SET", "write the heartbeat", beat, lambda: redis.set(beat, b"", xx=True, px=1000)),
+        Probe(
+            "SET",
+            "remember finished requests (the idempotency window)",
+            finished,
+            lambda: redis.set(finished, b"", xx=True, ex=60),
+            pattern=f"{keys.prefix}:done:{{request_id}}",
+        ),
+        Probe(
+            "EXISTS",
+            "check abort markers",
+            abort,
+            lambda: redis.exists(abort),
+            pattern=f"{keys.prefix}:abort:{{request_id}}",
+        ),
+        Probe(
+            "SET",
+            "mark aborted requests",
+            abort,
+            lambda: redis.set(abort, b"", xx=True, ex=60),
+            pattern=f"{keys.prefix}:abort:{{request_id}}",
+        ),
+        Probe(
+            "SET",
+            "write the heartbeat",
+            beat,
+            lambda: redis.set(beat, b"", xx=True, px=1000),
+            pattern=f"{keys.prefix}:worker:{{worker_id}}",
+        ),
         Probe(
             "PEXPIRE",
             "keep the heartbeat alive while Redis is full",
             beat,
             lambda: redis.pexpire(beat, 1000),
+            pattern=f"{keys.prefix}:worker:{{worker_id}}",
         ),
-        Probe("DEL", "remove the heartbeat when stopping", beat, lambda: redis.delete(beat)),
+        Probe(
+            "DEL",
+            "remove the heartbeat when stopping",
+            beat,
+            lambda: redis.delete(beat),
+            pattern=f"{keys.prefix}:worker:{{worker_id}}",
+        ),
+        Probe(
+            "SET",
+            "write the activity key (status page)",
+            activity,
+            lambda: redis.set(activity, b"", xx=True, px=1000),
+            pattern=f"{keys.prefix}:activity:{{worker_id}}",
+        ),
         publish_probe(redis, keys.out(token), "stream events to subscribers"),
         *script_probes(redis, "the worker's Lua scripts"),
         Probe(
@@ -149,15 +163,100 @@ def probes(redis: RedisClient, keys: Keys, consumer: str, dead_letter_maxlen: in
                 lambda pipe: pipe.expire(reply, 60),
                 lambda pipe: pipe.delete(reply),
             ),
+            pattern=f"{keys.prefix}:reply:{{token}}",
         ),
         subscribe_probe(
             redis, (keys.control, keys.control_for(consumer)), "receive control commands"
+        ),
+    ]
+    return found
+
+
+def _stream_probes(
+    redis: RedisClient, stream: JobStream, consumer: str, token: str, dead_letter_maxlen: int
+) -> list[Probe]:
+    """What the worker sends to one job stream, its group and its dead-letter stream."""
+    jobs, group, dead = stream.stream, stream.group, stream.dead
+    if stream.model is None:
+        pattern, dead_pattern = jobs, dead
+    else:
+        prefix = jobs[: -len(f":jobs:{{{stream.model}}}")]
+        pattern, dead_pattern = f"{prefix}:jobs:{{MODEL}}", f"{prefix}:dead:{{MODEL}}"
+    return [
+        Probe(
+            "XGROUP CREATE",
+            "create the consumer group",
+            jobs,
+            # What the worker's start does anyway (BUSYGROUP, when it exists, is an allowed no).
+            lambda: redis.xgroup_create(jobs, group, id="0", mkstream=True),
+            pattern=pattern,
+        ),
+        Probe(
+            "XREADGROUP",
+            "read jobs",
+            jobs,
+            # Its own pending entries after a far-future id: none, and no delivery counted.
+            lambda: redis.xreadgroup(group, consumer, {jobs: _FAR_FUTURE_ID}, count=1),
+            pattern=pattern,
+        ),
+        Probe(
+            "XPENDING",
+            "count a job's deliveries and check that it is still this worker's",
+            jobs,
+            lambda: redis.xpending_range(jobs, group, "-", "+", 1, consumername=consumer),
+            pattern=pattern,
+        ),
+        Probe(
+            "XAUTOCLAIM",
+            "reclaim jobs of workers that died",
+            jobs,
+            lambda: redis.xautoclaim(jobs, group, consumer, _NEVER_IDLE_MS, count=1, justid=True),
+            pattern=pattern,
+        ),
+        Probe(
+            "XCLAIM",
+            "keep the leases of running jobs",
+            jobs,
+            lambda: redis.xclaim(
+                jobs, group, consumer, _NEVER_IDLE_MS, [_NO_SUCH_ENTRY], justid=True
+            ),
+            pattern=pattern,
+        ),
+        Probe(
+            "XACK",
+            "acknowledge finished jobs",
+            jobs,
+            lambda: redis.xack(jobs, group, _NO_SUCH_ENTRY),
+            pattern=pattern,
+        ),
+        Probe(
+            "XDEL",
+            "delete finished jobs",
+            jobs,
+            lambda: redis.xdel(jobs, _NO_SUCH_ENTRY),
+            pattern=pattern,
+        ),
+        Probe(
+            "XADD",
+            "dead-letter jobs that can never run",
+            dead,
+            # The real dead-letter stream: an id of 0-0 is always refused, after the ACL check.
+            lambda: redis.xadd(
+                dead,
+                {"probe": b""},
+                id="0-0",
+                maxlen=dead_letter_maxlen,
+                approximate=True,
+                nomkstream=True,
+            ),
+            pattern=dead_pattern,
         ),
         Probe(
             "XINFO GROUPS",
             "report the group's lag and pending count (stats, metrics)",
             jobs,
             lambda: redis.xinfo_groups(jobs),
+            pattern=pattern,
         ),
         Probe(
             "XGROUP DELCONSUMER",
@@ -165,5 +264,19 @@ def probes(redis: RedisClient, keys: Keys, consumer: str, dead_letter_maxlen: in
             jobs,
             # A consumer name nobody has: deleting it deletes nothing.
             lambda: redis.xgroup_delconsumer(jobs, group, token),
+            pattern=pattern,
         ),
     ]
+
+
+def _forwarded_probe(redis: RedisClient, keys: Keys, model: str) -> Probe:
+    """The marker the forwarding script sets (``SET NX EX``) before it appends a job of the
+    default stream to the model's stream; XX here: it never creates one."""
+    marker = keys.forwarded(model, _NO_SUCH_ENTRY)
+    return Probe(
+        "SET",
+        "forward jobs of the default stream to a model's stream",
+        marker,
+        lambda: redis.set(marker, b"", xx=True, ex=60),
+        pattern=f"{keys.prefix}:forwarded:{{MODEL}}:ID",
+    )

@@ -175,6 +175,7 @@ class Worker:
                 settings.worker_id,
                 redis_user(settings.redis_url),
                 settings.dead_letter_maxlen,
+                [served.name for served in settings.models],
             ),
             "check permissions",
         )
