@@ -68,7 +68,8 @@ class Monitor:
     """Every name under the prefix in the commands Redis executes (MONITOR), on a thread."""
 
     def __init__(self, url: str, prefix: str) -> None:
-        self.client = redis.Redis.from_url(url, socket_timeout=5)
+        # No socket timeout: a read that times out drops the connection, and MONITOR with it.
+        self.client = redis.Redis.from_url(url, socket_timeout=None)
         self.prefix = prefix
         self.names: set[str] = set()
         self._done = threading.Event()
@@ -90,10 +91,7 @@ class Monitor:
         with self.client.monitor() as monitor:
             self._started.set()
             while not self._done.is_set():
-                try:
-                    command = monitor.next_command()["command"]
-                except redis.exceptions.TimeoutError:
-                    continue  # a quiet moment
+                command = monitor.next_command()["command"]
                 for token in command.split(" "):
                     if token.startswith(self.prefix + ":") and "*" not in token:
                         self.names.add(token)
