@@ -283,6 +283,7 @@ class Worker:
             default_stream_interval=settings.stream_interval,
             worker_id=settings.worker_id,
             model=name,
+            idempotency_seconds=settings.idempotency_seconds,
         )
         backlog = await retry_until_done(
             lambda: queue.read_own_pending(BACKLOG_READ_LIMIT), "read own pending"
