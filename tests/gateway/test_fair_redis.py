@@ -118,7 +118,7 @@ def test_resuming_ones_own_running_stream_needs_no_second_slot(
             headers={"Authorization": f"Bearer {secret}", "Last-Event-ID": "1"},
         ) as again:
             assert again.response().status == 200
-            assert next(again.messages()).event_id is not None
+            assert next(again.messages()).id is not None
         # A new request still finds the key's one slot taken by the running stream.
         error = refused(lambda: ask(single), openai.RateLimitError)
         assert error.code == "concurrency_limit_exceeded"
