@@ -37,6 +37,7 @@ from starlette.routing import Route
 
 from mlx_redis_gateway.api_keys import ApiKey, KeyFile
 from mlx_redis_gateway.auth import Authenticator
+from mlx_redis_gateway.browser_guard import BrowserGuard, require_json
 from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.fleet_status import FleetStatus, read_fleet_status
 from mlx_redis_gateway.http_limits import DEFAULT_HTTP_LIMITS, HttpLimits, RequestLimits, read_json
@@ -44,7 +45,7 @@ from mlx_redis_gateway.openai_api import CompletionRequest, Kind, check_request_
 from mlx_redis_gateway.quotas import LEASE_SECONDS, Quotas, read_lease
 from mlx_redis_gateway.redis_health import HealthProbe
 from mlx_redis_gateway.shaping import DONE_MESSAGE, ResponseShape, Shaper, sse_data, sse_message
-from mlx_redis_gateway.status_page import render_fragment, render_page
+from mlx_redis_gateway.status_page import STATUS_PAGE_CSP, render_fragment, render_page
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.connection import is_unavailable
 from mlx_redis_protocol.constants import DEFAULT_LOG_TTL_SECONDS, DEFAULT_PREFIX, DEFAULT_REDIS_URL
@@ -66,6 +67,7 @@ log = structlog.get_logger(__name__)
 RESUMABLE_HEADER: Final = "x-resumable"
 # How long one read of the fleet's status serves the status page's requests.
 STATUS_CACHE_SECONDS: Final = 1.0
+_PAGE_HEADERS: Final = {"content-security-policy": STATUS_PAGE_CSP}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,15 @@ class GatewaySettings:
     quota_lease_seconds: float = LEASE_SECONDS
     limits: Limits = DEFAULT_LIMITS
     http: HttpLimits = DEFAULT_HTTP_LIMITS
+    # Host names answered besides the loopback ones ("*": any); checked without API keys,
+    # or with them when any is named.
+    allowed_hosts: tuple[str, ...] = ()
+
+    def checked_hosts(self) -> tuple[str, ...] | None:
+        """The Host allowlist to enforce; None: any Host."""
+        if self.api_keys is not None and not self.allowed_hosts:
+            return None
+        return self.allowed_hosts
 
     def __post_init__(self) -> None:
         if self.quota_lease_seconds < 1:
@@ -227,11 +238,11 @@ class Gateway:
 
     async def status_page(self, request: Request) -> Response:
         self.auth.operator(request)
-        return HTMLResponse(render_page(await self._fleet_status()))
+        return HTMLResponse(render_page(await self._fleet_status()), headers=_PAGE_HEADERS)
 
     async def status_fragment(self, request: Request) -> Response:
         self.auth.operator(request)
-        return HTMLResponse(render_fragment(await self._fleet_status()))
+        return HTMLResponse(render_fragment(await self._fleet_status()), headers=_PAGE_HEADERS)
 
     async def status_json(self, request: Request) -> Response:
         self.auth.operator(request)
@@ -241,6 +252,7 @@ class Gateway:
 
     async def _complete(self, request: Request, kind: Kind) -> Response:
         key = self.auth.api_key(request)
+        require_json(request)
         body = read_json(await request.body(), self.settings.http.max_json_depth)
         accepted = parse_request(
             kind,
@@ -579,7 +591,10 @@ def build_app(settings: GatewaySettings) -> Starlette:
     }
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(RequestLimits, limits=settings.http)],
+        middleware=[
+            Middleware(RequestLimits, limits=settings.http),
+            Middleware(BrowserGuard, allowed_hosts=settings.checked_hosts()),
+        ],
         exception_handlers=handlers,
         lifespan=gateway.lifespan,
     )
