@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_redis_protocol.messages import SYSTEM_PREFIX, Job
+from mlx_redis_protocol.messages import PROMPT_PREFIX, SYSTEM_PREFIX, Job
 from mlx_redis_worker.engine import ResponseFormat
 from mlx_redis_worker.engine.output_parser import OutputParser
-from mlx_redis_worker.engine.prompt import chat_prompt
+from mlx_redis_worker.engine.prompt import chat_prompt, encode_prompt
 from mlx_redis_worker.engine.tool_calls import (
     Markers,
     fallback_messages,
@@ -53,9 +53,14 @@ def job_prompt(job: Job, tokenizer: Any) -> JobPrompt:
     boundary = job.prefix_boundary if isinstance(job.prefix_boundary, int) else 0
     response_format = _response_format(job)
     if job.prompt is not None:
+        if job.prefix_boundary == PROMPT_PREFIX:
+            return _whole_prompt(encode_prompt(tokenizer, job.prompt), response_format, None)
         return JobPrompt(job.prompt, boundary, response_format, None)
     if job.prompt_token_ids is not None:
-        return JobPrompt(list(job.prompt_token_ids), boundary, response_format, None)
+        prompt = list(job.prompt_token_ids)
+        if job.prefix_boundary == PROMPT_PREFIX:
+            return _whole_prompt(prompt, response_format, None)
+        return JobPrompt(prompt, boundary, response_format, None)
     calls = job.calls_tools()
     if calls and response_format is not None:
         raise ValueError("job.response_format cannot go with tools the model may call")
@@ -92,7 +97,17 @@ def job_prompt(job: Job, tokenizer: Any) -> JobPrompt:
         parser = OutputParser(
             syntax=syntax if calls else None, thought=thought, thought_open=thought_open
         )
+    if job.prefix_boundary == PROMPT_PREFIX:
+        return _whole_prompt(token_ids, response_format, parser)
     return JobPrompt(token_ids, system_end if system_prefix else boundary, response_format, parser)
+
+
+def _whole_prompt(
+    token_ids: list[int], response_format: ResponseFormat | None, parser: OutputParser | None
+) -> JobPrompt:
+    """``prefix_boundary: "prompt"``: all but the last token shared, so the entry a copy of
+    the prompt finds holds all its prefill but the step that gives its first token."""
+    return JobPrompt(token_ids, max(len(token_ids) - 1, 0), response_format, parser)
 
 
 def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
