@@ -272,6 +272,48 @@ def test_n_with_a_list_of_prompts_orders_choices_prompt_by_prompt(
     assert answer.usage.prompt_tokens == sum(d.usage.prompt_tokens for d in greedy_texts[:2])
 
 
+# Over the worker's 32768 prompt tokens: its job ends with an invalid_job error.
+TOO_LONG = " x" * 40000
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_a_choice_that_fails_fails_the_request(client: openai.OpenAI, stream: bool) -> None:
+    fields: Any = {"model": MODEL, "prompt": [PROMPTS[0], TOO_LONG], "max_tokens": TOKENS}
+    if not stream:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(**fields)
+        assert "tokens" in caught.value.response.json()["error"]["message"]
+        return
+    received: list[Any] = []
+    with pytest.raises(openai.APIError) as failed:
+        for chunk in client.completions.create(**fields, stream=True):
+            received.append(chunk)
+    assert "tokens" in str(failed.value)
+    assert received  # the opening chunks came first
+
+
+def test_a_client_that_leaves_a_fan_out_aborts_its_jobs(
+    gateway: GatewayProcess, fleet: Fleet
+) -> None:
+    body = {"model": MODEL, "prompt": PROMPTS[0], "n": 3, "max_tokens": 4000, "stream": True}
+    request = urllib.request.Request(
+        f"{gateway.base_url}/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        response_id = answer.headers["x-request-id"]
+        seen: set[int] = set()
+        # Read until every choice has text: all three jobs are queued and running.
+        while len(seen) < 3:
+            line = answer.readline().decode()
+            if line.startswith("data: ") and '"text":""' not in line:
+                seen |= {choice["index"] for choice in json.loads(line[6:])["choices"]}
+    dones = [logged_done(fleet, f"{response_id}.{index}") for index in range(3)]
+    assert [done.finish_reason for done in dones] == ["abort"] * 3
+    assert all(done.usage.completion_tokens < 4000 for done in dones)
+
+
 def test_langchains_openai_llm_batches_prompts_as_one_request(
     gateway: GatewayProcess, greedy_texts: list[DoneEvent]
 ) -> None:
