@@ -72,7 +72,9 @@ class Scheduler:
         )
         self.eos_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
         self.grammars = GrammarCompiler(
-            getattr(tokenizer, "_tokenizer", tokenizer), model_vocab_size(model, tokenizer)
+            getattr(tokenizer, "_tokenizer", tokenizer),
+            model_vocab_size(model, tokenizer),
+            self.config.grammar_limits,
         )
         self.num_requests_processed = 0
         self.num_requests_failed = 0
