@@ -15,6 +15,7 @@ import pytest
 from mlx_redis_worker.bench.hostile_schemas import deep_anyof
 from mlx_redis_worker.engine import EngineCore, ResponseFormat, SamplingParams
 from mlx_redis_worker.engine.config import GrammarLimits
+from mlx_redis_worker.engine.structured import SLOW_MASKS_ALLOWED
 from tests.support.engines import PROMPTS, MakeEngine, collect
 from tests.support.waiting import run, wait_until
 
@@ -183,3 +184,36 @@ def test_grammar_limits_must_be_positive_integers() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=r"GrammarLimits\.max_mask_us"):
             GrammarLimits(max_mask_us=bad)  # type: ignore[arg-type]
+
+
+def test_a_sequence_whose_masks_turn_slow_is_refused_beside_a_plain_one(
+    tiny_model: Any, make_engine: MakeEngine
+) -> None:
+    """A format compiled (and cached) under a generous mask limit, then run under a 1 us one:
+    its sequence is refused after SLOW_MASKS_ALLOWED slow masks, as the request's fault, with
+    the limit named, while the unconstrained request beside it runs to its end."""
+    engine = make_engine(tiny_model)
+    grammars = engine.scheduler.grammars
+
+    async def scenario() -> tuple[Any, Any]:
+        await collect(engine, await engine.add_request(PROMPTS[0], constrained()))
+        grammars.limits = GrammarLimits(max_mask_us=1)
+        slow = await engine.add_request(PROMPTS[0], constrained())
+        plain_id = await engine.add_request(PROMPTS[1], plain())
+        return (await collect(engine, slow))[-1], (await collect(engine, plain_id))[-1]
+
+    slow, plain_final = run(scenario())
+    assert slow.finish_reason == "error" and slow.request_fault is True
+    assert slow.output_valid is False
+    assert slow.error is not None
+    assert "GrammarLimitError: response_format's token masks took over max_mask_us (1)" in (
+        slow.error
+    )
+    assert f"{SLOW_MASKS_ALLOWED + 1} times" in slow.error
+    assert slow.completion_tokens <= SLOW_MASKS_ALLOWED + 1
+    assert plain_final.finish_reason == "length" and plain_final.request_fault is False
+    assert plain_final.completion_tokens == PLAIN_TOKENS
+    stats = grammars.stats
+    assert stats.over_limit == {"max_mask_us": 1}
+    assert stats.slow_masks == SLOW_MASKS_ALLOWED + 1
+    assert (stats.compiled, stats.cache_hits) == (1, 1)

@@ -198,6 +198,7 @@ class Scheduler:
         if request.grammar is not None:
             # Last: the mask applies to the logits every other processor has shaped.
             sequence.grammar = self.grammars.processor(request.grammar)
+            sequence.grammar.on_limit = sequence.fail
             processors.append(sequence.grammar)
             sampler = sequence.grammar.sampler(sampler)
         (uid,) = self._ensure_generator().insert_segments(

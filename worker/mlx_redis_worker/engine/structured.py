@@ -15,6 +15,11 @@ schema) and computes its first mask, which builds the lexer states every copy sh
 compiled grammar, matcher included, is cached by the hash of the format as given. Each request
 gets a ``deep_copy`` of that matcher (about 0.1 ms), so the engine thread never builds one.
 
+At run time each mask is timed: a sequence whose masks take over ``max_mask_us`` more than
+``SLOW_MASKS_ALLOWED`` times is refused there (``GrammarLimitError``: its request ends with
+an error the worker reports as ``invalid_job``), so a grammar that turns slow mid-output costs
+the batch a few slow steps, not its whole length. llguidance's own fuel limits bound each mask.
+
 Inside the batch each constrained sequence has its own ``GrammarProcessor`` (one of mlx-lm's
 per-sequence logits processors): before each token it advances its matcher by the token just
 sampled, asks llguidance for the bitmask of allowed next tokens and sets every other logit to
@@ -31,7 +36,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -62,6 +67,14 @@ _POLL_SECONDS: Final = 0.02
 # Compile threads run at this niceness (Linux: per thread), so on a machine short of cores
 # the engine thread's decode steps come before another tenant's compile.
 _COMPILE_NICENESS: Final = 10
+# Masks over max_mask_us a sequence may take before it is refused: one slow mask on a busy
+# machine is noise, a run of them is the grammar.
+SLOW_MASKS_ALLOWED: Final = 3
+
+
+class GrammarLimitError(ValueError):
+    """A request's response_format went over one of ``GrammarLimits`` while it ran: the
+    request's own fault (the worker's ``invalid_job``), not the engine's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +97,10 @@ class GrammarStats:
     # constrained request): building is the expensive part, copying is not.
     matchers_built: int = 0
     matcher_copies: int = 0
-    # Refusals by the limit they broke (GrammarLimits' field names).
+    # Refusals by the limit they broke (GrammarLimits' field names), at compile or run time.
     over_limit: dict[str, int] = field(default_factory=dict)
+    # Masks over max_mask_us while requests ran (engine thread).
+    slow_masks: int = 0
     # The newest compiles' times: a daemon sent a new schema per request compiles without
     # end, and its stats must not grow with it.
     compile_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=_TIMES_KEPT))
@@ -271,6 +286,10 @@ class GrammarProcessor:
     def __init__(self, compiler: GrammarCompiler, compiled: CompiledGrammar) -> None:
         self._matcher = compiled.matcher.deep_copy()
         compiler.stats.matcher_copies += 1  # engine thread only
+        self._max_mask_seconds = compiler.limits.max_mask_us / 1e6
+        self._slow_masks = 0
+        # Called with the GrammarLimitError that refuses this sequence (its ``fail``).
+        self.on_limit: Callable[[BaseException], None] | None = None
         self._bitmask = np.zeros((compiler.vocab_size + 31) // 32, dtype=np.int32)
         self._table = compiler.bit_table()
         self._stats = compiler.stats
@@ -303,10 +322,32 @@ class GrammarProcessor:
         self._started = True
         if self._matcher.is_error():
             raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
+        started = time.perf_counter()
         self._matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
+        seconds = time.perf_counter() - started
+        if seconds > self._max_mask_seconds:
+            self._on_slow_mask(seconds)
         # Each byte of the little-endian bitmask picks its 8 tokens' row of 0 / -inf.
         bias = self._table[mx.array(self._bitmask.view(np.uint8))].reshape(-1)
         return logits + bias[: logits.shape[-1]].astype(logits.dtype)
+
+    def _on_slow_mask(self, seconds: float) -> None:
+        """Count a mask over the limit; refuse the sequence at the limit's count. This token's
+        mask still applies: the token it samples matches, and it is the last."""
+        self._slow_masks += 1
+        self._stats.slow_masks += 1
+        if self._slow_masks <= SLOW_MASKS_ALLOWED or self.on_limit is None:
+            return
+        over = self._stats.over_limit
+        over["max_mask_us"] = over.get("max_mask_us", 0) + 1
+        limit_us = round(self._max_mask_seconds * 1e6)
+        self.on_limit(
+            GrammarLimitError(
+                f"response_format's token masks took over max_mask_us ({limit_us}) "
+                f"{self._slow_masks} times (the last {seconds * 1e6:.0f} us)"
+            )
+        )
+        self.on_limit = None
 
     def matches(self, output_tokens: Sequence[int]) -> bool:
         """Whether ``output_tokens`` (the whole output, EOS left out) is a complete match. The
