@@ -65,6 +65,7 @@ class JobOptions(TypedDict, total=False):
     metadata: Mapping[str, Any]
     model: str
     response_format: Mapping[str, Any]
+    speculative: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,9 @@ class Job:
     # What the output must match: {"type": "json_object"} | {"type": "json_schema", "schema":
     # {...}} | {"type": "regex", "pattern": "..."} | {"type": "grammar", "lark": "..."}.
     response_format: Mapping[str, Any] | None = None
+    # Speculative decoding: {"method": "prompt_lookup" | "off", "num_draft_tokens": 1..16};
+    # None: the worker's default.
+    speculative: Mapping[str, Any] | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The set sampling fields, ready for ``SamplingParams(**kwargs)`` (lists, not tuples)."""

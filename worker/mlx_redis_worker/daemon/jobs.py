@@ -34,7 +34,13 @@ from mlx_redis_protocol.replay_log import (
 )
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.publisher import AttemptLost, EventPublisher
-from mlx_redis_worker.engine import EngineCore, QueueFullError, ResponseFormat, SamplingParams
+from mlx_redis_worker.engine import (
+    EngineCore,
+    QueueFullError,
+    ResponseFormat,
+    SamplingParams,
+    SpeculativeParams,
+)
 from mlx_redis_worker.engine.prompt import chat_prompt
 
 log = structlog.get_logger(__name__)
@@ -81,6 +87,7 @@ class JobRunner:
         default_stream_interval: int,
         worker_id: str,
         model: str,
+        default_speculative: SpeculativeParams | None = None,
     ) -> None:
         """``model``: the fleet's name of the engine's model; the queue is its stream."""
         self.engine = engine
@@ -93,6 +100,7 @@ class JobRunner:
         self.limits = limits
         self.max_deliveries = max_deliveries
         self.default_stream_interval = default_stream_interval
+        self.default_speculative = default_speculative
         self.in_flight: dict[str, str] = {}  # request_id -> entry id
         self.outcomes: dict[str, int] = {}
         self.draining = False
@@ -174,7 +182,11 @@ class JobRunner:
         rid = job.request_id
         try:
             prompt, prefix_boundary = self._prompt(job)
-            params = SamplingParams(**job.sampling_kwargs(), response_format=_response_format(job))
+            params = SamplingParams(
+                **job.sampling_kwargs(),
+                response_format=_response_format(job),
+                speculative=job_speculative(job, self.default_speculative),
+            )
             self.in_flight[rid] = delivery.entry_id
             log.info("job_started", attempt=delivery.times_delivered, prompt_kind=_prompt_kind(job))
             await self.engine.add_request(
@@ -417,6 +429,28 @@ def _prompt_kind(job: Job) -> str:
     if job.prompt is not None:
         return "prompt"
     return "prompt_token_ids" if job.prompt_token_ids is not None else "messages"
+
+
+def job_speculative(job: Job, default: SpeculativeParams | None) -> SpeculativeParams | None:
+    """The job's own choice (the decoder checked its shape), else the worker's default; a
+    job that names a method without a draft length gets the default's (or 4)."""
+    asked = job.speculative
+    if asked is None:
+        return default
+    if asked["method"] == "off":
+        return None
+    count = asked.get("num_draft_tokens")
+    if count is None:
+        count = (default or SpeculativeParams()).num_draft_tokens
+    return SpeculativeParams(method=asked["method"], num_draft_tokens=count)
+
+
+def speculative_params(setting: tuple[str, int] | None) -> SpeculativeParams | None:
+    """The engine's form of a parsed ``speculative`` setting."""
+    if setting is None:
+        return None
+    method, count = setting
+    return SpeculativeParams(method=method, num_draft_tokens=count)  # type: ignore[arg-type]
 
 
 def _response_format(job: Job) -> ResponseFormat | None:
