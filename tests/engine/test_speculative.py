@@ -237,7 +237,8 @@ def test_sampled_speculation_keeps_the_distribution_of_the_plain_engine(
         )
 
     def outcomes(spec: bool, seeds: range) -> tuple[Counter[tuple[int, ...]], Any]:
-        engine = make_engine(tiny_model)
+        # 32 sequences decode together: drafting must stay on for the whole batch.
+        engine = make_engine(tiny_model, speculative_max_batch=32)
         found = run(_tokens(engine, [(prompt, params(s, spec)) for s in seeds]))
         return Counter(tuple(t) for t in found), engine.scheduler.speculation
 

@@ -60,8 +60,7 @@ TEXT = (
 )
 
 ASKS = [
-    f"Rename the function total_price to order_total in this code and return the whole code:"
-    f"\n\n{CODE}",
+    f"Copy this code exactly, changing only the name subtotal to net:\n\n{CODE}",
     f"Add a docstring to each function of this code and return the whole code:\n\n{CODE}",
     f"Quote the first two sentences of this text exactly:\n\n{TEXT}",
     f"Repeat this text, replacing 'keeper' with 'warden':\n\n{TEXT}",
