@@ -393,6 +393,7 @@ class Gateway:
         queuing = asyncio.ensure_future(
             queue_choices(accepted.choices, submit, self._events, leaders_queued=leaders_queued)
         )
+        queuing.add_done_callback(_log_queuing_failure)
         # The leading jobs are queued before the answer starts: a refusal is its status.
         leaders = asyncio.ensure_future(leaders_queued.wait())
         await asyncio.wait({leaders, queuing}, return_when=asyncio.FIRST_COMPLETED)
@@ -703,6 +704,13 @@ class Gateway:
                 async with self.client.command_slot() as redis:
                     self._status = (now, await read_fleet_status(redis, self.client.keys))
             return self._status[1]
+
+
+def _log_queuing_failure(task: asyncio.Future[None]) -> None:
+    """A fan-out's jobs that could not all be queued: its client hears of it from the
+    choices left waiting; the operator from this line (even when no client is left)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("fan_out_queuing_failed", error=str(task.exception()))
 
 
 def _as_api_error(exc: BaseException | None) -> ApiError:
