@@ -128,6 +128,20 @@ def _add_bench_commands(commands: Any) -> None:
     gateway.add_argument("--redis-url", default=None, help="default: a private redis-server")
     gateway.set_defaults(func=_lazy("mlx_redis_worker.bench.gateway_bench", "run_gateway_bench"))
 
+    isolation = benches.add_parser(
+        "isolation",
+        help="a victim tenant's tok/s, TTFT and /health beside each abusive HTTP client",
+    )
+    isolation.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
+    isolation.add_argument("--concurrency", type=int, default=8, help="the victim's streams")
+    isolation.add_argument("--max-tokens", type=int, default=48)
+    isolation.add_argument("--idle-sockets", type=int, default=1000)
+    isolation.add_argument("--repeat", type=int, default=1, help="rotations of all attackers")
+    isolation.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    isolation.set_defaults(
+        func=_lazy("mlx_redis_worker.bench.isolation_bench", "run_isolation_bench")
+    )
+
     scheduler = benches.add_parser(
         "scheduler", help="the engine's own host work per token, model replayed"
     )
