@@ -167,6 +167,17 @@ def _add_bench_commands(commands: Any) -> None:
         func=_lazy("mlx_redis_worker.bench.structured_bench", "run_structured_bench")
     )
 
+    tools = benches.add_parser(
+        "tools", help="tool calls: do all parse and validate (required, auto)? how often called?"
+    )
+    tools.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
+    tools.add_argument("--schemas", type=int, default=200, help="functions, one per schema")
+    tools.add_argument("--seed", type=int, default=0, help="of the schema suite")
+    tools.add_argument("--batch", type=int, default=8, help="requests in flight at once")
+    tools.add_argument("--max-tokens", type=int, default=256)
+    tools.add_argument("--temperature", type=float, default=0.7)
+    tools.set_defaults(func=_lazy("mlx_redis_worker.bench.tools_bench", "run_tools_bench"))
+
     speculative = benches.add_parser(
         "speculative", help="speculative decoding vs plain: batch 1 speedup, batch N tok/s"
     )
