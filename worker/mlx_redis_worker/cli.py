@@ -128,6 +128,20 @@ def _add_bench_commands(commands: Any) -> None:
     gateway.add_argument("--redis-url", default=None, help="default: a private redis-server")
     gateway.set_defaults(func=_lazy("mlx_redis_worker.bench.gateway_bench", "run_gateway_bench"))
 
+    isolation = benches.add_parser(
+        "isolation",
+        help="a victim tenant's tok/s, TTFT and /health beside each abusive HTTP client",
+    )
+    isolation.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
+    isolation.add_argument("--concurrency", type=int, default=8, help="the victim's streams")
+    isolation.add_argument("--max-tokens", type=int, default=48)
+    isolation.add_argument("--idle-sockets", type=int, default=1000)
+    isolation.add_argument("--repeat", type=int, default=1, help="rotations of all attackers")
+    isolation.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    isolation.set_defaults(
+        func=_lazy("mlx_redis_worker.bench.isolation_bench", "run_isolation_bench")
+    )
+
     scheduler = benches.add_parser(
         "scheduler", help="the engine's own host work per token, model replayed"
     )
@@ -165,6 +179,31 @@ def _add_bench_commands(commands: Any) -> None:
     hostile.add_argument("--max-mask-us", type=int, default=None)
     structured.set_defaults(
         func=_lazy("mlx_redis_worker.bench.structured_bench", "run_structured_bench")
+    )
+
+    tools = benches.add_parser(
+        "tools", help="tool calls: do all parse and validate (required, auto)? how often called?"
+    )
+    tools.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
+    tools.add_argument("--schemas", type=int, default=200, help="functions, one per schema")
+    tools.add_argument("--seed", type=int, default=0, help="of the schema suite")
+    tools.add_argument("--batch", type=int, default=8, help="requests in flight at once")
+    tools.add_argument("--max-tokens", type=int, default=256)
+    tools.add_argument("--temperature", type=float, default=0.7)
+    tools.set_defaults(func=_lazy("mlx_redis_worker.bench.tools_bench", "run_tools_bench"))
+
+    speculative = benches.add_parser(
+        "speculative", help="speculative decoding vs plain: batch 1 speedup, batch N tok/s"
+    )
+    speculative.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path")
+    speculative.add_argument("--prompts", type=int, default=6, help="input-grounded prompts")
+    speculative.add_argument("--max-tokens", type=int, default=128, help="per batch-1 request")
+    speculative.add_argument("--num-draft-tokens", type=int, default=4)
+    speculative.add_argument("--repeat", type=int, default=2, help="rotations at batch 1")
+    speculative.add_argument("--batch", type=int, default=32, help="requests added together")
+    speculative.add_argument("--batch-max-tokens", type=int, default=64)
+    speculative.set_defaults(
+        func=_lazy("mlx_redis_worker.bench.speculative_bench", "run_speculative_bench")
     )
 
 
@@ -234,6 +273,11 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "heartbeat_interval": (float, "seconds between heartbeats"),
     "activity_interval": (float, "seconds between writes of the activity key (status page)"),
     "metrics_port": (int, "serve Prometheus metrics on 127.0.0.1:PORT"),
+    "speculative": (
+        str,
+        "speculative decoding for jobs that do not ask: off, or METHOD[:DRAFT_TOKENS] "
+        "(prompt_lookup, prompt_lookup:4)",
+    ),
 }
 
 
