@@ -85,6 +85,7 @@ def _decode_job(data: object, limits: Limits) -> Job:
         metadata=reader.metadata("metadata"),
         model=_model(reader),
         response_format=_response_format(reader),
+        tenant=_tenant(reader),
     )
 
 
@@ -101,6 +102,13 @@ def _model(reader: FieldReader) -> str | None:
     value = reader.string("model")
     if value is not None and not is_valid_id(value):
         raise reader.error("invalid_field", "model", f"must be {ID_RULE}")
+    return value
+
+
+def _tenant(reader: FieldReader) -> str | None:
+    value = reader.string("tenant")
+    if value is not None and not is_valid_id(value):
+        raise reader.error("invalid_field", "tenant", f"must be {ID_RULE}")
     return value
 
 

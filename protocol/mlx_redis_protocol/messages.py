@@ -65,6 +65,7 @@ class JobOptions(TypedDict, total=False):
     metadata: Mapping[str, Any]
     model: str
     response_format: Mapping[str, Any]
+    tenant: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,9 @@ class Job:
     # What the output must match: {"type": "json_object"} | {"type": "json_schema", "schema":
     # {...}} | {"type": "regex", "pattern": "..."} | {"type": "grammar", "lark": "..."}.
     response_format: Mapping[str, Any] | None = None
+    # Who the job is run for: workers share each model's slots fairly between tenants. None:
+    # the default tenant (``DEFAULT_TENANT``).
+    tenant: str | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The set sampling fields, ready for ``SamplingParams(**kwargs)`` (lists, not tuples)."""
