@@ -66,6 +66,7 @@ class JobOptions(TypedDict, total=False):
     model: str
     response_format: Mapping[str, Any]
     tenant: str
+    priority: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,8 @@ class Job:
     # Who the job is run for: workers share each model's slots fairly between tenants. None:
     # the default tenant (``DEFAULT_TENANT``).
     tenant: str | None = None
+    # Lower runs first, among one tenant's jobs (MIN_PRIORITY..MAX_PRIORITY); None: 0.
+    priority: int | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The set sampling fields, ready for ``SamplingParams(**kwargs)`` (lists, not tuples)."""

@@ -1,5 +1,5 @@
-"""The wire side of tenants: the job's `tenant` field (who a job runs for; workers share a
-model's slots fairly between tenants)."""
+"""The wire side of tenants: the job's `tenant` (who a job runs for; workers share a model's
+slots fairly between tenants) and `priority` (the order of one tenant's jobs) fields."""
 
 from __future__ import annotations
 
@@ -56,3 +56,18 @@ def test_the_client_sets_the_tenant_as_a_job_option() -> None:
             request_id="r1",
             options={"tenant": "no spaces"},
         )
+
+
+def test_the_priority_round_trips_within_its_range() -> None:
+    for priority in (-100, -10, 0, 10, 100):
+        job = Job(request_id="r1", prompt="hi", priority=priority)
+        assert decode_job(encode_job(job)).priority == priority
+    assert decode_job(_job()).priority is None
+
+
+@pytest.mark.parametrize("priority", [-101, 101, 1.5, "high", True])
+def test_a_priority_out_of_range_or_not_an_integer_is_invalid_field(priority: object) -> None:
+    with pytest.raises(ProtocolError) as raised:
+        decode_job(_job(priority=priority))
+    assert raised.value.code == "invalid_field"
+    assert "priority" in raised.value.message

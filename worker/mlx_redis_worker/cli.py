@@ -211,6 +211,11 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "max_concurrency": (int, "jobs running at once (the engine's batch)"),
     "cache_dir": (str, "where cache_save/cache_load keep prefix caches"),
     "lease_seconds": (float, "idle time after which another worker reclaims a job"),
+    "fair_share": (bool, "start waiting jobs by fair share between tenants, not in order"),
+    "priority_age_seconds": (
+        float,
+        "with fair share: a job waiting this long goes before its tenant's urgent ones",
+    ),
     "max_deliveries": (int, "deliveries before a job is dead-lettered"),
     "dead_letter_maxlen": (int, "dead letters kept (about; the oldest go first)"),
     "drain_timeout": (float, "seconds in-flight jobs get to finish on SIGTERM"),

@@ -18,6 +18,7 @@ import structlog
 from mlx_redis_protocol.codec_job import readable_request_id
 from mlx_redis_protocol.heartbeat import ServedModel
 from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe, retry_until_done
+from mlx_redis_worker.daemon.fair_queue import FAIR_CONSUMER, Charge, FairQueue
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner
 from mlx_redis_worker.engine import EngineCore
@@ -37,9 +38,11 @@ class ModelLane:
         read_block_ms: int,
         backlog: list[Delivery],
         stop: asyncio.Event,
+        fair: FairQueue | None = None,
     ) -> None:
         """``backlog``: jobs already delivered to this consumer (a restart under the same id),
-        run before new ones; ``stop``: set when the worker stops reading."""
+        run before new ones; ``stop``: set when the worker stops reading; ``fair``: new jobs
+        come from the fair pick (fair share between tenants) instead of the stream's order."""
         self.name = name
         self.engine = engine
         self.queue = queue
@@ -48,6 +51,8 @@ class ModelLane:
         self.read_block_ms = read_block_ms
         self.backlog = backlog
         self._stop = stop
+        self.fair = fair
+        self._charges: dict[str, Charge] = {}  # picked, not started yet: by entry id
         self._slot_freed = asyncio.Event()
         self.jobs: dict[str, asyncio.Task[None]] = {}  # entry id -> task
 
@@ -65,7 +70,7 @@ class ModelLane:
                 self.start(batch)
                 continue
             deliveries = await retry_until_done(
-                functools.partial(self.queue.read_new, free, self.read_block_ms),
+                functools.partial(self._read_new, free),
                 f"read jobs of {self.name}",
                 on_failure=self.queue.recreate_group_if_lost,
             )
@@ -76,14 +81,28 @@ class ModelLane:
                 return
             self.start(deliveries)
 
+    async def _read_new(self, free: int) -> list[Delivery]:
+        if self.fair is None:
+            return await self.queue.read_new(free, self.read_block_ms)
+        picked = await self.fair.pick(free)
+        if not picked.deliveries:
+            await self.fair.wait_for_new(picked.last_id, self.read_block_ms)
+        self._charges.update(picked.charges)
+        return picked.deliveries
+
     async def reclaim(self) -> None:
         """Take over jobs whose worker died (or gave the attempt up). Also while every slot is
         busy: what does not fit waits in the backlog, leases kept, and the consumer serves the
         backlog before reading new jobs. So orphaned jobs, older than anything new, run next
         instead of waiting until the stream runs dry."""
         room = self.max_concurrency - len(self.backlog)
+        if self.fair is not None:
+            await self.fair.refresh_weights()
         if room > 0:
-            claimed = await self.queue.reclaim(room)
+            if self.fair is None:
+                claimed = await self.queue.reclaim(room)
+            else:  # jobs waiting for a fair pick are idle by design, not orphaned
+                claimed = await self.queue.reclaim_except(FAIR_CONSUMER, room)
             if claimed:
                 log.info("jobs_reclaimed", model=self.name, count=len(claimed))
             self.start(claimed)
@@ -93,6 +112,8 @@ class ModelLane:
         if lost:
             log.warning("leases_lost", model=self.name, entries=lost)
             self.backlog = [d for d in self.backlog if d.entry_id not in lost]
+            for entry_id in lost:
+                self._charges.pop(entry_id, None)
             self.runner.lose_entries(lost)
 
     def start(self, deliveries: list[Delivery], *, now: bool = False) -> None:
@@ -108,12 +129,16 @@ class ModelLane:
                 if all(d.entry_id != delivery.entry_id for d in self.backlog):
                     self.backlog.append(delivery)
                 continue
+            if self.fair is not None:
+                self.fair.started(delivery, self._charges.pop(delivery.entry_id, None))
             task = asyncio.create_task(self.runner.run(delivery))
             self.jobs[delivery.entry_id] = task
             task.add_done_callback(functools.partial(self._job_done, delivery.entry_id))
 
     def _job_done(self, entry_id: str, task: asyncio.Task[None]) -> None:
         self.jobs.pop(entry_id, None)
+        if self.fair is not None:
+            self.fair.ended(entry_id)
         self._slot_freed.set()
         if not task.cancelled() and (failure := task.exception()) is not None:
             log.error("job_task_failed", entry_id=entry_id, error=describe(failure))
