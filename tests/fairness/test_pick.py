@@ -11,8 +11,9 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 
+from mlx_redis_protocol.fair_share import served_bucket
 from mlx_redis_protocol.keys import Keys
-from mlx_redis_worker.daemon.fair_queue import FAIR_CONSUMER, FairQueue, _bucket
+from mlx_redis_worker.daemon.fair_queue import FAIR_CONSUMER, FairQueue
 from mlx_redis_worker.daemon.job_queue import JobQueue
 
 
@@ -70,7 +71,7 @@ def run(redis_url: str, prefix: str, scenario: Callable[[Fleet], Awaitable[None]
 
 
 def _bucket_now() -> int:
-    return _bucket(time.time())
+    return served_bucket(time.time())
 
 
 def request_ids(picked: Any) -> list[str]:

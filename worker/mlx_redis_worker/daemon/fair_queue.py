@@ -32,6 +32,12 @@ import structlog
 from mlx_redis_protocol.codec_job import readable_request_id
 from mlx_redis_protocol.connection import RedisClient, as_text
 from mlx_redis_protocol.constants import DEFAULT_TENANT, FORWARDED_FROM_FIELD, JOB_FIELD
+from mlx_redis_protocol.fair_share import (
+    SERVED_WINDOW_SECONDS,
+    TenantShare,
+    served_bucket,
+    tenant_shares,
+)
 from mlx_redis_protocol.identifiers import is_valid_id
 from mlx_redis_protocol.keys import FairKeys, JobStream
 from mlx_redis_protocol.limits import DEFAULT_LIMITS
@@ -53,9 +59,6 @@ DEFAULT_COST: Final = 256
 MIN_WEIGHT: Final = 0.01
 MAX_WEIGHT: Final = 100.0
 MAX_WEIGHTS: Final = 1000
-# The sliding window of tokens served per tenant: buckets of this many seconds, kept this long.
-SERVED_BUCKET_SECONDS: Final = 60
-SERVED_WINDOW_SECONDS: Final = 600
 
 # KEYS[1] the model's stream, KEYS[2] backlogged tenants (zset: start tag), KEYS[3] idle
 # tenants' finish tags (zset), KEYS[4] state (hash: vtime), KEYS[5] weights (hash), KEYS[6]
@@ -255,7 +258,7 @@ class FairQueue:
                     self.keys.idle,
                     self.keys.state,
                     self.keys.weights,
-                    self.keys.served(_bucket(time.time())),
+                    self.keys.served(served_bucket(time.time())),
                 ],
                 [
                     self.stream.group,
@@ -322,6 +325,15 @@ class FairQueue:
             counts[tenant] = counts.get(tenant, 0) + 1
         return counts
 
+    async def shares(self) -> list[dict[str, Any]]:
+        """Per tenant of this model: jobs waiting (fleet-wide), running here, tokens served
+        over the last ten minutes (fleet-wide); for ``stats`` and the metrics."""
+        running = self.running_by_tenant()
+        shares = await tenant_shares(self.redis, self.keys)
+        listed = {share.tenant for share in shares}
+        shares += [TenantShare(t, 0, 0) for t in sorted(running) if t not in listed]
+        return [{**share.as_dict(), "running": running.get(share.tenant, 0)} for share in shares]
+
     async def wait_for_new(self, after_id: str, block_ms: int) -> None:
         """Return once an entry newer than ``after_id`` is in the stream, or after
         ``block_ms``: the pick found nothing, and only a new entry brings more."""
@@ -369,10 +381,6 @@ def parse_weights(raw: Mapping[Any, Any]) -> dict[str, float]:
             continue
         weights[tenant] = weight
     return weights
-
-
-def _bucket(now: float) -> int:
-    return int(now // SERVED_BUCKET_SECONDS) * SERVED_BUCKET_SECONDS
 
 
 def _delivery(entry_id: str, fields: list[Any]) -> Delivery:

@@ -187,10 +187,22 @@ class ModelLane:
         except REDIS_FAILURES as exc:
             group = {"error": describe(exc)}
         cache = self.engine.cache_stats()
-        return {
+        stats: dict[str, Any] = {
             "engine": self.engine.stats().as_dict(),
             "prefix_cache": cache.as_dict() if cache is not None else None,
             "jobs": dataclasses.asdict(self.runner.stats()),
             "group": group,
             "stream": self.queue.stream.stream,
         }
+        if self.fair is not None:
+            stats["tenants"] = await self.tenant_shares()
+        return stats
+
+    async def tenant_shares(self) -> list[dict[str, Any]] | dict[str, str]:
+        """Fair share by tenant (waiting, running here, tokens served), or the error that
+        kept Redis from telling."""
+        assert self.fair is not None
+        try:
+            return await self.fair.shares()
+        except REDIS_FAILURES as exc:
+            return {"error": describe(exc)}
