@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -36,6 +37,7 @@ from mlx_redis_gateway.api_keys import ApiKey, KeyFile
 from mlx_redis_gateway.auth import Authenticator
 from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.fleet_status import FleetStatus, read_fleet_status
+from mlx_redis_gateway.http_limits import DEFAULT_HTTP_LIMITS, HttpLimits, RequestLimits, read_json
 from mlx_redis_gateway.openai_api import CompletionRequest, Kind, check_request_id, parse_request
 from mlx_redis_gateway.quotas import LEASE_SECONDS, Quotas
 from mlx_redis_gateway.shaping import DONE_MESSAGE, ResponseShape, Shaper, sse_data, sse_message
@@ -80,6 +82,7 @@ class GatewaySettings:
     # How long a request's concurrency slot outlives a gateway that stopped refreshing it.
     quota_lease_seconds: float = LEASE_SECONDS
     limits: Limits = DEFAULT_LIMITS
+    http: HttpLimits = DEFAULT_HTTP_LIMITS
 
     def __post_init__(self) -> None:
         if self.quota_lease_seconds < 1:
@@ -196,10 +199,7 @@ class Gateway:
 
     async def _complete(self, request: Request, kind: Kind) -> Response:
         key = self.auth.api_key(request)
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise ApiError(400, "the request body is not valid JSON") from exc
+        body = read_json(await request.body(), self.settings.http.max_json_depth)
         accepted = parse_request(
             kind,
             body,
@@ -479,6 +479,11 @@ def build_app(settings: GatewaySettings) -> Starlette:
         RedisUnavailable: _unavailable,
         RedisError: _redis_error,
     }
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=gateway.lifespan)
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(RequestLimits, limits=settings.http)],
+        exception_handlers=handlers,
+        lifespan=gateway.lifespan,
+    )
     app.state.gateway = gateway
     return app
