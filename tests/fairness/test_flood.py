@@ -13,6 +13,7 @@ import pytest
 
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.messages import DoneEvent
+from mlx_redis_worker.local_redis import LocalCluster
 from tests.daemon.helpers import check_stream, collect
 from tests.support.processes import WorkerFactory, WorkerProcess
 from tests.support.waiting import run
@@ -90,4 +91,15 @@ def test_fair_share_holds_across_a_worker_restart_mid_flood(
         fair_worker(workers, "w1")
 
     late, whole = flood(redis_url, prefix, during=restart)
+    assert late <= whole / 4, (late, whole)
+
+
+@pytest.mark.timeout(600)
+def test_fair_share_holds_on_a_redis_cluster(
+    workers: WorkerFactory, redis_cluster: LocalCluster, prefix: str
+) -> None:
+    """Every fair-share key of a model is tagged with its name: the pick script runs on the
+    node of the model's stream."""
+    workers.start("w1", max_concurrency=2, env=FAIR, redis_url=redis_cluster.url)
+    late, whole = flood(redis_cluster.url, prefix)
     assert late <= whole / 4, (late, whole)

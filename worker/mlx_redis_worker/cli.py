@@ -128,6 +128,24 @@ def _add_bench_commands(commands: Any) -> None:
     gateway.add_argument("--redis-url", default=None, help="default: a private redis-server")
     gateway.set_defaults(func=_lazy("mlx_redis_worker.bench.gateway_bench", "run_gateway_bench"))
 
+    fairness = benches.add_parser(
+        "fairness", help="three tenants on one worker: fair share vs FIFO, TTFT and tok/s"
+    )
+    fairness.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
+    fairness.add_argument("--slots", type=int, default=2, help="the worker's max_concurrency")
+    fairness.add_argument("--prompt-tokens", type=int, default=16)
+    fairness.add_argument("--bulk-jobs", type=int, default=24, help="queued at once")
+    fairness.add_argument("--bulk-tokens", type=int, default=96)
+    fairness.add_argument("--steady-jobs", type=int, default=10)
+    fairness.add_argument("--steady-tokens", type=int, default=32)
+    fairness.add_argument("--steady-every", type=float, default=1.5, help="seconds")
+    fairness.add_argument("--interactive-jobs", type=int, default=8)
+    fairness.add_argument("--interactive-tokens", type=int, default=8)
+    fairness.add_argument("--interactive-every", type=float, default=2.0, help="seconds")
+    fairness.add_argument("--repeat", type=int, default=2, help="rotations of both modes")
+    fairness.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    fairness.set_defaults(func=_lazy("mlx_redis_worker.bench.fairness_bench", "run_fairness_bench"))
+
     scheduler = benches.add_parser(
         "scheduler", help="the engine's own host work per token, model replayed"
     )
