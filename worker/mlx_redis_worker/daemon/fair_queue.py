@@ -344,10 +344,15 @@ class FairQueue:
         them) when they changed; the weights in force."""
         weights = parse_weights(await self.redis.hgetall(self.tenant_weights_key))
         if weights != self._weights:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.delete(self.keys.weights)
+            # The new weights first, then those dropped: a pick in between sees no tenant
+            # without its weight (every worker writes the same copy).
+            copied: Any = await self.redis.hkeys(self.keys.weights)
+            dropped = [name for name in copied if as_text(name) not in weights]
+            async with self.redis.pipeline(transaction=False) as pipe:
                 if weights:
                     pipe.hset(self.keys.weights, mapping={t: str(w) for t, w in weights.items()})
+                if dropped:
+                    pipe.hdel(self.keys.weights, *dropped)
                 await pipe.execute()
             log.info("tenant_weights_changed", model=self.stream.model, weights=weights)
             self._weights = weights

@@ -176,6 +176,7 @@ class Worker:
                 settings.worker_id,
                 redis_user(settings.redis_url),
                 settings.dead_letter_maxlen,
+                tuple(m.name for m in settings.models) if settings.fair_share else (),
             ),
             "check permissions",
         )
