@@ -7,9 +7,10 @@ stand behind a load balancer, and a client that lost its stream resumes it on an
 ``GET /v1/requests/{id}/stream`` and ``Last-Event-ID``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as SSE or one JSON
-body), ``GET /v1/models``, ``GET /v1/requests/{id}`` (the finished answer),
+body), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /v1/requests/{id}`` (the finished answer),
 ``GET /v1/requests/{id}/stream``, ``GET /health``, and the status page (``/``,
-``/status.json``, ``/status/fragment``).
+``/status.json``, ``/status/fragment``). Any other path or method is a 404 or 405 in OpenAI's
+error shape, as every other refusal is.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from redis.exceptions import RedisError
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
@@ -147,11 +149,21 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         self.auth.api_key(request)
         served = await self.client.served_models()
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "mlx-redis-worker"}
-            for name in sorted(served)
-        ]
+        data = [_model_object(name) for name in sorted(served)]
         return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        """One served model (``client.models.retrieve``); 404 ``model_not_found`` otherwise."""
+        self.auth.api_key(request)
+        name = request.path_params["model"]
+        if not await self.client.serves(name):
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist or no live worker serves it",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(_model_object(name))
 
     async def health(self, request: Request) -> Response:
         try:
@@ -438,6 +450,27 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+def _model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "mlx-redis-worker"}
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, a method the route does not take) in OpenAI's
+    error shape, so a client's error handling sees one format for every answer."""
+    assert isinstance(exc, HTTPException)
+    method, path = request.method, request.url.path
+    if exc.status_code == 404:
+        error = ApiError(404, f"Invalid URL ({method} {path})", code="not_found")
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"Method {method} is not allowed for {path} (allowed: {allowed})"
+        error = ApiError(405, message, code="method_not_allowed")
+    else:
+        error = ApiError(exc.status_code, exc.detail, code=None)
+    headers = {**(exc.headers or {}), **error.headers()}
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
@@ -464,6 +497,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", gateway.model, methods=["GET"]),
         Route("/v1/requests/{request_id}", gateway.result, methods=["GET"]),
         Route("/v1/requests/{request_id}/stream", gateway.resume, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
@@ -476,6 +510,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
         ]
     handlers: Mapping[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         ApiError: _api_error,
+        HTTPException: _http_error,
         RedisUnavailable: _unavailable,
         RedisError: _redis_error,
     }
