@@ -13,7 +13,12 @@ import redis.asyncio as aioredis
 
 from mlx_redis_protocol.fair_share import served_bucket
 from mlx_redis_protocol.keys import Keys
-from mlx_redis_worker.daemon.fair_queue import FAIR_CONSUMER, FairQueue
+from mlx_redis_worker.daemon.fair_queue import (
+    FAIR_CONSUMER,
+    INTAKE,
+    INTAKE_WHILE_BUSY,
+    FairQueue,
+)
 from mlx_redis_worker.daemon.job_queue import JobQueue
 
 
@@ -206,3 +211,23 @@ async def _test_default_tenant_and_undecodable_jobs_still_run(fleet: Fleet) -> N
     picked = await fleet.fair("w1").pick(5, now_ms=fleet.clock_ms)
     assert len(picked.deliveries) == 3
     assert {c.tenant for c in picked.charges.values()} == {"default"}
+
+
+def test_a_backlog_longer_than_one_intake_is_filed_while_slots_are_busy(
+    redis_url: str, prefix: str
+) -> None:
+    run(redis_url, prefix, _test_a_backlog_longer_than_one_intake_is_filed_while_slots_are_busy)
+
+
+async def _test_a_backlog_longer_than_one_intake_is_filed_while_slots_are_busy(
+    fleet: Fleet,
+) -> None:
+    for i in range(INTAKE * 2 + 10):
+        await fleet.add(f"a{i}", "team-a", max_tokens=10)
+    await fleet.add("b0", "team-b", max_tokens=10)
+    fair = fleet.fair("w1")
+    assert request_ids(await fair.pick(1, now_ms=fleet.clock_ms)) == ["a0"]
+    # One intake per pick would reach b0 only after two more picks; the worker files new
+    # entries while its slots are busy (pick 0, a larger intake), so the next pick is b0.
+    await fair.pick(0, now_ms=fleet.clock_ms, intake=INTAKE_WHILE_BUSY)
+    assert request_ids(await fair.pick(1, now_ms=fleet.clock_ms)) == ["b0"]

@@ -51,8 +51,11 @@ log = structlog.get_logger(__name__)
 # so no worker can be it, and ``group prune`` never removes it (it holds pending entries).
 FAIR_CONSUMER: Final = "(fair-queue)"
 # New entries one pick call files at most: bounds the script's run time; a larger backlog is
-# filed over the next calls (a job is seen by the scheduler after backlog / INTAKE picks).
+# filed over the next calls. While every slot is busy, a worker files new entries every
+# read_block_ms (more per call: nothing waits for a slot meanwhile), so a job queued behind a
+# long backlog is seen by the next pick, not after backlog / INTAKE picks.
 INTAKE: Final = 256
+INTAKE_WHILE_BUSY: Final = 1024
 # What a job without ``max_tokens`` is charged at its start (settled at its end).
 DEFAULT_COST: Final = 256
 # Weights an operator may give (``tenant_weights`` hash): a ratio of 10,000 at most.
@@ -243,9 +246,10 @@ class FairQueue:
         self._weights: dict[str, float] | None = None
         self._settlements: list[tuple[str, int, int]] = []  # (tenant, delta, served)
 
-    async def pick(self, count: int, *, now_ms: int = 0) -> Picked:
+    async def pick(self, count: int, *, now_ms: int = 0, intake: int = INTAKE) -> Picked:
         """Up to ``count`` jobs to start now, handed to this worker (pending for it, delivery
-        count unchanged); ``now_ms`` 0 is Redis' clock (tests simulate time)."""
+        count unchanged), after filing up to ``intake`` new entries; ``now_ms`` 0 is Redis'
+        clock (tests simulate time)."""
         settlements, self._settlements = self._settlements, []
         flat = [str(item) for settlement in settlements for item in settlement]
         try:
@@ -264,7 +268,7 @@ class FairQueue:
                     self.stream.group,
                     FAIR_CONSUMER,
                     self.consumer,
-                    INTAKE,
+                    intake,
                     count,
                     now_ms,
                     self.age_bound_ms,

@@ -9,6 +9,7 @@ them. Lanes share the worker's Redis connection, publisher, heartbeat and contro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -18,7 +19,12 @@ import structlog
 from mlx_redis_protocol.codec_job import readable_request_id
 from mlx_redis_protocol.heartbeat import ServedModel
 from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe, retry_until_done
-from mlx_redis_worker.daemon.fair_queue import FAIR_CONSUMER, Charge, FairQueue
+from mlx_redis_worker.daemon.fair_queue import (
+    FAIR_CONSUMER,
+    INTAKE_WHILE_BUSY,
+    Charge,
+    FairQueue,
+)
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner
 from mlx_redis_worker.engine import EngineCore
@@ -63,7 +69,7 @@ class ModelLane:
             free = self.max_concurrency - len(self.jobs)
             if free <= 0:
                 self._slot_freed.clear()
-                await self._slot_freed.wait()
+                await self._wait_for_a_slot()
                 continue
             if self.backlog:
                 batch, self.backlog = self.backlog[:free], self.backlog[free:]
@@ -80,6 +86,24 @@ class ModelLane:
                 # stays pending for us: a restart or another worker's reclaim runs it.
                 return
             self.start(deliveries)
+
+    async def _wait_for_a_slot(self) -> None:
+        """Until a slot frees. With fair share, new jobs are filed in their tenants' queues
+        meanwhile (every read_block_ms), and finished jobs' tokens settled, so the next pick
+        sees every tenant that waits."""
+        if self.fair is None:
+            await self._slot_freed.wait()
+            return
+        fair = self.fair
+        while not self._slot_freed.is_set() and not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._slot_freed.wait(), self.read_block_ms / 1000)
+                return
+            await retry_until_done(
+                functools.partial(fair.pick, 0, intake=INTAKE_WHILE_BUSY),
+                f"file new jobs of {self.name}",
+                on_failure=self.queue.recreate_group_if_lost,
+            )
 
     async def _read_new(self, free: int) -> list[Delivery]:
         if self.fair is None:
