@@ -9,7 +9,13 @@ from mlx_redis_protocol.errors import ProtocolError
 from mlx_redis_protocol.fields import FieldReader, json_like_problem
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id, new_request_id
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
-from mlx_redis_protocol.messages import SYSTEM_PREFIX, ChatMessage, Job, PrefixBoundary
+from mlx_redis_protocol.messages import (
+    PROMPT_PREFIX,
+    SYSTEM_PREFIX,
+    ChatMessage,
+    Job,
+    PrefixBoundary,
+)
 from mlx_redis_protocol.wire import pack, top_level_strings, unpack
 
 PROMPT_FIELDS: Final = ("prompt", "prompt_token_ids", "messages")
@@ -245,6 +251,8 @@ def _prefix_boundary(
                 '"system" needs messages that start with a system turn',
             )
         return SYSTEM_PREFIX
+    if reader.message.get("prefix_boundary") == PROMPT_PREFIX:
+        return PROMPT_PREFIX
     value = reader.integer("prefix_boundary", minimum=0)
     if value is not None and prompt_token_ids is not None and value > len(prompt_token_ids):
         raise reader.error(

@@ -26,9 +26,11 @@ SAMPLING_FIELDS: Final = (
     "logprobs",
 )
 
-# `prefix_boundary: "system"`: the worker measures the leading system messages of a chat itself.
+# `prefix_boundary: "system"`: the worker measures the leading system messages of a chat itself;
+# `"prompt"`: all of the prompt but its last token (jobs of one prompt: the gateway's n > 1).
 SYSTEM_PREFIX: Final = "system"
-PrefixBoundary = int | Literal["system"]
+PROMPT_PREFIX: Final = "prompt"
+PrefixBoundary = int | Literal["system", "prompt"]
 
 FinishReason = Literal["stop", "length", "abort", "expired"]
 FINISH_REASONS: Final[tuple[FinishReason, ...]] = ("stop", "length", "abort", "expired")
