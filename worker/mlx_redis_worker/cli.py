@@ -171,6 +171,20 @@ def _add_bench_commands(commands: Any) -> None:
         func=_lazy("mlx_redis_worker.bench.structured_bench", "run_structured_bench")
     )
 
+    speculative = benches.add_parser(
+        "speculative", help="speculative decoding vs plain: batch 1 speedup, batch N tok/s"
+    )
+    speculative.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path")
+    speculative.add_argument("--prompts", type=int, default=6, help="input-grounded prompts")
+    speculative.add_argument("--max-tokens", type=int, default=128, help="per batch-1 request")
+    speculative.add_argument("--num-draft-tokens", type=int, default=4)
+    speculative.add_argument("--repeat", type=int, default=2, help="rotations at batch 1")
+    speculative.add_argument("--batch", type=int, default=32, help="requests added together")
+    speculative.add_argument("--batch-max-tokens", type=int, default=64)
+    speculative.set_defaults(
+        func=_lazy("mlx_redis_worker.bench.speculative_bench", "run_speculative_bench")
+    )
+
 
 def _add_load_flags(bench: argparse.ArgumentParser) -> None:
     """The generation load of the engine and end-to-end benches."""
@@ -227,6 +241,9 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "prefix": (str, "key prefix"),
     "worker_id": (str, "consumer name (default: host name + a stable suffix)"),
     "max_concurrency": (int, "jobs running at once (the engine's batch)"),
+    "max_schema_bytes": (int, "a job's response_format, as compact JSON (default 131072)"),
+    "max_grammar_compile_ms": (int, "compiling a job's response_format (default 2000)"),
+    "max_mask_us": (int, "one token's mask of a job's response_format (default 10000)"),
     "cache_dir": (str, "where cache_save/cache_load keep prefix caches"),
     "lease_seconds": (float, "idle time after which another worker reclaims a job"),
     "fair_share": (bool, "start waiting jobs by fair share between tenants, not in order"),
@@ -240,6 +257,11 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "heartbeat_interval": (float, "seconds between heartbeats"),
     "activity_interval": (float, "seconds between writes of the activity key (status page)"),
     "metrics_port": (int, "serve Prometheus metrics on 127.0.0.1:PORT"),
+    "speculative": (
+        str,
+        "speculative decoding for jobs that do not ask: off, or METHOD[:DRAFT_TOKENS] "
+        "(prompt_lookup, prompt_lookup:4)",
+    ),
 }
 
 

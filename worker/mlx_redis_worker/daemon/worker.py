@@ -27,15 +27,16 @@ from mlx_redis_worker.daemon.eviction import check_eviction_policy
 from mlx_redis_worker.daemon.fair_queue import FairQueue
 from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
 from mlx_redis_worker.daemon.job_queue import JobQueue
-from mlx_redis_worker.daemon.jobs import JobRunner
+from mlx_redis_worker.daemon.jobs import JobRunner, speculative_params
 from mlx_redis_worker.daemon.lane import ModelLane
 from mlx_redis_worker.daemon.memory_fit import check_fit
 from mlx_redis_worker.daemon.metrics import Metrics
 from mlx_redis_worker.daemon.permissions import check_permissions
 from mlx_redis_worker.daemon.publisher import EventPublisher
 from mlx_redis_worker.daemon.serving import Serving
-from mlx_redis_worker.daemon.settings import WorkerSettings
+from mlx_redis_worker.daemon.settings import WorkerSettings, parse_speculative
 from mlx_redis_worker.engine import EngineConfig, EngineCore, SchedulerConfig
+from mlx_redis_worker.engine.config import GrammarLimits
 from mlx_redis_worker.models import load_model
 
 log = structlog.get_logger(__name__)
@@ -52,7 +53,9 @@ class LoadedModel:
     tokenizer: Any
 
 
-def scheduler_config(*, max_concurrency: int, limits: Limits) -> SchedulerConfig:
+def scheduler_config(
+    *, max_concurrency: int, limits: Limits, grammar_limits: GrammarLimits | None = None
+) -> SchedulerConfig:
     """The engine's batch for a worker. The caps a job meets twice (the decoder, then the
     engine) are the wire's, so the engine never refuses for another number what the decoder
     let through."""
@@ -61,6 +64,7 @@ def scheduler_config(*, max_concurrency: int, limits: Limits) -> SchedulerConfig
         max_waiting_requests=max_concurrency,
         max_prompt_tokens=limits.max_prompt_tokens,
         max_logprobs=limits.max_logprobs,
+        grammar_limits=grammar_limits or GrammarLimits(),
     )
 
 
@@ -105,7 +109,9 @@ class Worker:
                 log.info("worker_stopped_before_serving", waiting_for="redis")
                 return 0
             scheduler = scheduler_config(
-                max_concurrency=settings.max_concurrency, limits=DEFAULT_LIMITS
+                max_concurrency=settings.max_concurrency,
+                limits=DEFAULT_LIMITS,
+                grammar_limits=settings.grammar_limits,
             )
             for served in self._loaded_models():
                 if self._stop.is_set():
@@ -285,6 +291,7 @@ class Worker:
             limits=DEFAULT_LIMITS,
             max_deliveries=settings.max_deliveries,
             default_stream_interval=settings.stream_interval,
+            default_speculative=speculative_params(parse_speculative(settings.speculative)),
             worker_id=settings.worker_id,
             model=name,
         )
