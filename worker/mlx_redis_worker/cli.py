@@ -128,6 +128,20 @@ def _add_bench_commands(commands: Any) -> None:
     gateway.add_argument("--redis-url", default=None, help="default: a private redis-server")
     gateway.set_defaults(func=_lazy("mlx_redis_worker.bench.gateway_bench", "run_gateway_bench"))
 
+    isolation = benches.add_parser(
+        "isolation",
+        help="a victim tenant's tok/s, TTFT and /health beside each abusive HTTP client",
+    )
+    isolation.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
+    isolation.add_argument("--concurrency", type=int, default=8, help="the victim's streams")
+    isolation.add_argument("--max-tokens", type=int, default=48)
+    isolation.add_argument("--idle-sockets", type=int, default=1000)
+    isolation.add_argument("--repeat", type=int, default=1, help="rotations of all attackers")
+    isolation.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    isolation.set_defaults(
+        func=_lazy("mlx_redis_worker.bench.isolation_bench", "run_isolation_bench")
+    )
+
     scheduler = benches.add_parser(
         "scheduler", help="the engine's own host work per token, model replayed"
     )
@@ -149,6 +163,20 @@ def _add_bench_commands(commands: Any) -> None:
     structured.add_argument("--max-tokens", type=int, default=256)
     structured.add_argument("--temperature", type=float, default=0.7)
     structured.add_argument("--repeat", type=int, default=4, help="rotations of both paths")
+    hostile = structured.add_argument_group(
+        "--hostile", "a victim's tok/s beside a hostile-schema attacker (bench/hostile_bench.py)"
+    )
+    hostile.add_argument("--hostile", action="store_true", help="run this bench instead")
+    hostile.add_argument(
+        "--kind", default="mixed", help="deep_anyof | long_enum | bounded_repeat | mixed"
+    )
+    hostile.add_argument("--attackers", type=int, default=2, help="attacker requests in flight")
+    hostile.add_argument("--attacker-tokens", type=int, default=16, help="max_tokens of each")
+    hostile.add_argument("--fresh", type=int, default=8, help="new schemas per fresh run")
+    hostile.add_argument("--head-start", type=float, default=1.0, help="seconds of attack first")
+    hostile.add_argument("--max-schema-bytes", type=int, default=None, help="default: the worker's")
+    hostile.add_argument("--max-grammar-compile-ms", type=int, default=None)
+    hostile.add_argument("--max-mask-us", type=int, default=None)
     structured.set_defaults(
         func=_lazy("mlx_redis_worker.bench.structured_bench", "run_structured_bench")
     )

@@ -35,13 +35,13 @@ from mlx_redis_protocol.redis_retry import (
     Outage,
     describe,
 )
+from mlx_redis_protocol.sd_notify import Notifier
 from mlx_redis_worker.daemon.control import CommandRefused, ControlListener
 from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
 from mlx_redis_worker.daemon.job_queue import JobQueue
 from mlx_redis_worker.daemon.lane import ModelLane
 from mlx_redis_worker.daemon.metrics import Metrics, MetricSources
 from mlx_redis_worker.daemon.publisher import EventPublisher
-from mlx_redis_worker.daemon.sd_notify import Notifier
 from mlx_redis_worker.daemon.settings import WorkerSettings
 
 log = structlog.get_logger(__name__)
