@@ -128,6 +128,24 @@ def _add_bench_commands(commands: Any) -> None:
     gateway.add_argument("--redis-url", default=None, help="default: a private redis-server")
     gateway.set_defaults(func=_lazy("mlx_redis_worker.bench.gateway_bench", "run_gateway_bench"))
 
+    fairness = benches.add_parser(
+        "fairness", help="three tenants on one worker: fair share vs FIFO, TTFT and tok/s"
+    )
+    fairness.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
+    fairness.add_argument("--slots", type=int, default=2, help="the worker's max_concurrency")
+    fairness.add_argument("--prompt-tokens", type=int, default=16)
+    fairness.add_argument("--bulk-jobs", type=int, default=24, help="queued at once")
+    fairness.add_argument("--bulk-tokens", type=int, default=96)
+    fairness.add_argument("--steady-jobs", type=int, default=10)
+    fairness.add_argument("--steady-tokens", type=int, default=32)
+    fairness.add_argument("--steady-every", type=float, default=1.5, help="seconds")
+    fairness.add_argument("--interactive-jobs", type=int, default=8)
+    fairness.add_argument("--interactive-tokens", type=int, default=8)
+    fairness.add_argument("--interactive-every", type=float, default=2.0, help="seconds")
+    fairness.add_argument("--repeat", type=int, default=2, help="rotations of both modes")
+    fairness.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    fairness.set_defaults(func=_lazy("mlx_redis_worker.bench.fairness_bench", "run_fairness_bench"))
+
     isolation = benches.add_parser(
         "isolation",
         help="a victim tenant's tok/s, TTFT and /health beside each abusive HTTP client",
@@ -267,6 +285,11 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "max_mask_us": (int, "one token's mask of a job's response_format (default 10000)"),
     "cache_dir": (str, "where cache_save/cache_load keep prefix caches"),
     "lease_seconds": (float, "idle time after which another worker reclaims a job"),
+    "fair_share": (bool, "start waiting jobs by fair share between tenants, not in order"),
+    "priority_age_seconds": (
+        float,
+        "with fair share: a job waiting this long goes before its tenant's urgent ones",
+    ),
     "max_deliveries": (int, "deliveries before a job is dead-lettered"),
     "dead_letter_maxlen": (int, "dead letters kept (about; the oldest go first)"),
     "drain_timeout": (float, "seconds in-flight jobs get to finish on SIGTERM"),

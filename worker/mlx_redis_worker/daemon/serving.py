@@ -120,7 +120,11 @@ class Serving:
         if self.metrics is not None:
             sources = [
                 MetricSources(
-                    model=lane.name, engine=lane.engine, runner=lane.runner, queue=lane.queue
+                    model=lane.name,
+                    engine=lane.engine,
+                    runner=lane.runner,
+                    queue=lane.queue,
+                    fair=lane.fair,
                 )
                 for lane in self.lanes
             ]
@@ -300,6 +304,7 @@ class Serving:
         first = per_model[lanes[0].name] if lanes else {}
         return {
             **{key: first.get(key) for key in ("engine", "prefix_cache", "group")},
+            **({"tenants": first["tenants"]} if "tenants" in first else {}),
             "jobs": _jobs_total(per_model.values()),
             "models": per_model,
             "default_model": self.forwarder.default_model,

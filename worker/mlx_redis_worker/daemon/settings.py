@@ -104,6 +104,12 @@ class WorkerSettings:
     # A job idle (not refreshed) this long is presumed orphaned and reclaimed by another worker.
     lease_seconds: float = 60.0
     reclaim_interval: float = 10.0
+    # Start each model's waiting jobs by fair share between tenants (every worker of a model
+    # should agree), not in the order they came; see docs/fairness.md.
+    fair_share: bool = False
+    # With fair share: the age bound of priorities (a job waiting this long goes first among
+    # its tenant's jobs, whatever their priority), so a low priority never starves.
+    priority_age_seconds: float = 30.0
     max_deliveries: int = 3
     # Dead letters kept (approximately: Redis trims whole stream nodes of ~100 entries), so a
     # flood of bad jobs cannot fill Redis; the oldest go first.
@@ -134,6 +140,7 @@ class WorkerSettings:
             "max_concurrency",
             "lease_seconds",
             "reclaim_interval",
+            "priority_age_seconds",
             "max_deliveries",
             "dead_letter_maxlen",
             "read_block_ms",
