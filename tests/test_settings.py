@@ -164,3 +164,17 @@ def test_idempotency_window_defaults_to_a_day_and_outlives_the_log() -> None:
     assert load_settings({}, {"MLXW_IDEMPOTENCY_SECONDS": "3600"}).idempotency_seconds == 3600
     with pytest.raises(ValueError, match="idempotency_seconds must be > 0"):
         load_settings({"idempotency_seconds": 0}, {})
+
+
+def test_grammar_limits_from_settings_default_to_the_engines() -> None:
+    from mlx_redis_worker.engine.config import GrammarLimits
+
+    assert WorkerSettings().grammar_limits == GrammarLimits()
+    settings = load_settings(
+        {"max_schema_bytes": 1000}, {"MLXW_MAX_MASK_US": "500", "MLXW_MAX_GRAMMAR_COMPILE_MS": "9"}
+    )
+    assert settings.grammar_limits == GrammarLimits(
+        max_schema_bytes=1000, max_grammar_compile_ms=9, max_mask_us=500
+    )
+    with pytest.raises(ValueError, match="max_mask_us must be > 0"):
+        load_settings({}, {"MLXW_MAX_MASK_US": "0"})

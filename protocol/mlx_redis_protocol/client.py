@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
-from contextlib import aclosing, contextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import aclosing, asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
@@ -38,6 +39,7 @@ from mlx_redis_protocol.identifiers import new_request_id
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
 from mlx_redis_protocol.messages import (
+    TOOL_CHOICE_MODES,
     ChatMessage,
     ControlReply,
     ErrorEvent,
@@ -45,6 +47,8 @@ from mlx_redis_protocol.messages import (
     Job,
     QueuedEvent,
     TerminalEvent,
+    ToolCall,
+    ToolChoice,
 )
 from mlx_redis_protocol.replay_log import publish_events
 from mlx_redis_protocol.subscription import follow_events
@@ -54,10 +58,24 @@ if TYPE_CHECKING:
 
     from mlx_redis_protocol.messages import JobOptions
 
-ChatInput = Sequence[Mapping[str, str] | ChatMessage]
+ChatInput = Sequence[Mapping[str, Any] | ChatMessage]
 
 # How long a Client trusts a catalogue read that found the model it submits to.
 MODEL_CACHE_SECONDS: Final = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class CommandLoad:
+    """How busy a Client's command bound is: commands on the wire, callers waiting their
+    turn, and the bound."""
+
+    in_flight: int
+    waiting: int
+    max_in_flight: int
+
+    @property
+    def saturated(self) -> bool:
+        return self.waiting > 0
 
 
 class Client:
@@ -116,6 +134,7 @@ class Client:
         self._owns_redis = redis is None
         self._redis = redis
         self._hub = ChannelHub(redis) if redis is not None else None
+        self.max_in_flight = max_in_flight
         self._commands = asyncio.Semaphore(max_in_flight)
         self._connecting = asyncio.Lock()
         # The models live workers served at the last look, and when (monotonic seconds).
@@ -146,6 +165,22 @@ class Client:
                         )
                     self._hub = ChannelHub(self._redis)
         return self._redis
+
+    @asynccontextmanager
+    async def command_slot(self) -> AsyncIterator[RedisClient]:
+        """The client's Redis, with one of its ``max_in_flight`` command slots held while the
+        block runs: a caller's own commands on the client's connections wait their turn with
+        the client's, instead of taking connections the pool does not have."""
+        redis = await self.connect()
+        async with self._commands:
+            yield redis
+
+    def command_load(self) -> CommandLoad:
+        """The command bound's load now (no Redis call)."""
+        # The semaphore's own counters (typed in typeshed): no second count to keep in step.
+        waiting = sum(1 for waiter in self._commands._waiters or () if not waiter.done())
+        in_flight = self.max_in_flight - self._commands._value
+        return CommandLoad(in_flight=in_flight, waiting=waiting, max_in_flight=self.max_in_flight)
 
     async def __aenter__(self) -> Client:
         await self.connect()
@@ -464,6 +499,8 @@ def build_job(
         name: tuple(value) if isinstance(value, list | tuple) else value
         for name, value in options.items()
     }
+    if "tool_choice" in fields:
+        fields["tool_choice"] = as_tool_choice(fields["tool_choice"])
     job = Job(
         request_id=request_id if request_id is not None else new_request_id(),
         prompt=prompt,
@@ -474,7 +511,32 @@ def build_job(
     return decode_job(encode_job(job), limits)
 
 
-def _chat_message(turn: Mapping[str, str] | ChatMessage) -> ChatMessage:
+def _chat_message(turn: Mapping[str, Any] | ChatMessage) -> ChatMessage:
     if isinstance(turn, ChatMessage):
         return turn
-    return ChatMessage(role=turn.get("role", ""), content=turn.get("content", ""))
+    calls = turn.get("tool_calls")
+    return ChatMessage(
+        role=turn.get("role", ""),
+        content=turn.get("content") or "",
+        tool_calls=tuple(_tool_call(call) for call in calls) if calls else None,
+        tool_call_id=turn.get("tool_call_id"),
+        name=turn.get("name"),
+    )
+
+
+def _tool_call(call: Mapping[str, Any] | ToolCall) -> ToolCall:
+    if isinstance(call, ToolCall):
+        return call
+    return ToolCall(
+        id=call.get("id", ""), name=call.get("name", ""), arguments=call.get("arguments", "")
+    )
+
+
+def as_tool_choice(value: object) -> object:
+    """``tool_choice`` as given to ``submit``: a ToolChoice, a mode's name or ``{"name":
+    …}``; anything else goes on as it is, for the decoder to refuse."""
+    if isinstance(value, str) and value in TOOL_CHOICE_MODES:
+        return ToolChoice(TOOL_CHOICE_MODES[TOOL_CHOICE_MODES.index(value)])
+    if isinstance(value, Mapping) and isinstance(value.get("name"), str):
+        return ToolChoice("function", value["name"])
+    return value

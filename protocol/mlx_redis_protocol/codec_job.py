@@ -5,6 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from mlx_redis_protocol.codec_tools import (
+    encode_tool,
+    encode_tool_call,
+    encode_tool_choice,
+    read_message_tool_calls,
+    read_tool_call_id,
+    read_tool_choice,
+    read_tools,
+)
 from mlx_redis_protocol.errors import ProtocolError
 from mlx_redis_protocol.fields import FieldReader, json_like_problem
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id, new_request_id
@@ -22,6 +31,12 @@ PROMPT_FIELDS: Final = ("prompt", "prompt_token_ids", "messages")
 MAX_ROLE_LEN: Final = 64
 # Seeds feed a 64-bit PRNG key.
 MAX_SEED: Final = 2**64 - 1
+# A job's priority (lower runs first); the fair pick script reads the same range.
+MIN_PRIORITY: Final = -100
+MAX_PRIORITY: Final = 100
+# A job's ``speculative.method``: how drafts are made, or "off" (not even the worker default).
+SPECULATIVE_METHODS: Final = ("prompt_lookup", "off")
+MAX_DRAFT_TOKENS: Final = 16
 
 
 def encode_job(job: Job) -> bytes:
@@ -32,13 +47,28 @@ def encode_job(job: Job) -> bytes:
         if value is None:
             continue
         if name == "messages":
-            value = [{"role": m.role, "content": m.content} for m in value]
-        elif name in ("metadata", "response_format") and isinstance(value, Mapping):
+            value = [_message_fields(m) for m in value]
+        elif name == "tools":
+            value = [encode_tool(tool) for tool in value]
+        elif name == "tool_choice":
+            value = encode_tool_choice(value)
+        elif name in ("metadata", "response_format", "speculative") and isinstance(value, Mapping):
             value = dict(value)  # anything else goes as it is, for the decoder to refuse
         elif isinstance(value, tuple):
             value = list(value)
         fields[name] = value
     return pack(fields, "job")
+
+
+def _message_fields(message: ChatMessage) -> dict[str, Any]:
+    fields: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        fields["tool_calls"] = [encode_tool_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        fields["name"] = message.name
+    return fields
 
 
 def decode_job(data: object, limits: Limits = DEFAULT_LIMITS) -> Job:
@@ -68,6 +98,7 @@ def _decode_job(data: object, limits: Limits) -> Job:
     # Errors carry the job's own id only: a refusal must not go to an id made up here.
     reader.request_id = _request_id(reader)
     prompt, prompt_token_ids, messages = _prompt(reader)
+    tools = read_tools(reader)
     return Job(
         request_id=reader.request_id or new_request_id(),
         prompt=prompt,
@@ -91,6 +122,13 @@ def _decode_job(data: object, limits: Limits) -> Job:
         metadata=reader.metadata("metadata"),
         model=_model(reader),
         response_format=_response_format(reader),
+        tenant=_tenant(reader),
+        priority=_priority(reader),
+        tools=tools,
+        tool_choice=read_tool_choice(reader, tools),
+        parallel_tool_calls=reader.boolean("parallel_tool_calls"),
+        thinking=reader.boolean("thinking"),
+        speculative=_speculative(reader),
     )
 
 
@@ -107,6 +145,20 @@ def _model(reader: FieldReader) -> str | None:
     value = reader.string("model")
     if value is not None and not is_valid_id(value):
         raise reader.error("invalid_field", "model", f"must be {ID_RULE}")
+    return value
+
+
+def _tenant(reader: FieldReader) -> str | None:
+    value = reader.string("tenant")
+    if value is not None and not is_valid_id(value):
+        raise reader.error("invalid_field", "tenant", f"must be {ID_RULE}")
+    return value
+
+
+def _priority(reader: FieldReader) -> int | None:
+    value = reader.integer("priority", minimum=MIN_PRIORITY)
+    if value is not None and value > MAX_PRIORITY:
+        raise reader.error("invalid_field", "priority", f"must be <= {MAX_PRIORITY}")
     return value
 
 
@@ -149,6 +201,29 @@ def _response_format(reader: FieldReader) -> dict[str, Any] | None:
     return {"type": kind, field: text}
 
 
+def _speculative(reader: FieldReader) -> dict[str, Any] | None:
+    value = reader.mapping("speculative")
+    if value is None:
+        return None
+    where = FieldReader(value, f"{reader.what}.speculative", reader.limits)
+    where.request_id = reader.request_id
+    extra = {name for name, item in value.items() if item is not None} - {
+        "method",
+        "num_draft_tokens",
+    }
+    if extra:
+        raise where.error("invalid_field", min(extra, key=str), "is not a field of speculative")
+    method = where.required_string("method")
+    if method not in SPECULATIVE_METHODS:
+        raise where.error(
+            "invalid_field", "method", f"must be one of {', '.join(SPECULATIVE_METHODS)}"
+        )
+    count = where.integer("num_draft_tokens", minimum=1)
+    if count is not None and count > MAX_DRAFT_TOKENS:
+        raise where.error("limit_exceeded", "num_draft_tokens", f"is over {MAX_DRAFT_TOKENS}")
+    return {"method": method} if count is None else {"method": method, "num_draft_tokens": count}
+
+
 def readable_model(data: object) -> str | None:
     """The job's ``model`` when it is readable as for ``readable_request_id``: where a
     worker forwards a job from the default stream."""
@@ -187,8 +262,18 @@ def _messages(reader: FieldReader) -> tuple[ChatMessage, ...] | None:
         turn = FieldReader(item, f"{reader.what}.messages[{index}]", reader.limits)
         turn.request_id = reader.request_id
         role = turn.required_string("role", non_empty=True, max_len=MAX_ROLE_LEN)
-        content = turn.required_string("content", max_len=reader.limits.max_str_len)
-        messages.append(ChatMessage(role=role, content=content))
+        tool_calls = read_message_tool_calls(turn)
+        # An assistant turn that only calls tools may leave its content out (OpenAI's null).
+        content = turn.string("content", required=not tool_calls, max_len=reader.limits.max_str_len)
+        messages.append(
+            ChatMessage(
+                role=role,
+                content=content or "",
+                tool_calls=tool_calls or None,
+                tool_call_id=read_tool_call_id(turn),
+                name=turn.string("name", max_len=MAX_ROLE_LEN),
+            )
+        )
     return tuple(messages)
 
 

@@ -28,3 +28,6 @@ JOB_FIELD: Final = "job"
 FORWARDED_FROM_FIELD: Final = "forwarded_from"
 LOG_SEQ_FIELD: Final = "seq"
 LOG_EVENT_FIELD: Final = "e"
+
+# The tenant a job that names none is served as (fair share is kept between tenants).
+DEFAULT_TENANT: Final = "default"

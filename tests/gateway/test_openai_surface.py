@@ -10,7 +10,9 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -22,6 +24,7 @@ from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.messages import DoneEvent, TerminalEvent
 from tests.gateway.conftest import Fleet
 from tests.support.gateway import GatewayFactory, GatewayProcess
+from tests.support.processes import mlx_worker
 from tests.support.schemas import SMALL_SCHEMA
 
 MODEL = "tiny"
@@ -272,6 +275,76 @@ def test_n_with_a_list_of_prompts_orders_choices_prompt_by_prompt(
     assert answer.usage.prompt_tokens == sum(d.usage.prompt_tokens for d in greedy_texts[:2])
 
 
+# Over the worker's 32768 prompt tokens: its job ends with an invalid_job error.
+TOO_LONG = " x" * 40000
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_a_choice_that_fails_fails_the_request(client: openai.OpenAI, stream: bool) -> None:
+    fields: Any = {"model": MODEL, "prompt": [PROMPTS[0], TOO_LONG], "max_tokens": TOKENS}
+    if not stream:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(**fields)
+        assert "tokens" in caught.value.response.json()["error"]["message"]
+        return
+    received: list[Any] = []
+    with pytest.raises(openai.APIError) as failed:
+        for chunk in client.completions.create(**fields, stream=True):
+            received.append(chunk)
+    assert "tokens" in str(failed.value)
+    assert received  # the opening chunks came first
+
+
+def test_a_client_that_leaves_a_fan_out_aborts_its_jobs(
+    gateway: GatewayProcess, fleet: Fleet
+) -> None:
+    body = {"model": MODEL, "prompt": PROMPTS[0], "n": 3, "max_tokens": 4000, "stream": True}
+    request = urllib.request.Request(
+        f"{gateway.base_url}/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        response_id = answer.headers["x-request-id"]
+        seen: set[int] = set()
+        # Read until every choice has text: all three jobs are queued and running.
+        while len(seen) < 3:
+            line = answer.readline().decode()
+            if line.startswith("data: ") and '"text":""' not in line:
+                seen |= {choice["index"] for choice in json.loads(line[6:])["choices"]}
+    dones = [logged_done(fleet, f"{response_id}.{index}") for index in range(3)]
+    assert [done.finish_reason for done in dones] == ["abort"] * 3
+    assert all(done.usage.completion_tokens < 4000 for done in dones)
+
+
+def test_each_choice_counts_against_the_keys_concurrency_cap(
+    gateways: GatewayFactory, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys.toml"
+    added = mlx_worker(
+        "api-key",
+        "add",
+        f"fan-{uuid.uuid4().hex[:8]}",
+        "--file",
+        str(keys),
+        "--max-concurrent",
+        "2",
+    )
+    assert added.returncode == 0, added.stderr
+    keyed = gateways.start("--api-keys", str(keys))
+    with openai.OpenAI(
+        base_url=keyed.base_url, api_key=added.stdout.strip(), max_retries=0
+    ) as limited:
+        fields: Any = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2}
+        with pytest.raises(openai.RateLimitError) as caught:
+            limited.completions.create(**fields, n=3)
+        assert caught.value.code == "concurrency_limit_exceeded"
+        # Two fit, and their slots are free again once they end.
+        for _ in range(2):
+            assert len(limited.completions.create(**fields, n=2).choices) == 2
+        assert len(limited.completions.create(**{**fields, "prompt": PROMPTS[:2]}).choices) == 2
+
+
 def test_langchains_openai_llm_batches_prompts_as_one_request(
     gateway: GatewayProcess, greedy_texts: list[DoneEvent]
 ) -> None:
@@ -398,6 +471,40 @@ def test_a_streamed_response_is_openais_event_sequence(client: openai.OpenAI, fl
     assert last.response.usage is not None and last.response.usage.output_tokens == TOKENS
     done = [e for e in events if e.type == "response.output_text.done"]
     assert done[0].text == text  # type: ignore[union-attr]
+
+
+def test_a_response_carries_its_tokens_logprobs_when_asked(client: openai.OpenAI) -> None:
+    fields: Any = {
+        "model": MODEL,
+        "input": "Tell me a story",
+        "max_output_tokens": TOKENS,
+        "temperature": 0,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    }
+    response = client.responses.create(**fields)
+    part = response.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.logprobs is not None
+    assert len(part.logprobs) == TOKENS
+    assert all(len(entry.top_logprobs) == 2 for entry in part.logprobs)
+    # Greedy: each token is its likeliest alternative.
+    assert all(entry.top_logprobs[0].token == entry.token for entry in part.logprobs)
+    # The tokens' bytes (this gateway's extra field, as chat's) are the text.
+    joined = bytes(b for entry in part.logprobs for b in getattr(entry, "bytes", None) or ())
+    text = joined.decode("utf-8", "replace")
+    assert part.text in (text, text.removeprefix(" "))
+
+    events = list(client.responses.create(**fields, stream=True))
+    streamed = [
+        entry.token
+        for event in events
+        if event.type == "response.output_text.delta"
+        for entry in event.logprobs
+    ]
+    assert streamed == [entry.token for entry in part.logprobs]
+    assert client.responses.create(**{**fields, "include": [], "top_logprobs": None}).output[
+        0
+    ].content[0].logprobs in ([], None)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])

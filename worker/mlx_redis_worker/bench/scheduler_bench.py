@@ -16,10 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mlx_lm.generate import GenerationBatch
-
 from mlx_redis_worker.bench.engine_bench import make_prompts
 from mlx_redis_worker.engine import Request, SamplingParams, Scheduler, SchedulerConfig
+from mlx_redis_worker.engine.speculative_batch import SpeculativeResponse
 from mlx_redis_worker.models import load_model
 
 
@@ -40,7 +39,7 @@ class ReplayGenerator:
         step, self._step = self._step, self._step + 1
         reason = "length" if step == len(self._tokens[0]) - 1 else None
         return [], [
-            GenerationBatch.Response(uid, self._tokens[uid][step], None, reason, None, None)
+            SpeculativeResponse(uid, self._tokens[uid][step], None, reason, None, None)
             for uid in self._uids
         ]
 

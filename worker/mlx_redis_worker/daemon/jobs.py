@@ -23,7 +23,7 @@ from mlx_redis_protocol.errors import ProtocolError
 from mlx_redis_protocol.identifiers import stream_id_time
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.limits import Limits
-from mlx_redis_protocol.messages import PROMPT_PREFIX, SYSTEM_PREFIX, ErrorEvent, Job
+from mlx_redis_protocol.messages import ErrorEvent, Job
 from mlx_redis_protocol.redis_retry import retry_until_done
 from mlx_redis_protocol.replay_log import (
     DUPLICATE,
@@ -36,10 +36,10 @@ from mlx_redis_protocol.replay_log import (
     parse_fence,
     publish_events,
 )
+from mlx_redis_worker.daemon.job_prompt import job_prompt
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.publisher import AttemptLost, EventPublisher
-from mlx_redis_worker.engine import EngineCore, QueueFullError, ResponseFormat, SamplingParams
-from mlx_redis_worker.engine.prompt import chat_prompt, encode_prompt
+from mlx_redis_worker.engine import EngineCore, QueueFullError, SamplingParams, SpeculativeParams
 
 log = structlog.get_logger(__name__)
 
@@ -91,6 +91,7 @@ class JobRunner:
         worker_id: str,
         model: str,
         idempotency_seconds: int = DEFAULT_IDEMPOTENCY_SECONDS,
+        default_speculative: SpeculativeParams | None = None,
     ) -> None:
         """``model``: the fleet's name of the engine's model; the queue is its stream;
         ``idempotency_seconds``: how long a finished request id is remembered."""
@@ -105,6 +106,7 @@ class JobRunner:
         self.limits = limits
         self.max_deliveries = max_deliveries
         self.default_stream_interval = default_stream_interval
+        self.default_speculative = default_speculative
         self.in_flight: dict[str, str] = {}  # request_id -> entry id
         # Duplicates: entries of requests that another entry's run owns (BEGIN_ATTEMPT said
         # DUPLICATE). They hold no slot; their leases are kept, and once the owner's run ends
@@ -194,15 +196,21 @@ class JobRunner:
         """Hand the job to the engine; how it ends instead when the engine refuses it."""
         rid = job.request_id
         try:
-            prompt, prefix_boundary = self._prompt(job)
-            params = SamplingParams(**job.sampling_kwargs(), response_format=_response_format(job))
+            prompt = job_prompt(job, self.engine.tokenizer)
+            params = SamplingParams(
+                **job.sampling_kwargs(),
+                response_format=prompt.response_format,
+                speculative=job_speculative(job, self.default_speculative),
+            )
+            if prompt.parser is not None:
+                self.publisher.split_output(rid, prompt.parser)
             self.in_flight[rid] = delivery.entry_id
             log.info("job_started", attempt=delivery.times_delivered, prompt_kind=_prompt_kind(job))
             await self.engine.add_request(
-                prompt,
+                prompt.prompt,
                 params,
                 request_id=rid,
-                prefix_boundary=prefix_boundary,
+                prefix_boundary=prompt.prefix_boundary,
                 stream_interval=job.stream_interval or self.default_stream_interval,
                 collect=False,
             )
@@ -343,31 +351,6 @@ class JobRunner:
         for rid in list(self.in_flight):
             self.publisher.abandon(rid)
             await self.engine.abort_request(rid)
-
-    def _prompt(self, job: Job) -> tuple[str | list[int], int]:
-        """The engine's prompt and its shared-prefix length (``prefix_boundary``)."""
-        if job.prefix_boundary == PROMPT_PREFIX:
-            # All but the last token: the entry a copy of the prompt finds holds all its
-            # prefill but the step that gives its first token.
-            token_ids = self._prompt_token_ids(job)
-            return token_ids, max(len(token_ids) - 1, 0)
-        boundary = job.prefix_boundary if isinstance(job.prefix_boundary, int) else 0
-        if job.prompt is not None:
-            return job.prompt, boundary
-        if job.prompt_token_ids is not None:
-            return list(job.prompt_token_ids), boundary
-        system_prefix = job.prefix_boundary == SYSTEM_PREFIX
-        token_ids, system_end = chat_prompt(
-            self.engine.tokenizer, job.chat_messages() or [], system_prefix=system_prefix
-        )
-        return token_ids, system_end if system_prefix else boundary
-
-    def _prompt_token_ids(self, job: Job) -> list[int]:
-        if job.prompt is not None:
-            return encode_prompt(self.engine.tokenizer, job.prompt)
-        if job.prompt_token_ids is not None:
-            return list(job.prompt_token_ids)
-        return chat_prompt(self.engine.tokenizer, job.chat_messages() or [], system_prefix=False)[0]
 
     async def _begin_attempt(
         self,
@@ -519,10 +502,23 @@ def _prompt_kind(job: Job) -> str:
     return "prompt_token_ids" if job.prompt_token_ids is not None else "messages"
 
 
-def _response_format(job: Job) -> ResponseFormat | None:
-    """The engine's form of the job's response_format (the decoder checked its shape; the
-    engine checks that it can enforce it, or refuses the job)."""
-    if job.response_format is None:
+def job_speculative(job: Job, default: SpeculativeParams | None) -> SpeculativeParams | None:
+    """The job's own choice (the decoder checked its shape), else the worker's default; a
+    job that names a method without a draft length gets the default's (or 4)."""
+    asked = job.speculative
+    if asked is None:
+        return default
+    if asked["method"] == "off":
         return None
-    # The decoder leaves ``type`` and that type's one field: ResponseFormat's own names.
-    return ResponseFormat(**job.response_format)
+    count = asked.get("num_draft_tokens")
+    if count is None:
+        count = (default or SpeculativeParams()).num_draft_tokens
+    return SpeculativeParams(method=asked["method"], num_draft_tokens=count)
+
+
+def speculative_params(setting: tuple[str, int] | None) -> SpeculativeParams | None:
+    """The engine's form of a parsed ``speculative`` setting."""
+    if setting is None:
+        return None
+    method, count = setting
+    return SpeculativeParams(method=method, num_draft_tokens=count)  # type: ignore[arg-type]

@@ -36,6 +36,7 @@ from mlx_redis_protocol.redis_retry import (
     Outage,
     describe,
 )
+from mlx_redis_protocol.sd_notify import Notifier
 from mlx_redis_protocol.supervisor import supervise
 from mlx_redis_worker.daemon.control import CommandRefused, ControlListener
 from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
@@ -43,7 +44,6 @@ from mlx_redis_worker.daemon.job_queue import JobQueue
 from mlx_redis_worker.daemon.lane import ModelLane
 from mlx_redis_worker.daemon.metrics import Metrics, MetricSources
 from mlx_redis_worker.daemon.publisher import EventPublisher
-from mlx_redis_worker.daemon.sd_notify import Notifier
 from mlx_redis_worker.daemon.settings import WorkerSettings
 
 log = structlog.get_logger(__name__)
@@ -120,7 +120,11 @@ class Serving:
         if self.metrics is not None:
             sources = [
                 MetricSources(
-                    model=lane.name, engine=lane.engine, runner=lane.runner, queue=lane.queue
+                    model=lane.name,
+                    engine=lane.engine,
+                    runner=lane.runner,
+                    queue=lane.queue,
+                    fair=lane.fair,
                 )
                 for lane in self.lanes
             ]
@@ -300,6 +304,7 @@ class Serving:
         first = per_model[lanes[0].name] if lanes else {}
         return {
             **{key: first.get(key) for key in ("engine", "prefix_cache", "group")},
+            **({"tenants": first["tenants"]} if "tenants" in first else {}),
             "jobs": _jobs_total(per_model.values()),
             "models": per_model,
             "default_model": self.forwarder.default_model,

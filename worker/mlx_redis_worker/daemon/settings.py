@@ -11,9 +11,10 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from mlx_redis_protocol.codec_job import MAX_DRAFT_TOKENS, SPECULATIVE_METHODS
 from mlx_redis_protocol.connection import SENTINEL_SCHEME, TOPOLOGIES, parse_sentinel_url
 from mlx_redis_protocol.constants import (
     DEFAULT_IDEMPOTENCY_SECONDS,
@@ -22,6 +23,9 @@ from mlx_redis_protocol.constants import (
 )
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id
 from mlx_redis_worker.daemon.job_queue import DEFAULT_DEAD_LETTER_MAXLEN
+
+if TYPE_CHECKING:
+    from mlx_redis_worker.engine.config import GrammarLimits
 
 ENV_PREFIX = "MLXW_"
 
@@ -90,10 +94,22 @@ class WorkerSettings:
     prefix: str = DEFAULT_PREFIX
     worker_id: str = field(default_factory=default_worker_id)
     max_concurrency: int = 32
+    # What one job's response_format may cost (over any: invalid_job naming it): its size as
+    # compact JSON, compiling it, one token's mask. GrammarLimits' defaults, written here so
+    # that reading settings does not import the engine (a test checks that they agree).
+    max_schema_bytes: int = 128 * 1024
+    max_grammar_compile_ms: int = 2000
+    max_mask_us: int = 10_000
     cache_dir: str = "~/.cache/mlx-redis-worker/prefix-caches"
     # A job idle (not refreshed) this long is presumed orphaned and reclaimed by another worker.
     lease_seconds: float = 60.0
     reclaim_interval: float = 10.0
+    # Start each model's waiting jobs by fair share between tenants (every worker of a model
+    # should agree), not in the order they came; see docs/fairness.md.
+    fair_share: bool = False
+    # With fair share: the age bound of priorities (a job waiting this long goes first among
+    # its tenant's jobs, whatever their priority), so a low priority never starves.
+    priority_age_seconds: float = 30.0
     max_deliveries: int = 3
     # Dead letters kept (approximately: Redis trims whole stream nodes of ~100 entries), so a
     # flood of bad jobs cannot fill Redis; the oldest go first.
@@ -115,12 +131,16 @@ class WorkerSettings:
     log_format: str = "json"
     log_level: str = "INFO"
     metrics_port: int | None = None
+    # Speculative decoding for jobs that do not ask for it or against it: "off", or
+    # METHOD[:DRAFT_TOKENS] ("prompt_lookup:4"); see parse_speculative.
+    speculative: str = "off"
 
     def __post_init__(self) -> None:
         positive = (
             "max_concurrency",
             "lease_seconds",
             "reclaim_interval",
+            "priority_age_seconds",
             "max_deliveries",
             "dead_letter_maxlen",
             "read_block_ms",
@@ -132,6 +152,9 @@ class WorkerSettings:
             "idempotency_seconds",
             "reply_ttl",
             "stream_interval",
+            "max_schema_bytes",
+            "max_grammar_compile_ms",
+            "max_mask_us",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -154,6 +177,7 @@ class WorkerSettings:
             raise ValueError(f"default_model must be {ID_RULE}, got {self.default_model!r}")
         if self.memory_limit_mb is not None and self.memory_limit_mb <= 0:
             raise ValueError("memory_limit_mb must be > 0")
+        parse_speculative(self.speculative)
 
     @property
     def models(self) -> tuple[ServedModel, ...]:
@@ -168,8 +192,41 @@ class WorkerSettings:
         return self.lease_seconds / 3
 
     @property
+    def grammar_limits(self) -> GrammarLimits:
+        from mlx_redis_worker.engine.config import GrammarLimits
+
+        return GrammarLimits(
+            max_schema_bytes=self.max_schema_bytes,
+            max_grammar_compile_ms=self.max_grammar_compile_ms,
+            max_mask_us=self.max_mask_us,
+        )
+
+    @property
     def cache_path(self) -> Path:
         return Path(self.cache_dir).expanduser()
+
+
+DEFAULT_DRAFT_TOKENS = 4
+
+
+def parse_speculative(value: str) -> tuple[str, int] | None:
+    """``off`` -> None; ``METHOD[:DRAFT_TOKENS]`` -> (method, draft tokens, 4 by default)."""
+    method, colon, count = value.strip().partition(":")
+    if method == "off" and not colon:
+        return None
+    methods = [m for m in SPECULATIVE_METHODS if m != "off"]
+    if method not in methods:
+        raise ValueError(
+            f"speculative must be off or METHOD[:DRAFT_TOKENS] with METHOD one of "
+            f"{', '.join(methods)}, got {value!r}"
+        )
+    if not colon:
+        return method, DEFAULT_DRAFT_TOKENS
+    if not count.isdigit() or not 1 <= int(count) <= MAX_DRAFT_TOKENS:
+        raise ValueError(
+            f"speculative draft tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {count!r}"
+        )
+    return method, int(count)
 
 
 def load_settings(

@@ -24,17 +24,19 @@ from mlx_redis_protocol.permissions import redis_user
 from mlx_redis_protocol.redis_retry import retry_until_done
 from mlx_redis_worker.daemon.control import ControlListener
 from mlx_redis_worker.daemon.eviction import check_eviction_policy
+from mlx_redis_worker.daemon.fair_queue import FairQueue
 from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
 from mlx_redis_worker.daemon.job_queue import JobQueue
-from mlx_redis_worker.daemon.jobs import JobRunner
+from mlx_redis_worker.daemon.jobs import JobRunner, speculative_params
 from mlx_redis_worker.daemon.lane import ModelLane
 from mlx_redis_worker.daemon.memory_fit import check_fit
 from mlx_redis_worker.daemon.metrics import Metrics
 from mlx_redis_worker.daemon.permissions import check_permissions
 from mlx_redis_worker.daemon.publisher import EventPublisher
 from mlx_redis_worker.daemon.serving import Serving
-from mlx_redis_worker.daemon.settings import WorkerSettings
+from mlx_redis_worker.daemon.settings import WorkerSettings, parse_speculative
 from mlx_redis_worker.engine import EngineConfig, EngineCore, SchedulerConfig
+from mlx_redis_worker.engine.config import GrammarLimits
 from mlx_redis_worker.models import load_model
 
 log = structlog.get_logger(__name__)
@@ -51,7 +53,9 @@ class LoadedModel:
     tokenizer: Any
 
 
-def scheduler_config(*, max_concurrency: int, limits: Limits) -> SchedulerConfig:
+def scheduler_config(
+    *, max_concurrency: int, limits: Limits, grammar_limits: GrammarLimits | None = None
+) -> SchedulerConfig:
     """The engine's batch for a worker. The caps a job meets twice (the decoder, then the
     engine) are the wire's, so the engine never refuses for another number what the decoder
     let through."""
@@ -60,6 +64,7 @@ def scheduler_config(*, max_concurrency: int, limits: Limits) -> SchedulerConfig
         max_waiting_requests=max_concurrency,
         max_prompt_tokens=limits.max_prompt_tokens,
         max_logprobs=limits.max_logprobs,
+        grammar_limits=grammar_limits or GrammarLimits(),
     )
 
 
@@ -104,7 +109,9 @@ class Worker:
                 log.info("worker_stopped_before_serving", waiting_for="redis")
                 return 0
             scheduler = scheduler_config(
-                max_concurrency=settings.max_concurrency, limits=DEFAULT_LIMITS
+                max_concurrency=settings.max_concurrency,
+                limits=DEFAULT_LIMITS,
+                grammar_limits=settings.grammar_limits,
             )
             for served in self._loaded_models():
                 if self._stop.is_set():
@@ -175,7 +182,8 @@ class Worker:
                 settings.worker_id,
                 redis_user(settings.redis_url),
                 settings.dead_letter_maxlen,
-                [served.name for served in settings.models],
+                tuple(m.name for m in settings.models) if settings.fair_share else (),
+                models=[served.name for served in settings.models],
             ),
             "check permissions",
         )
@@ -216,7 +224,9 @@ class Worker:
         default = settings.default_model_name
         names = sorted(engines, key=lambda name: name != default)
         try:
-            lanes = []
+            lanes: list[ModelLane] = []
+            # What fair share charges a tenant: the tokens its jobs generated, whichever lane's.
+            publisher.on_closed = lambda request_id, tokens: self._closed(lanes, request_id, tokens)
             for name in names:
                 engine, queue = engines[name], queues[name]
                 engine.set_step_listener(publisher.on_step)
@@ -282,6 +292,7 @@ class Worker:
             limits=DEFAULT_LIMITS,
             max_deliveries=settings.max_deliveries,
             default_stream_interval=settings.stream_interval,
+            default_speculative=speculative_params(parse_speculative(settings.speculative)),
             worker_id=settings.worker_id,
             model=name,
             idempotency_seconds=settings.idempotency_seconds,
@@ -289,6 +300,17 @@ class Worker:
         backlog = await retry_until_done(
             lambda: queue.read_own_pending(BACKLOG_READ_LIMIT), "read own pending"
         )
+        fair = None
+        if settings.fair_share:
+            fair = FairQueue(
+                redis=redis,
+                stream=queue.stream,
+                keys=self.keys.fair(name),
+                consumer=settings.worker_id,
+                tenant_weights_key=self.keys.tenant_weights,
+                age_bound_seconds=settings.priority_age_seconds,
+            )
+            await retry_until_done(fair.refresh_weights, "read tenant weights")
         return ModelLane(
             name=name,
             engine=engine,
@@ -298,7 +320,14 @@ class Worker:
             read_block_ms=settings.read_block_ms,
             backlog=backlog,
             stop=self._stop,
+            fair=fair,
         )
+
+    @staticmethod
+    def _closed(lanes: list[ModelLane], request_id: str, tokens: int) -> None:
+        for lane in lanes:
+            if lane.fair is not None:
+                lane.fair.closed(request_id, tokens)
 
     def _became_ready(self) -> None:
         self.ready.set()

@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlx_redis_worker.engine.request import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarLimits:
+    """What one request's response_format may cost; over any, the request is refused with a
+    ``ValueError`` naming the limit (the worker's ``invalid_job``).
+
+    ``max_schema_bytes``: the format as given (its schema as compact JSON, its pattern, its
+    Lark text). ``max_grammar_compile_ms``: compiling it and building its matcher, off the
+    engine thread (a compile past it is refused; it finishes in the background and is cached,
+    bounded by llguidance's own fuel limits). ``max_mask_us``: one token's mask, measured once
+    while compiling (the fastest of a few tries, so a busy machine does not refuse a good
+    format). The names are the worker's settings of the same name.
+    """
+
+    max_schema_bytes: int = 128 * 1024
+    max_grammar_compile_ms: int = 2000
+    max_mask_us: int = 10_000
+
+    def __post_init__(self) -> None:
+        for name in ("max_schema_bytes", "max_grammar_compile_ms", "max_mask_us"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GrammarLimits.{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass(slots=True)
@@ -15,7 +39,8 @@ class SchedulerConfig:
     in a FIFO queue capped at ``max_waiting_requests`` (a full queue is a clear error to the
     caller, never unbounded memory). ``prefill_batch_size`` prompts are prefilled together in
     chunks of ``prefill_step_size`` tokens. A request over ``max_prompt_tokens`` or asking for
-    more than ``max_logprobs`` top log-probabilities per token is refused (``ValueError``).
+    more than ``max_logprobs`` top log-probabilities per token is refused (``ValueError``),
+    and so is a response_format over one of ``grammar_limits``.
     """
 
     max_num_seqs: int = 32
@@ -28,6 +53,10 @@ class SchedulerConfig:
     enable_prefix_cache: bool = True
     prefix_cache_max_entries: int = 64
     prefix_cache_max_bytes: int = 2 << 30
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+    # Speculative decoding drafts only while the decode batch has at most this many sequences
+    # (a larger batch is compute-bound: verifying drafts would cost more than it gains).
+    speculative_max_batch: int = 8
 
     def __post_init__(self) -> None:
         for name in (
@@ -37,6 +66,7 @@ class SchedulerConfig:
             "max_prompt_tokens",
             "prefix_cache_max_entries",
             "prefix_cache_max_bytes",
+            "speculative_max_batch",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
