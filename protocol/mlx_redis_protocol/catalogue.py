@@ -17,6 +17,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from mlx_redis_protocol.connection import RedisClient, as_text
+from mlx_redis_protocol.fair_share import TenantShare, tenant_shares
 from mlx_redis_protocol.heartbeat import Heartbeat, decode_heartbeat
 from mlx_redis_protocol.identifiers import is_valid_id
 from mlx_redis_protocol.keys import JobStream, Keys
@@ -39,8 +40,10 @@ async def live_heartbeats(redis: RedisClient, keys: Keys) -> list[Heartbeat]:
     async with redis.pipeline(transaction=False) as pipe:
         for name in names:
             pipe.get(name)
-        values = await pipe.execute()
-    beats = [decode_heartbeat(value) for value in values]
+        # A key of another type under the pattern (a stray XADD) answers WRONGTYPE: it is
+        # no heartbeat, and must not fail the reads of the ones that are.
+        values = await pipe.execute(raise_on_error=False)
+    beats = [decode_heartbeat(value) for value in values if isinstance(value, bytes | str)]
     return sorted((beat for beat in beats if beat is not None), key=lambda b: b.worker_id)
 
 
@@ -98,6 +101,9 @@ class ModelStatus:
     free_slots: int  # summed over those workers
     max_concurrency: int  # summed over those workers
     queue: QueueStatus
+    # Fair share by tenant (waiting for a pick, tokens served in 10 minutes); empty when the
+    # model's workers never had fair share on.
+    tenants: tuple[TenantShare, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +112,7 @@ class ModelStatus:
             "free_slots": self.free_slots,
             "max_concurrency": self.max_concurrency,
             **self.queue.as_dict(),
+            "tenants": [share.as_dict() for share in self.tenants],
         }
 
 
@@ -160,11 +167,14 @@ async def fleet_models(redis: RedisClient, keys: Keys) -> Fleet:
     names.update(stream.model for stream in await model_streams(redis, keys) if stream.model)
     streams = [keys.default_stream, *(keys.model_stream(name) for name in sorted(names))]
     queues = await queue_statuses(redis, streams)
-    models = tuple(
-        _model_status(stream.model, [beat for beat in beats if beat.serves(stream.model)], queue)
-        for stream, queue in zip(streams[1:], queues[1:], strict=True)
-        if stream.model is not None
-    )
+    statuses = []
+    for stream, queue in zip(streams[1:], queues[1:], strict=True):
+        if stream.model is None:
+            continue
+        serving = [beat for beat in beats if beat.serves(stream.model)]
+        shares = tuple(await tenant_shares(redis, keys.fair(stream.model)))
+        statuses.append(_model_status(stream.model, serving, queue, shares))
+    models = tuple(statuses)
     current = [beat for beat in beats if beat.models]
     default = DefaultStreamStatus(
         queue=queues[0],
@@ -175,7 +185,9 @@ async def fleet_models(redis: RedisClient, keys: Keys) -> Fleet:
     return Fleet(models=models, default=default, heartbeats=tuple(beats))
 
 
-def _model_status(model: str, serving: list[Heartbeat], queue: QueueStatus) -> ModelStatus:
+def _model_status(
+    model: str, serving: list[Heartbeat], queue: QueueStatus, tenants: tuple[TenantShare, ...]
+) -> ModelStatus:
     served = [beat.models[model] for beat in serving]
     return ModelStatus(
         model=model,
@@ -183,6 +195,7 @@ def _model_status(model: str, serving: list[Heartbeat], queue: QueueStatus) -> M
         free_slots=sum(entry.free_slots for entry in served),
         max_concurrency=sum(entry.max_concurrency for entry in served),
         queue=queue,
+        tenants=tenants,
     )
 
 
@@ -226,9 +239,10 @@ def _queue_status(stream: JobStream, replies: Sequence[Any], now_ms: int) -> Que
 
 
 def _is_missing(error: ResponseError) -> bool:
-    """The error of XINFO GROUPS / XPENDING on a stream or group that does not exist."""
+    """The error of XINFO GROUPS / XPENDING on a stream or group that does not exist, or of
+    any read on a key of another type (a stray SET on a stream's name): no queue there."""
     text = str(error)
-    return "NOGROUP" in text or "no such key" in text.lower()
+    return "NOGROUP" in text or "no such key" in text.lower() or "WRONGTYPE" in text
 
 
 def _group_info(groups: Any, group: str) -> dict[str, Any]:

@@ -170,6 +170,13 @@ def test_user_and_the_api_key_go_into_the_job_metadata() -> None:
     assert parse("text", text(), user_key="team-a").job.metadata == {"api_key": "team-a"}
 
 
+def test_the_api_keys_name_is_the_jobs_tenant() -> None:
+    assert parse("chat", chat(), user_key="team-a").job.tenant == "team-a"
+    assert parse("text", text(), user_key="team-b").job.tenant == "team-b"
+    # Without keys (an open gateway) the job names none: the default tenant.
+    assert parse("chat", chat()).job.tenant is None
+
+
 def test_developer_is_the_system_role() -> None:
     messages = [
         {"role": "developer", "content": "be brief"},
@@ -263,9 +270,15 @@ REFUSALS: list[tuple[Kind, Any, str]] = [
     ("text", text(max_tokens=DEFAULT_LIMITS.max_tokens + 1), "max_tokens"),
     ("chat", chat(seed=1.5), "seed"),
     ("chat", chat(stream="yes"), "stream"),
-    ("chat", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    ("chat", chat(tools=[{"type": "retrieval"}]), "tools[0]"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0]"),
     ("chat", chat(functions=[{"name": "f"}]), "functions"),
-    ("chat", chat(tool_choice="auto"), "tool_choice"),
+    ("chat", chat(tool_choice="required"), "tool_choice"),
+    (
+        "chat",
+        chat(chat_template_kwargs={"enable_thinking": "no"}),
+        "chat_template_kwargs.enable_thinking",
+    ),
     ("chat", chat(logit_bias={"50256": -100}), "logit_bias"),
     ("chat", chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
     ("chat", chat(prediction={"type": "content", "content": "x"}), "prediction"),
@@ -299,7 +312,7 @@ REFUSALS: list[tuple[Kind, Any, str]] = [
     ("chat", {"model": "tiny"}, "messages"),
     ("chat", chat(messages="hi"), "messages"),
     ("chat", chat(messages=["hi"]), "messages[0]"),
-    ("chat", chat(messages=[{"role": "tool", "content": "42"}]), "messages[0].role"),
+    ("chat", chat(messages=[{"role": "tool", "content": "42"}]), "messages[0].tool_call_id"),
     ("chat", chat(messages=[*USER_HI, {"role": "function"}]), "messages[1].role"),
     ("chat", chat(messages=[{"content": "hi"}]), "messages[0].role"),
     ("chat", chat(messages=[{"role": ["user"], "content": "hi"}]), "messages[0].role"),

@@ -66,6 +66,14 @@ def add_gateway_commands(commands: Any) -> None:
     )
     gateway.add_argument("--no-status-page", action="store_true", help="serve no status page")
     _add_http_limits(gateway)
+    gateway.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="NAME",
+        help="a Host name to answer besides localhost, 127.0.0.1 and ::1 (repeatable; '*': any). "
+        "Without API keys other names get a 400 (DNS rebinding); with keys, Host is checked "
+        "only when this names one",
+    )
     gateway.set_defaults(func=run_gateway)
 
     api_key = commands.add_parser("api-key", help="manage the gateway's API keys")
@@ -82,12 +90,11 @@ def add_gateway_commands(commands: Any) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from mlx_redis_gateway.api_keys import KeyFileError
     from mlx_redis_gateway.app import GatewaySettings, build_app
-    from mlx_redis_gateway.http_limits import HttpLimits, guarded_protocol
+    from mlx_redis_gateway.http_limits import HttpLimits
     from mlx_redis_gateway.permissions import check_gateway_permissions
+    from mlx_redis_gateway.server import serve
     from mlx_redis_protocol.connection import REFUSED, redact
     from mlx_redis_protocol.keys import Keys
     from mlx_redis_protocol.logs import one_line
@@ -119,6 +126,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             status_page=not args.no_status_page,
             quota_lease_seconds=args.quota_lease_seconds,
             http=http,
+            allowed_hosts=tuple(args.allowed_host or ()),
         )
     except ValueError as exc:
         return _fail(str(exc))
@@ -139,19 +147,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         return _fail(f"Redis refused us at {redact(settings.redis_url)}: {one_line(exc)}")
     except MissingPermission as exc:
         return _fail(str(exc))
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_config=None,  # structlog already owns the output
-        access_log=False,
-        http=guarded_protocol(settings.http),
-        lifespan="on",
-        timeout_graceful_shutdown=30,
-        # Longer than a load balancer's idle timeout (60 s is common), so the balancer, not
-        # the gateway, closes an idle connection: no request races a closing socket.
-        timeout_keep_alive=75,
-    )
+    serve(app, host, port, settings.http)
     return 0
 
 
