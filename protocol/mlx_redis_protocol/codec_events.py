@@ -186,7 +186,34 @@ def _token_logprob(reader: FieldReader, index: int, item: object) -> TokenLogpro
         ):
             raise reader.error("invalid_field", name, "top_logprobs must be [token_id, logprob]")
         pairs.append((int(pair[0]), float(pair[1])))
-    return TokenLogprob(token_id=int(token_id), logprob=float(logprob), top_logprobs=tuple(pairs))
+    token_bytes = item.get("bytes")
+    if token_bytes is not None and not _is_token_bytes(token_bytes, reader.limits):
+        raise reader.error("invalid_field", name, _TOKEN_BYTES_RULE)
+    top_bytes = item.get("top_bytes")
+    if top_bytes is not None and not (
+        isinstance(top_bytes, list)
+        and len(top_bytes) == len(pairs)
+        and all(_is_token_bytes(entry, reader.limits) for entry in top_bytes)
+    ):
+        raise reader.error(
+            "invalid_field",
+            name,
+            f"top_bytes must hold one per top_logprobs pair; each {_TOKEN_BYTES_RULE}",
+        )
+    return TokenLogprob(
+        token_id=int(token_id),
+        logprob=float(logprob),
+        top_logprobs=tuple(pairs),
+        token_bytes=token_bytes,
+        top_token_bytes=tuple(top_bytes) if top_bytes is not None else None,
+    )
+
+
+_TOKEN_BYTES_RULE = "bytes must be binary of at most max_token_bytes"
+
+
+def _is_token_bytes(value: object, limits: Limits) -> bool:
+    return isinstance(value, bytes) and len(value) <= limits.max_token_bytes
 
 
 def _is_logprob(value: object) -> bool:
@@ -197,11 +224,16 @@ def _is_logprob(value: object) -> bool:
 
 
 def _logprob_fields(item: TokenLogprob) -> dict[str, Any]:
-    return {
+    fields: dict[str, Any] = {
         "token_id": item.token_id,
         "logprob": item.logprob,
         "top_logprobs": [[token_id, logprob] for token_id, logprob in item.top_logprobs],
     }
+    if item.token_bytes is not None:
+        fields["bytes"] = item.token_bytes
+    if item.top_token_bytes is not None:
+        fields["top_bytes"] = list(item.top_token_bytes)
+    return fields
 
 
 def _usage(reader: FieldReader) -> Usage:

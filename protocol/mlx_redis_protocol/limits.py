@@ -29,6 +29,7 @@ class Limits:
     max_stop_token_ids: int = 256
     max_tokens: int = 32768
     max_logprobs: int = 20
+    max_token_bytes: int = 1024  # one token's bytes, in a logprob
     max_metadata_bytes: int = 16 * _KIB
     max_metadata_depth: int = 8
     max_schema_depth: int = 32

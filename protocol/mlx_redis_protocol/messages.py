@@ -130,11 +130,15 @@ class Job:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """The sampled token's log-probability and the top alternatives, if asked for."""
+    """The sampled token's log-probability and the top alternatives, if asked for; each
+    token's bytes where the worker sent them (``top_token_bytes`` in ``top_logprobs``' order):
+    its text is those bytes as UTF-8, which a token that splits a character is only in part."""
 
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    token_bytes: bytes | None = None
+    top_token_bytes: tuple[bytes, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,7 +79,7 @@ def refusal(user: str, keys: Keys, probe: Probe, exc: NoPermissionError) -> str:
     worker needs it. Redis names the command it refused (a pipeline's or script's may differ
     from the probe's); for a key or a channel it only says which kind."""
     text = str(exc)
-    grant = "see README: minimum ACL"
+    grant = "see docs/redis.md: minimum ACL"
     if (command := _COMMAND_REFUSED.search(text)) is not None:
         name = command.group(1).replace("|", " ").upper()
         return (

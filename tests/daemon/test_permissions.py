@@ -90,7 +90,7 @@ def test_a_missing_command_is_named_before_the_model_loads(
     line = refusal_line(start_refused(url, prefix, tmp_path))
     assert line == (
         f"mlx-worker: Redis user {user!r} may not run {command} (needed to {needed_to}); "
-        "grant it (see README: minimum ACL)"
+        "grant it (see docs/redis.md: minimum ACL)"
     )
     # Exactly one refusal: the probe of the missing command, nothing sent after it.
     assert len(denials(admin, user)) == 1
@@ -102,7 +102,7 @@ def test_keys_outside_the_grant_are_named(acl_user: MakeUser, prefix: str, tmp_p
     assert line == (
         f"mlx-worker: Redis user {user!r} has no permission for the key '{prefix}:jobs' "
         f"(XGROUP CREATE, needed to create the consumer group); grant ~{prefix}:* "
-        "(see README: minimum ACL)"
+        "(see docs/redis.md: minimum ACL)"
     )
 
 
@@ -114,7 +114,7 @@ def test_channels_outside_the_grant_are_named(
     pattern = (
         rf"mlx-worker: Redis user '{user}' has no permission for the channel "
         rf"'{prefix}:out:\{{permission-probe-[0-9a-f]+\}}' \(PUBLISH, needed to stream events "
-        rf"to subscribers\); grant &{prefix}:\* \(see README: minimum ACL\)"
+        rf"to subscribers\); grant &{prefix}:\* \(see docs/redis.md: minimum ACL\)"
     )
     assert re.fullmatch(pattern, line), line
 
@@ -126,7 +126,7 @@ def test_the_documented_minimum_acl_serves_a_job_end_to_end(
     workers: WorkerFactory,
     prefix: str,
 ) -> None:
-    """A user with exactly the README's minimum ACL line: the worker starts, serves a job to
+    """A user with exactly the minimum ACL line of docs/redis.md: the worker starts, serves a job to
     a client of the same user, `group list` works, a clean stop removes the consumer (of both
     streams it reads: the default one and its model's), and Redis denied nothing along the
     way."""

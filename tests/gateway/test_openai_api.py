@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -33,7 +32,6 @@ MODEL = "tiny"
 TOKENS = 12  # of every greedy answer: the tiny model makes about 100 per second
 CHAT: Any = [{"role": "user", "content": "Tell me a story"}]
 PROMPT = "Tell me a story"
-TOKEN_NAME = re.compile(r"token_id:\d+")
 
 
 @pytest.fixture(scope="module")
@@ -347,14 +345,23 @@ def test_chat_logprobs_name_each_token_with_its_top_alternatives(
     assert answer.usage is not None
     assert len(logprobs.content) == answer.usage.completion_tokens == TOKENS
     for entry in logprobs.content:
-        assert TOKEN_NAME.fullmatch(entry.token)
+        # A token is its text, with its bytes (a part of a character shows as U+FFFD).
+        assert entry.bytes is not None
+        assert entry.token == bytes(entry.bytes).decode("utf-8", "replace")
         assert entry.logprob <= 0
         assert len(entry.top_logprobs) == 3
         tops = [top.logprob for top in entry.top_logprobs]
         assert tops == sorted(tops, reverse=True)
-        assert all(TOKEN_NAME.fullmatch(top.token) for top in entry.top_logprobs)
+        for top in entry.top_logprobs:
+            assert top.bytes is not None
+            assert top.token == bytes(top.bytes).decode("utf-8", "replace")
         # Greedy: the chosen token is the likeliest one.
-        assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, tops[0])
+        assert (entry.bytes, entry.logprob) == (entry.top_logprobs[0].bytes, tops[0])
+    # The tokens' bytes are the answer (the detokenizer drops a first token's leading space).
+    joined = bytes(byte for entry in logprobs.content for byte in entry.bytes or ())
+    content = answer.choices[0].message.content
+    text = joined.decode("utf-8", "replace")
+    assert content in (text, text.removeprefix(" "))
 
     streamed = chat_chunks(client, logprobs=True, top_logprobs=3)
     streamed_entries = [
@@ -364,7 +371,9 @@ def test_chat_logprobs_name_each_token_with_its_top_alternatives(
         if choice.logprobs is not None and choice.logprobs.content is not None
         for entry in choice.logprobs.content
     ]
-    assert [entry.token for entry in streamed_entries] == [e.token for e in logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed_entries] == [
+        (e.token, e.bytes) for e in logprobs.content
+    ]
 
 
 def test_chat_logprobs_without_top_logprobs_give_the_sampled_tokens_only(
@@ -392,14 +401,28 @@ def test_completion_logprobs_n_are_the_logged_tokens_with_n_alternatives(
         logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
     ):
         assert max(alternatives.values()) == chosen and alternatives[token] == chosen
-    # The names are the ids of the tokens the worker generated.
+    # The names are the texts of the tokens the worker generated, which start where the text
+    # offsets say.
     generated = [
-        f"token_id:{token}"
+        item
         for event in logged_events(fleet, answer.id)
+        if isinstance(event, DeltaEvent)
+        for item in event.logprobs or ()
+    ]
+    assert [item.token_id for item in generated] == answer_token_ids(fleet, answer.id)
+    texts = [(item.token_bytes or b"").decode("utf-8", "replace") for item in generated]
+    assert logprobs.tokens == texts
+    assert logprobs.text_offset is not None and logprobs.text_offset[0] == 0
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def answer_token_ids(fleet: Fleet, request_id: str) -> list[int]:
+    return [
+        token
+        for event in logged_events(fleet, request_id)
         if isinstance(event, DeltaEvent)
         for token in event.new_token_ids
     ]
-    assert logprobs.tokens == generated
 
 
 # -- chat messages --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The gateway under the README's minimum ACL: it does all its work and Redis denies it
+"""The gateway under the minimum ACL of docs/redis.md: it does all its work and Redis denies it
 nothing; a grant it lacks stops it at start, with one line naming it."""
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def test_a_missing_command_stops_the_gateway_at_start_naming_it(
     line = gateway_refused(url, fleet.prefix, "--api-keys", str(keys))
     assert line == (
         f"mlx-worker: Redis user {user!r} may not run {command} (needed to {needed_to}); "
-        "grant it (see README: minimum ACL)"
+        "grant it (see docs/redis.md: minimum ACL)"
     )
     assert len(denials(admin, user)) == 1
 
@@ -199,7 +199,7 @@ def test_keys_outside_the_grant_and_a_wrong_password_are_one_line_each(
     user, url = acl_user(["on", f">{PASSWORD}", "~elsewhere:*", f"&{fleet.prefix}:*", "+@all"])
     line = gateway_refused(url, fleet.prefix)
     assert line.startswith(f"mlx-worker: Redis user {user!r} has no permission for the key "), line
-    assert line.endswith(f"grant ~{fleet.prefix}:* (see README: minimum ACL)"), line
+    assert line.endswith(f"grant ~{fleet.prefix}:* (see docs/redis.md: minimum ACL)"), line
     wrong = url.replace(PASSWORD, "wrong-password")
     line = gateway_refused(wrong, fleet.prefix)
     assert line.startswith(f"mlx-worker: Redis refused us at redis://{user}:***@"), line

@@ -495,6 +495,72 @@ def test_a_repeating_rerun_sends_each_tokens_logprob_once() -> None:
     assert s.completion()["choices"][0]["logprobs"]["tokens"] == sent
 
 
+def with_bytes(token: int, data: bytes, top: dict[int, bytes] | None = None) -> TokenLogprob:
+    """A token's logprob with its bytes (and its alternatives', -id/10 each)."""
+    alternatives = top or {}
+    return TokenLogprob(
+        token_id=token,
+        logprob=-token / 10,
+        top_logprobs=tuple((other, -other / 10) for other in alternatives),
+        token_bytes=data,
+        top_token_bytes=tuple(alternatives.values()),
+    )
+
+
+def test_tokens_with_bytes_are_named_by_their_text_with_their_bytes() -> None:
+    # "é" is two bytes, split across tokens 2 and 3.
+    items = [
+        with_bytes(1, b" caf", {1: b" caf", 4: b" cow"}),
+        with_bytes(2, b"\xc3", {2: b"\xc3", 5: b"!"}),
+        with_bytes(3, b"\xa9", {3: b"\xa9", 6: b"e"}),
+    ]
+    log = Log().delta(" caf", [1, 2], items[:2]).delta("\u00e9", [3], items[2:]).done(" caf\u00e9")
+    s = shaper("chat", logprobs=True)
+    stream(s, log.events)
+    entries = s.completion()["choices"][0]["logprobs"]["content"]
+    assert [(e["token"], e["bytes"]) for e in entries] == [
+        (" caf", list(b" caf")),
+        ("\ufffd", [0xC3]),
+        ("\ufffd", [0xA9]),
+    ]
+    assert bytes(b for e in entries for b in e["bytes"]).decode() == " caf\u00e9"
+    assert entries[0]["top_logprobs"] == [
+        {"token": " caf", "bytes": list(b" caf"), "logprob": -0.1},
+        {"token": " cow", "bytes": list(b" cow"), "logprob": -0.4},
+    ]
+
+    t = shaper("text", logprobs=True)
+    chunks = stream(t, log.events)
+    whole = t.completion()["choices"][0]["logprobs"]
+    assert whole["tokens"] == [" caf", "\ufffd", "\ufffd"]
+    assert whole["top_logprobs"][2] == {"\ufffd": -0.3, "e": -0.6}
+    # The split character starts where its first byte's token does.
+    assert whole["text_offset"] == [0, 4, 4]
+    streamed = [c.data["choices"][0]["logprobs"] for c in chunks[1:3]]
+    assert [lp["text_offset"] for lp in streamed] == [[0, 4], [4]]
+
+
+def test_text_offsets_count_from_the_attempt_that_is_sent() -> None:
+    log = (
+        Log()
+        .delta("ab", [1, 2], [with_bytes(1, b"a"), with_bytes(2, b"b")])
+        .reset()
+        .delta("a", [1], [with_bytes(1, b"a")])
+        .delta("bcd", [2, 3], [with_bytes(2, b"b"), with_bytes(3, b"cd")])
+        .delta("e", [4], [with_bytes(4, b"e")])
+        .done("abcde")
+    )
+    s = shaper("text", logprobs=True)
+    chunks = stream(s, log.events)
+    sent = [lp for c in chunks[1:] if (lp := c.data["choices"][0]["logprobs"])]
+    assert [(lp["tokens"], lp["text_offset"]) for lp in sent] == [
+        (["a", "b"], [0, 1]),
+        (["cd"], [2]),
+        (["e"], [4]),
+    ]
+    assert s.completion()["choices"][0]["logprobs"]["text_offset"] == [0, 1, 2, 4]
+
+
 def test_logprobs_not_asked_for_are_null_even_when_the_events_carry_them() -> None:
     log = Log().delta("ab", [1, 2], [logprob(1), logprob(2)]).done("ab")
     s = shaper("chat")

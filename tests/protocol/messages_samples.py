@@ -84,6 +84,17 @@ EVENTS = [
         new_token_ids=(9,),
         logprobs=(TokenLogprob(9, -0.25, ((9, -0.25), (4, float("-inf")))),),
     ),
+    DeltaEvent(
+        request_id="r",
+        seq=3,
+        attempt=1,
+        new_text="",
+        new_token_ids=(9, 10),
+        logprobs=(
+            TokenLogprob(9, -0.25, ((9, -0.25), (4, -3.0)), b"\xc3", (b"\xc3", b" ok")),
+            TokenLogprob(10, -0.5, (), b"\xa9", ()),
+        ),
+    ),
     ResetEvent(request_id="r", seq=4, attempt=2),
     DoneEvent(
         request_id="r",

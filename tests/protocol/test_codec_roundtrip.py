@@ -173,6 +173,26 @@ INVALID_EVENTS = [
         "invalid_field",
     ),
     (
+        "token bytes not binary",
+        event(new_text="", logprobs=[{"token_id": 1, "logprob": -1.0, "bytes": "a"}]),
+        "invalid_field",
+    ),
+    (
+        "token bytes too long",
+        event(new_text="", logprobs=[{"token_id": 1, "logprob": -1.0, "bytes": b"x" * 1025}]),
+        "invalid_field",
+    ),
+    (
+        "top_bytes not one per pair",
+        event(
+            new_text="",
+            logprobs=[
+                {"token_id": 1, "logprob": -1.0, "top_logprobs": [[1, -1.0]], "top_bytes": []}
+            ],
+        ),
+        "invalid_field",
+    ),
+    (
         "done bad reason",
         event(type="done", finish_reason="bored", output_text="", usage={}),
         "invalid_field",

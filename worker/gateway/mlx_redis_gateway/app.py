@@ -7,9 +7,10 @@ stand behind a load balancer, and a client that lost its stream resumes it on an
 ``GET /v1/requests/{id}/stream`` and ``Last-Event-ID``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as SSE or one JSON
-body), ``GET /v1/models``, ``GET /v1/requests/{id}`` (the finished answer),
+body), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /v1/requests/{id}`` (the finished answer),
 ``GET /v1/requests/{id}/stream``, ``GET /health``, and the status page (``/``,
-``/status.json``, ``/status/fragment``).
+``/status.json``, ``/status/fragment``). Any other path or method is a 404 or 405 in OpenAI's
+error shape, as every other refusal is.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from redis.exceptions import RedisError
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -36,6 +39,7 @@ from mlx_redis_gateway.api_keys import ApiKey, KeyFile
 from mlx_redis_gateway.auth import Authenticator
 from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.fleet_status import FleetStatus, read_fleet_status
+from mlx_redis_gateway.http_limits import DEFAULT_HTTP_LIMITS, HttpLimits, RequestLimits, read_json
 from mlx_redis_gateway.openai_api import CompletionRequest, Kind, check_request_id, parse_request
 from mlx_redis_gateway.quotas import LEASE_SECONDS, Quotas
 from mlx_redis_gateway.shaping import DONE_MESSAGE, ResponseShape, Shaper, sse_data, sse_message
@@ -80,6 +84,7 @@ class GatewaySettings:
     # How long a request's concurrency slot outlives a gateway that stopped refreshing it.
     quota_lease_seconds: float = LEASE_SECONDS
     limits: Limits = DEFAULT_LIMITS
+    http: HttpLimits = DEFAULT_HTTP_LIMITS
 
     def __post_init__(self) -> None:
         if self.quota_lease_seconds < 1:
@@ -144,11 +149,21 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         self.auth.api_key(request)
         served = await self.client.served_models()
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "mlx-redis-worker"}
-            for name in sorted(served)
-        ]
+        data = [_model_object(name) for name in sorted(served)]
         return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        """One served model (``client.models.retrieve``); 404 ``model_not_found`` otherwise."""
+        self.auth.api_key(request)
+        name = request.path_params["model"]
+        if not await self.client.serves(name):
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist or no live worker serves it",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(_model_object(name))
 
     async def health(self, request: Request) -> Response:
         try:
@@ -196,10 +211,7 @@ class Gateway:
 
     async def _complete(self, request: Request, kind: Kind) -> Response:
         key = self.auth.api_key(request)
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise ApiError(400, "the request body is not valid JSON") from exc
+        body = read_json(await request.body(), self.settings.http.max_json_depth)
         accepted = parse_request(
             kind,
             body,
@@ -438,6 +450,27 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+def _model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "mlx-redis-worker"}
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, a method the route does not take) in OpenAI's
+    error shape, so a client's error handling sees one format for every answer."""
+    assert isinstance(exc, HTTPException)
+    method, path = request.method, request.url.path
+    if exc.status_code == 404:
+        error = ApiError(404, f"Invalid URL ({method} {path})", code="not_found")
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"Method {method} is not allowed for {path} (allowed: {allowed})"
+        error = ApiError(405, message, code="method_not_allowed")
+    else:
+        error = ApiError(exc.status_code, exc.detail, code=None)
+    headers = {**(exc.headers or {}), **error.headers()}
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
@@ -464,6 +497,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", gateway.model, methods=["GET"]),
         Route("/v1/requests/{request_id}", gateway.result, methods=["GET"]),
         Route("/v1/requests/{request_id}/stream", gateway.resume, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
@@ -476,9 +510,15 @@ def build_app(settings: GatewaySettings) -> Starlette:
         ]
     handlers: Mapping[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         ApiError: _api_error,
+        HTTPException: _http_error,
         RedisUnavailable: _unavailable,
         RedisError: _redis_error,
     }
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=gateway.lifespan)
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(RequestLimits, limits=settings.http)],
+        exception_handlers=handlers,
+        lifespan=gateway.lifespan,
+    )
     app.state.gateway = gateway
     return app

@@ -65,6 +65,7 @@ def add_gateway_commands(commands: Any) -> None:
         help="how long a request's concurrency slot outlives a gateway that died (default 30)",
     )
     gateway.add_argument("--no-status-page", action="store_true", help="serve no status page")
+    _add_http_limits(gateway)
     gateway.set_defaults(func=run_gateway)
 
     api_key = commands.add_parser("api-key", help="manage the gateway's API keys")
@@ -85,6 +86,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     from mlx_redis_gateway.api_keys import KeyFileError
     from mlx_redis_gateway.app import GatewaySettings, build_app
+    from mlx_redis_gateway.http_limits import HttpLimits, guarded_protocol
     from mlx_redis_gateway.permissions import check_gateway_permissions
     from mlx_redis_protocol.connection import REFUSED, redact
     from mlx_redis_protocol.keys import Keys
@@ -98,6 +100,13 @@ def run_gateway(args: argparse.Namespace) -> int:
             "(or --no-auth to serve it open)"
         )
     try:
+        http = HttpLimits(
+            max_header_bytes=args.max_header_bytes,
+            max_body_bytes=args.max_body_bytes,
+            header_timeout=args.header_timeout,
+            max_connections=args.max_connections,
+            max_requests_per_connection=args.max_requests_per_connection,
+        )
         settings = GatewaySettings(
             redis_url=args.redis_url,
             redis_topology=args.redis_topology,
@@ -109,6 +118,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             log_ttl=args.log_ttl,
             status_page=not args.no_status_page,
             quota_lease_seconds=args.quota_lease_seconds,
+            http=http,
         )
     except ValueError as exc:
         return _fail(str(exc))
@@ -135,6 +145,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         port=port,
         log_config=None,  # structlog already owns the output
         access_log=False,
+        http=guarded_protocol(settings.http),
         lifespan="on",
         timeout_graceful_shutdown=30,
         # Longer than a load balancer's idle timeout (60 s is common), so the balancer, not
@@ -142,6 +153,45 @@ def run_gateway(args: argparse.Namespace) -> int:
         timeout_keep_alive=75,
     )
     return 0
+
+
+def _add_http_limits(gateway: argparse.ArgumentParser) -> None:
+    from mlx_redis_gateway.http_limits import DEFAULT_HTTP_LIMITS as limits
+
+    gateway.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=limits.max_body_bytes,
+        help=f"a larger request body is a 413 (default {limits.max_body_bytes})",
+    )
+    gateway.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=limits.max_header_bytes,
+        help="a larger request line and headers are a 431, the connection closed "
+        f"(default {limits.max_header_bytes})",
+    )
+    gateway.add_argument(
+        "--header-timeout",
+        type=float,
+        default=limits.header_timeout,
+        help="seconds a connection may take to send a request's headers, idle ones included "
+        f"(408, closed; default {limits.header_timeout:g})",
+    )
+    gateway.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="connections open at once; one more is a 503 and closed (default: the file "
+        "descriptor limit less 512, at most 10000)",
+    )
+    gateway.add_argument(
+        "--max-requests-per-connection",
+        type=int,
+        default=limits.max_requests_per_connection,
+        help="requests a keep-alive connection serves before it is closed "
+        f"(default {limits.max_requests_per_connection})",
+    )
 
 
 def run_add_key(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ differs, the stream ends with a ``stream_rewritten`` error instead of sending a 
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -124,6 +125,7 @@ class Shaper:
         # until the re-run has caught up with what the earlier attempt sent.
         self.sent = self.attempt
         self.attempt_logprobs: list[TokenLogprob] = []
+        self.offsets = _TextOffsets()  # of the attempt's logprob tokens in its text
         self.done: DoneEvent | None = None
         self.error: ApiError | None = None
 
@@ -138,6 +140,7 @@ class Shaper:
         if isinstance(event, ResetEvent):
             self.attempt = _Output()
             self.attempt_logprobs = []
+            self.offsets = _TextOffsets()
             return []
         if isinstance(event, DeltaEvent):
             return self._delta(event)
@@ -159,6 +162,7 @@ class Shaper:
         self.attempt.add(event.new_text, event.new_token_ids)
         if event.logprobs:
             self.attempt_logprobs += event.logprobs
+            self.offsets.add(event.logprobs)
         if not self.streaming:
             return []
         if self.attempt is self.sent:
@@ -177,7 +181,8 @@ class Shaper:
             new_text, new_logprobs = replayed
         if not new_text and not (self.shape.logprobs and new_logprobs):
             return []
-        logprobs = self._logprobs(new_logprobs) if self.shape.logprobs else None
+        first = len(self.attempt_logprobs) - len(new_logprobs)
+        logprobs = self._logprobs(new_logprobs, first) if self.shape.logprobs else None
         if self.shape.kind == "chat":
             return [Chunk(event.seq, self._chunk({"content": new_text}, None, logprobs))]
         return [Chunk(event.seq, self._chunk(new_text, None, logprobs))]
@@ -245,32 +250,31 @@ class Shaper:
             "system_fingerprint": None,
         }
 
-    def _logprobs(self, items: list[TokenLogprob]) -> dict[str, Any]:
-        """OpenAI's logprobs for ``items``. The gateway has no tokenizer, so a token is named
-        by its id (``token_id:123``, as vLLM's ``return_tokens_as_token_ids`` does)."""
+    def _logprobs(self, items: list[TokenLogprob], first: int = 0) -> dict[str, Any]:
+        """OpenAI's logprobs for ``items`` (the attempt's from index ``first``). A token is
+        named by its text, with its UTF-8 bytes, as the worker sent them; a token that splits a
+        character shows U+FFFD for its part of it (its bytes are exact). A worker that sent no
+        bytes leaves the gateway (which has no tokenizer) naming the token by its id
+        (``token_id:123``, as vLLM's ``return_tokens_as_token_ids`` does), bytes null."""
         if self.shape.kind == "chat":
             return {
                 "content": [
                     {
-                        "token": token_name(item.token_id),
+                        **token_entry(item.token_id, item.token_bytes),
                         "logprob": item.logprob,
-                        "bytes": None,
                         "top_logprobs": [
-                            {"token": token_name(token), "logprob": logprob, "bytes": None}
-                            for token, logprob in item.top_logprobs
+                            {**token_entry(token, token_bytes), "logprob": logprob}
+                            for (token, logprob), token_bytes in _with_bytes(item)
                         ],
                     }
                     for item in items
                 ]
             }
         return {
-            "tokens": [token_name(item.token_id) for item in items],
+            "tokens": [token_text(item.token_id, item.token_bytes) for item in items],
             "token_logprobs": [item.logprob for item in items],
-            "top_logprobs": [
-                {token_name(token): logprob for token, logprob in item.top_logprobs}
-                for item in items
-            ],
-            "text_offset": None,
+            "top_logprobs": [_top_by_text(item) for item in items],
+            "text_offset": self.offsets.of(first, len(items)),
         }
 
     def completion(self) -> dict[str, Any]:
@@ -312,6 +316,59 @@ def sse_data(value: Mapping[str, Any]) -> bytes:
 
 def token_name(token_id: int) -> str:
     return f"token_id:{token_id}"
+
+
+def token_text(token_id: int, token_bytes: bytes | None) -> str:
+    """A token as OpenAI names it: its text, or its id where its bytes are not known."""
+    if token_bytes is None:
+        return token_name(token_id)
+    return token_bytes.decode("utf-8", "replace")
+
+
+def token_entry(token_id: int, token_bytes: bytes | None) -> dict[str, Any]:
+    return {
+        "token": token_text(token_id, token_bytes),
+        "bytes": list(token_bytes) if token_bytes is not None else None,
+    }
+
+
+def _with_bytes(item: TokenLogprob) -> list[tuple[tuple[int, float], bytes | None]]:
+    """The item's top alternatives, each with its bytes (None where not sent)."""
+    top_bytes: tuple[bytes | None, ...] = item.top_token_bytes or (None,) * len(item.top_logprobs)
+    return list(zip(item.top_logprobs, top_bytes, strict=True))
+
+
+def _top_by_text(item: TokenLogprob) -> dict[str, float]:
+    """Completions' top alternatives, a map by text: where two tokens read the same (parts of
+    characters both show U+FFFD), the likelier one's logprob is kept."""
+    top: dict[str, float] = {}
+    for (token, logprob), token_bytes in _with_bytes(item):
+        top.setdefault(token_text(token, token_bytes), logprob)
+    return top
+
+
+class _TextOffsets:
+    """Where each logprob token starts in the output's text (completions' ``text_offset``),
+    in characters: the tokens' bytes decoded in order, a character split across tokens counted
+    once, at the token that completes it. Tokens without bytes have no offsets (all None)."""
+
+    __slots__ = ("_chars", "_decoder", "_known", "offsets")
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0
+        self._known = True
+        self.offsets: list[int] = []
+
+    def add(self, items: tuple[TokenLogprob, ...]) -> None:
+        for item in items:
+            if item.token_bytes is None:
+                self._known = False
+            self.offsets.append(self._chars)
+            self._chars += len(self._decoder.decode(item.token_bytes or b""))
+
+    def of(self, first: int, count: int) -> list[int] | None:
+        return self.offsets[first : first + count] if self._known else None
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:

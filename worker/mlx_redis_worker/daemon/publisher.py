@@ -346,7 +346,13 @@ class EventPublisher:
         pending = self._unsent_delta.get(output.request_id)
         logprobs = (
             [
-                TokenLogprob(lp.token_id, lp.logprob, tuple(lp.top_logprobs))
+                TokenLogprob(
+                    lp.token_id,
+                    lp.logprob,
+                    tuple(lp.top_logprobs),
+                    lp.token_bytes,
+                    tuple(lp.top_token_bytes) if lp.top_token_bytes is not None else None,
+                )
                 for lp in output.logprobs
             ]
             if output.logprobs is not None

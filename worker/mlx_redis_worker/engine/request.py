@@ -163,11 +163,15 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """The sampled token's log-probability and, when asked for, the top alternatives."""
+    """The sampled token's log-probability and, when asked for, the top alternatives; with
+    each token's bytes (``token_bytes``, and ``top_token_bytes`` in ``top_logprobs``' order)
+    where the engine knows its tokenizer."""
 
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    token_bytes: bytes | None = None
+    top_token_bytes: list[bytes] | None = None
 
 
 @dataclass(slots=True)

@@ -43,6 +43,7 @@ from mlx_redis_worker.engine.sequence import Sequence, token_logprob
 from mlx_redis_worker.engine.stats import PrefixCacheStats, RequestProgress, SchedulerStats
 from mlx_redis_worker.engine.structured import GrammarCompiler
 from mlx_redis_worker.engine.text_stream import TextStream
+from mlx_redis_worker.engine.token_bytes import TokenBytes
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +79,7 @@ class Scheduler:
         self.grammars = GrammarCompiler(
             getattr(tokenizer, "_tokenizer", tokenizer), model_vocab_size(model, tokenizer)
         )
+        self.token_bytes = TokenBytes(tokenizer)
         self.num_requests_processed = 0
         self.num_requests_failed = 0
         self.total_prompt_tokens = 0
@@ -275,7 +277,12 @@ class Scheduler:
                 transcript.token_ids.append(token)
                 if request.sampling_params.logprobs is not None:
                     sequence.pending_logprobs.append(
-                        token_logprob(response.logprobs, token, request.sampling_params.logprobs)
+                        token_logprob(
+                            response.logprobs,
+                            token,
+                            request.sampling_params.logprobs,
+                            self.token_bytes,
+                        )
                     )
                 text = sequence.text.add_token(token)
                 if text:

@@ -16,6 +16,7 @@ from mlx_redis_worker.engine.request import Request, RequestOutput, TokenLogprob
 from mlx_redis_worker.engine.stats import RequestProgress
 from mlx_redis_worker.engine.structured import GrammarProcessor
 from mlx_redis_worker.engine.text_stream import TextStream
+from mlx_redis_worker.engine.token_bytes import TokenBytes
 
 
 @dataclass(eq=False, slots=True)
@@ -96,8 +97,11 @@ class Sequence:
         )
 
 
-def token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
-    """The sampled token's logprob and, for ``top > 0``, the ``top`` likeliest tokens'."""
+def token_logprob(
+    logprobs: mx.array, token: int, top: int, token_bytes: TokenBytes | None = None
+) -> TokenLogprob:
+    """The sampled token's logprob and, for ``top > 0``, the ``top`` likeliest tokens'; with
+    their bytes when ``token_bytes`` is given."""
     entry = TokenLogprob(token_id=token, logprob=cast(float, logprobs[token].item()))
     if top > 0:
         top = min(top, logprobs.shape[-1])
@@ -105,4 +109,7 @@ def token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
         ids = cast(list[int], indices.tolist())
         values = cast(list[float], logprobs[indices].tolist())
         entry.top_logprobs = sorted(zip(ids, values, strict=True), key=lambda pair: -pair[1])
+    if token_bytes is not None:
+        entry.token_bytes = token_bytes(token)
+        entry.top_token_bytes = [token_bytes(alternative) for alternative, _ in entry.top_logprobs]
     return entry

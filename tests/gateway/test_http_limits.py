@@ -1,0 +1,215 @@
+"""HTTP limits before anything is parsed: oversized or too many headers (431), oversized bodies
+(413, never read whole), deep JSON (400), connections that send nothing (408, closed), a cap
+on open connections (503) and on requests per keep-alive connection; each refusal in
+OpenAI's error shape, and the gateway answering ``/health`` throughout. No worker is needed:
+every refusal happens before a job exists."""
+
+from __future__ import annotations
+
+import json
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlx_redis_worker.local_redis import RedisServer
+from tests.support.gateway import GatewayFactory, GatewayProcess
+from tests.support.waiting import wait_until
+
+MAX_BODY = 256 * 1024
+MAX_HEAD = 8 * 1024
+CHAT_HEAD = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+
+
+@pytest.fixture
+def factory(redis_server: RedisServer, tmp_path: Path) -> Iterator[GatewayFactory]:
+    factory = GatewayFactory(tmp_path, redis_server.url, f"h{uuid.uuid4().hex[:12]}")
+    try:
+        yield factory
+    finally:
+        factory.stop_all()
+        print(factory.report())
+
+
+@pytest.fixture
+def gateway(factory: GatewayFactory) -> GatewayProcess:
+    return factory.start(
+        "--max-body-bytes",
+        str(MAX_BODY),
+        "--max-header-bytes",
+        str(MAX_HEAD),
+        "--header-timeout",
+        "1",
+        "--max-requests-per-connection",
+        "3",
+    )
+
+
+def connect(gateway: GatewayProcess) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", gateway.port), timeout=60)
+
+
+def read_answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP answer with a content-length: status, headers, body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed without an answer: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed inside the body"
+        body += chunk
+    return status, headers, body[:length]
+
+
+def closed(sock: socket.socket) -> bool:
+    """Whether the peer closed (reads to EOF, however long that takes)."""
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def openai_error(body: bytes) -> dict[str, Any]:
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return dict(error)
+
+
+def health(gateway: GatewayProcess) -> int:
+    with connect(gateway) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        return read_answer(sock)[0]
+
+
+def send_head_in_pieces(sock: socket.socket, head: bytes) -> None:
+    """Send as much of ``head`` as the server takes; it may close the connection early."""
+    try:
+        for start in range(0, len(head), 65536):
+            sock.sendall(head[start : start + 65536])
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
+def test_an_oversized_header_is_a_431_and_the_gateway_keeps_serving(
+    gateway: GatewayProcess,
+) -> None:
+    with connect(gateway) as sock:
+        send_head_in_pieces(
+            sock, f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: {'a' * 4_000_000}".encode()
+        )
+        status, headers, body = read_answer(sock)
+        assert status == 431 and headers["connection"] == "close"
+        assert openai_error(body)["code"] == "headers_too_large"
+        assert closed(sock)
+    assert health(gateway) == 200
+
+
+def test_too_many_headers_is_a_431(gateway: GatewayProcess) -> None:
+    many = "".join(f"X-H{i}: 1\r\n" for i in range(150))
+    with connect(gateway) as sock:
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n{many}\r\n".encode())
+        status, _, body = read_answer(sock)
+        assert status == 431 and openai_error(body)["code"] == "too_many_headers"
+
+
+def test_a_declared_oversized_body_is_a_413_before_a_byte_of_it_is_sent(
+    gateway: GatewayProcess,
+) -> None:
+    with connect(gateway) as sock:
+        sock.sendall(
+            f"{CHAT_HEAD}Content-Type: application/json\r\n"
+            f"Content-Length: {500 * 1024 * 1024}\r\n\r\n".encode()
+        )
+        status, headers, body = read_answer(sock)
+        assert status == 413 and headers["connection"] == "close"
+        error = openai_error(body)
+        assert error["code"] == "body_too_large" and error["type"] == "invalid_request_error"
+        assert str(MAX_BODY) in error["message"]
+
+
+def test_a_chunked_body_that_grows_past_the_limit_is_a_413(gateway: GatewayProcess) -> None:
+    piece = b"x" * 16384
+    with connect(gateway) as sock:
+        sock.sendall(
+            f"{CHAT_HEAD}Content-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n".encode()
+        )
+        try:
+            for _ in range(2 * MAX_BODY // len(piece)):
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        status, headers, body = read_answer(sock)
+        assert status == 413 and headers["connection"] == "close"
+        assert openai_error(body)["code"] == "body_too_large"
+
+
+@pytest.mark.parametrize("depth", [129, 100_000])
+def test_deep_json_is_a_400_not_a_500(gateway: GatewayProcess, depth: int) -> None:
+    body = b'{"model": "tiny", "x": ' + b"[" * depth + b"]" * depth + b"}"
+    with connect(gateway) as sock:
+        sock.sendall(
+            f"{CHAT_HEAD}Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        status, _, answer = read_answer(sock)
+        assert status == 400
+        assert openai_error(answer)["code"] == "json_too_deep"
+
+
+def test_a_connection_that_sends_nothing_is_a_408_and_closed(gateway: GatewayProcess) -> None:
+    with connect(gateway) as idle, connect(gateway) as slow:
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the end
+        for sock in (idle, slow):
+            status, headers, body = read_answer(sock)
+            assert status == 408 and headers["connection"] == "close"
+            assert openai_error(body)["code"] == "request_timeout"
+            assert closed(sock)
+    assert health(gateway) == 200
+
+
+def test_a_keep_alive_connection_serves_a_bounded_number_of_requests(
+    gateway: GatewayProcess,
+) -> None:
+    with connect(gateway) as sock:
+        answers = []
+        for _ in range(3):
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            answers.append(read_answer(sock))
+        assert [status for status, _, _ in answers] == [200, 200, 200]
+        assert [headers.get("connection") for _, headers, _ in answers] == [None, None, "close"]
+        assert closed(sock)
+
+
+def test_connections_over_the_cap_are_refused_with_a_503_until_some_close(
+    factory: GatewayFactory,
+) -> None:
+    gateway = factory.start("--max-connections", "8", "--header-timeout", "600")
+    idle = [connect(gateway) for _ in range(8)]
+    try:
+        # Accepted in order: the ninth is refused at once, though the eight send nothing.
+        with connect(gateway) as sock:
+            status, headers, body = read_answer(sock)
+            assert status == 503 and headers["connection"] == "close"
+            assert openai_error(body)["code"] == "too_many_connections"
+            assert closed(sock)
+    finally:
+        for sock in idle:
+            sock.close()
+    wait_until(lambda: health(gateway) == 200, 30, lambda: "the gateway to serve again")

@@ -1,0 +1,342 @@
+"""HTTP limits enforced before a request reaches a route, as nginx and Envoy enforce them.
+
+Two layers, because uvicorn's httptools parser has no limit of its own on a request's head:
+
+- ``guarded_protocol``: uvicorn's httptools protocol with a guard on the connection. A head
+  (request line and headers) larger than ``max_header_bytes`` is a 431 and the connection is
+  closed before more is parsed (httptools joins a header's pieces by concatenation, so an
+  unbounded header costs more than linear time on the event loop); a connection that has not
+  sent a whole head within ``header_timeout`` seconds of opening (or of its request's first
+  byte) is a 408 and closed (uvicorn's keep-alive timer only starts after a first response);
+  a connection beyond ``max_connections`` open at once is a 503 and closed at once, before
+  the process runs out of file descriptors; a connection serves at most
+  ``max_requests_per_connection`` requests, then says ``connection: close``.
+  httptools was kept over h11 (which bounds a head itself) for its speed: see
+  docs/gateway.md, "HTTP limits", for the figures.
+- ``RequestLimits``: ASGI middleware for what needs the parsed head: more than
+  ``max_headers`` headers is a 431, a ``content-length`` over ``max_body_bytes`` a 413 before
+  a byte of the body is read, a body that grows past it while read (chunked) a 413 too.
+  ``read_json`` parses a body with a bound on its nesting (400, not a RecursionError's 500).
+
+Every refusal is OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Final
+
+import structlog
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from mlx_redis_gateway.errors import ApiError
+
+log = structlog.get_logger(__name__)
+
+_KIB: Final = 1024
+_MIB: Final = 1024 * _KIB
+# File descriptors kept free below the process's limit when the connection cap is derived
+# from it: Redis connections (the pool holds up to 256), the key file, logs.
+RESERVED_DESCRIPTORS: Final = 512
+# Refusals are logged at most this often (per kind, with the count since the last line): a
+# flood of refused connections must not become a flood of log lines.
+REFUSAL_LOG_SECONDS: Final = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """Bounds on what one HTTP client can make the gateway hold or parse."""
+
+    # The request line and all headers together (nginx: 4 buffers of 8 KiB).
+    max_header_bytes: int = 32 * _KIB
+    max_headers: int = 100
+    # A request's body; a job cannot exceed 1 MiB of msgpack, and JSON spends more bytes on
+    # the same content (escapes), so 4 MiB refuses nothing that could become a job.
+    max_body_bytes: int = 4 * _MIB
+    # Nesting of a JSON body (a response_format schema nests at most 32 levels of schema).
+    max_json_depth: int = 128
+    # Seconds from a connection's opening (or a request's first byte) to its whole head.
+    header_timeout: float = 10.0
+    # Connections open at once; None: derived from the file-descriptor limit.
+    max_connections: int | None = None
+    max_requests_per_connection: int = 1000
+
+    def __post_init__(self) -> None:
+        for name in ("max_header_bytes", "max_headers", "max_body_bytes", "max_json_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.header_timeout <= 0:
+            raise ValueError(f"--header-timeout must be positive, got {self.header_timeout}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
+        if self.max_requests_per_connection < 1:
+            raise ValueError(
+                "--max-requests-per-connection must be at least 1, "
+                f"got {self.max_requests_per_connection}"
+            )
+
+    def connection_cap(self) -> int:
+        """``max_connections``, or what the descriptor limit leaves after the reserve."""
+        if self.max_connections is not None:
+            return self.max_connections
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return 10_000
+        return max(64, min(10_000, soft - RESERVED_DESCRIPTORS))
+
+
+DEFAULT_HTTP_LIMITS: Final = HttpLimits()
+
+
+def error_body(message: str, kind: str, code: str) -> bytes:
+    return json.dumps(ApiError(0, message, kind, code=code).body()).encode()
+
+
+class _RefusalLog:
+    """Counts refusals and logs them at most once per ``REFUSAL_LOG_SECONDS`` per kind."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._logged_at: dict[str, float] = {}
+
+    def note(self, code: str) -> None:
+        self._counts[code] += 1
+        now = time.monotonic()
+        if now - self._logged_at.get(code, 0.0) >= REFUSAL_LOG_SECONDS:
+            log.warning("http_refused", code=code, count=self._counts.pop(code))
+            self._logged_at[code] = now
+
+
+_refusals = _RefusalLog()
+
+
+def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol class with ``limits``' connection guards."""
+    cap = limits.connection_cap()
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        # Bytes of the current head received so far; None once the head is complete.
+        _head_bytes: int | None = 0
+        _head_timer: asyncio.TimerHandle | None = None
+        _served = 0
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > cap:
+                self._refuse(
+                    503,
+                    f"the gateway has {cap} connections open, its limit: retry later",
+                    "server_error",
+                    "too_many_connections",
+                )
+                return
+            self._arm_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_head_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_bytes is not None:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            # Checked after the chunk was parsed: a chunk that holds a whole head and the
+            # start of a body is no oversized head. A head still open past the limit stops
+            # here, at most one read (256 KiB) beyond it.
+            if (
+                self._head_bytes is not None
+                and self._head_bytes > limits.max_header_bytes
+                and not self.transport.is_closing()
+            ):
+                self._refuse(
+                    431,
+                    f"the request's headers exceed {limits.max_header_bytes} bytes",
+                    "invalid_request_error",
+                    "headers_too_large",
+                )
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._head_bytes is None:  # a keep-alive connection's next request
+                self._head_bytes = 0
+            if self._head_timer is None:
+                self._arm_head_timer()
+
+        def on_headers_complete(self) -> None:
+            self._head_bytes = None
+            self._cancel_head_timer()
+            super().on_headers_complete()
+            self._served += 1
+            if self._served >= limits.max_requests_per_connection and self.cycle is not None:
+                self.cycle.keep_alive = False
+
+        def _arm_head_timer(self) -> None:
+            self._head_timer = self.loop.call_later(limits.header_timeout, self._head_timed_out)
+
+        def _cancel_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                # A pipelined request's head is late while the one before is answered:
+                # the answer is not cut; the next head gets its own full wait.
+                self._arm_head_timer()
+                return
+            self._refuse(
+                408,
+                f"no complete request head within {limits.header_timeout:g} s",
+                "invalid_request_error",
+                "request_timeout",
+            )
+
+        def _refuse(self, status: int, message: str, kind: str, code: str) -> None:
+            _refusals.note(code)
+            body = error_body(message, kind, code)
+            head = (
+                f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+                "content-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n"
+                "connection: close\r\n\r\n"
+            )
+            self._cancel_head_timer()
+            self.transport.write(head.encode() + body)
+            self.transport.close()
+
+    return GuardedHttpToolsProtocol
+
+
+class BodyTooLarge(ApiError):
+    """A body that grew past the limit while it was read (no content-length said so)."""
+
+
+class RequestLimits:
+    """ASGI middleware: header count and body size, checked before a route runs."""
+
+    def __init__(self, app: ASGIApp, limits: HttpLimits = DEFAULT_HTTP_LIMITS) -> None:
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        if len(headers) > self.limits.max_headers:
+            await _send_error(
+                send,
+                ApiError(
+                    431,
+                    f"the request has {len(headers)} headers, more than {self.limits.max_headers}",
+                    code="too_many_headers",
+                ),
+            )
+            return
+        length = _content_length(headers)
+        if length is not None and length > self.limits.max_body_bytes:
+            await _send_error(send, self._too_large())
+            return
+        received, refused = 0, False
+
+        async def bounded_receive() -> Message:
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limits.max_body_bytes:
+                    refused = True
+                    raise self._too_large()
+            return message
+
+        async def closing_send(message: Message) -> None:
+            # The rest of a refused body is not read: the connection cannot carry another
+            # request, so the answer closes it.
+            if refused and message["type"] == "http.response.start":
+                message = {**message, "headers": [*message["headers"], (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, bounded_receive, closing_send)
+
+    def _too_large(self) -> ApiError:
+        return BodyTooLarge(
+            413,
+            f"the request body exceeds {self.limits.max_body_bytes} bytes",
+            code="body_too_large",
+        )
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _send_error(send: Send, error: ApiError) -> None:
+    _refusals.note(error.code or str(error.status))
+    body = json.dumps(error.body()).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def read_json(body: bytes, max_depth: int) -> Any:
+    """A request body's JSON, refused with a 400 when it is not JSON or nests deeper than
+    ``max_depth``."""
+    try:
+        value = json.loads(body)
+    except RecursionError as exc:
+        raise _too_deep(max_depth) from exc
+    except ValueError as exc:
+        raise ApiError(400, "the request body is not valid JSON") from exc
+    if _depth_exceeds(value, max_depth):
+        raise _too_deep(max_depth)
+    return value
+
+
+def _too_deep(max_depth: int) -> ApiError:
+    return ApiError(
+        400, f"the request body nests deeper than {max_depth} levels", code="json_too_deep"
+    )
+
+
+def _depth_exceeds(value: Any, max_depth: int) -> bool:
+    """Whether ``value`` nests deeper than ``max_depth`` (iteratively: no recursion limit)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    children: Callable[[Any], Any]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = dict.values
+        elif isinstance(item, list):
+            children = iter
+        else:
+            continue
+        if depth > max_depth:
+            return True
+        stack.extend((child, depth + 1) for child in children(item))
+    return False
