@@ -38,6 +38,7 @@ from mlx_redis_protocol.identifiers import new_request_id
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
 from mlx_redis_protocol.messages import (
+    TOOL_CHOICE_MODES,
     ChatMessage,
     ControlReply,
     ErrorEvent,
@@ -45,6 +46,8 @@ from mlx_redis_protocol.messages import (
     Job,
     QueuedEvent,
     TerminalEvent,
+    ToolCall,
+    ToolChoice,
 )
 from mlx_redis_protocol.replay_log import publish_events
 from mlx_redis_protocol.subscription import follow_events
@@ -54,7 +57,7 @@ if TYPE_CHECKING:
 
     from mlx_redis_protocol.messages import JobOptions
 
-ChatInput = Sequence[Mapping[str, str] | ChatMessage]
+ChatInput = Sequence[Mapping[str, Any] | ChatMessage]
 
 # How long a Client trusts a catalogue read that found the model it submits to.
 MODEL_CACHE_SECONDS: Final = 2.0
@@ -464,6 +467,8 @@ def build_job(
         name: tuple(value) if isinstance(value, list | tuple) else value
         for name, value in options.items()
     }
+    if "tool_choice" in fields:
+        fields["tool_choice"] = as_tool_choice(fields["tool_choice"])
     job = Job(
         request_id=request_id if request_id is not None else new_request_id(),
         prompt=prompt,
@@ -474,7 +479,32 @@ def build_job(
     return decode_job(encode_job(job), limits)
 
 
-def _chat_message(turn: Mapping[str, str] | ChatMessage) -> ChatMessage:
+def _chat_message(turn: Mapping[str, Any] | ChatMessage) -> ChatMessage:
     if isinstance(turn, ChatMessage):
         return turn
-    return ChatMessage(role=turn.get("role", ""), content=turn.get("content", ""))
+    calls = turn.get("tool_calls")
+    return ChatMessage(
+        role=turn.get("role", ""),
+        content=turn.get("content") or "",
+        tool_calls=tuple(_tool_call(call) for call in calls) if calls else None,
+        tool_call_id=turn.get("tool_call_id"),
+        name=turn.get("name"),
+    )
+
+
+def _tool_call(call: Mapping[str, Any] | ToolCall) -> ToolCall:
+    if isinstance(call, ToolCall):
+        return call
+    return ToolCall(
+        id=call.get("id", ""), name=call.get("name", ""), arguments=call.get("arguments", "")
+    )
+
+
+def as_tool_choice(value: object) -> object:
+    """``tool_choice`` as given to ``submit``: a ToolChoice, a mode's name or ``{"name":
+    …}``; anything else goes on as it is, for the decoder to refuse."""
+    if isinstance(value, str) and value in TOOL_CHOICE_MODES:
+        return ToolChoice(TOOL_CHOICE_MODES[TOOL_CHOICE_MODES.index(value)])
+    if isinstance(value, Mapping) and isinstance(value.get("name"), str):
+        return ToolChoice("function", value["name"])
+    return value

@@ -6,6 +6,12 @@ import math
 from collections.abc import Callable
 from typing import Any, Final, NamedTuple
 
+from mlx_redis_protocol.codec_tools import (
+    encode_tool_call,
+    encode_tool_call_delta,
+    read_tool_call_deltas,
+    read_tool_calls,
+)
 from mlx_redis_protocol.fields import FieldReader, is_integer, json_like_problem
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
@@ -40,12 +46,20 @@ def encode_event(event: Event) -> bytes:
         fields["new_token_ids"] = list(event.new_token_ids)
         if event.logprobs is not None:
             fields["logprobs"] = [_logprob_fields(item) for item in event.logprobs]
+        if event.reasoning:
+            fields["reasoning"] = event.reasoning
+        if event.tool_calls:
+            fields["tool_calls"] = [encode_tool_call_delta(d) for d in event.tool_calls]
     elif isinstance(event, DoneEvent):
         fields["finish_reason"] = event.finish_reason
         fields["output_text"] = event.output_text
         fields["usage"] = _usage_fields(event.usage)
         if event.output_valid is not None:
             fields["output_valid"] = event.output_valid
+        if event.reasoning_text:
+            fields["reasoning_text"] = event.reasoning_text
+        if event.tool_calls:
+            fields["tool_calls"] = [encode_tool_call(call) for call in event.tool_calls]
     elif isinstance(event, ErrorEvent):
         fields["code"] = event.code
         fields["message"] = event.message
@@ -99,6 +113,8 @@ def _delta_event(reader: FieldReader, common: _Common) -> Event:
         new_text=reader.required_string("new_text", max_len=reader.limits.max_str_len),
         new_token_ids=_new_token_ids(reader),
         logprobs=_logprobs(reader),
+        reasoning=reader.string("reasoning", max_len=reader.limits.max_str_len) or "",
+        tool_calls=read_tool_call_deltas(reader),
     )
 
 
@@ -113,6 +129,8 @@ def _done_event(reader: FieldReader, common: _Common) -> Event:
         usage=_usage(reader),
         metadata=reader.metadata("metadata"),
         output_valid=reader.boolean("output_valid"),
+        reasoning_text=reader.string("reasoning_text", max_len=reader.limits.max_str_len) or "",
+        tool_calls=read_tool_calls(reader),
     )
 
 

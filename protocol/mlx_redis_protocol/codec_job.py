@@ -5,11 +5,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from mlx_redis_protocol.codec_tools import (
+    encode_tool,
+    encode_tool_call,
+    encode_tool_choice,
+    read_message_tool_calls,
+    read_tool_call_id,
+    read_tool_choice,
+    read_tools,
+)
 from mlx_redis_protocol.errors import ProtocolError
 from mlx_redis_protocol.fields import FieldReader, json_like_problem
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id, new_request_id
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
-from mlx_redis_protocol.messages import SYSTEM_PREFIX, ChatMessage, Job, PrefixBoundary
+from mlx_redis_protocol.messages import (
+    PROMPT_PREFIX,
+    SYSTEM_PREFIX,
+    ChatMessage,
+    Job,
+    PrefixBoundary,
+)
 from mlx_redis_protocol.wire import pack, top_level_strings, unpack
 
 PROMPT_FIELDS: Final = ("prompt", "prompt_token_ids", "messages")
@@ -26,13 +41,28 @@ def encode_job(job: Job) -> bytes:
         if value is None:
             continue
         if name == "messages":
-            value = [{"role": m.role, "content": m.content} for m in value]
+            value = [_message_fields(m) for m in value]
+        elif name == "tools":
+            value = [encode_tool(tool) for tool in value]
+        elif name == "tool_choice":
+            value = encode_tool_choice(value)
         elif name in ("metadata", "response_format") and isinstance(value, Mapping):
             value = dict(value)  # anything else goes as it is, for the decoder to refuse
         elif isinstance(value, tuple):
             value = list(value)
         fields[name] = value
     return pack(fields, "job")
+
+
+def _message_fields(message: ChatMessage) -> dict[str, Any]:
+    fields: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        fields["tool_calls"] = [encode_tool_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        fields["name"] = message.name
+    return fields
 
 
 def decode_job(data: object, limits: Limits = DEFAULT_LIMITS) -> Job:
@@ -62,6 +92,7 @@ def _decode_job(data: object, limits: Limits) -> Job:
     # Errors carry the job's own id only: a refusal must not go to an id made up here.
     reader.request_id = _request_id(reader)
     prompt, prompt_token_ids, messages = _prompt(reader)
+    tools = read_tools(reader)
     return Job(
         request_id=reader.request_id or new_request_id(),
         prompt=prompt,
@@ -85,6 +116,10 @@ def _decode_job(data: object, limits: Limits) -> Job:
         metadata=reader.metadata("metadata"),
         model=_model(reader),
         response_format=_response_format(reader),
+        tools=tools,
+        tool_choice=read_tool_choice(reader, tools),
+        parallel_tool_calls=reader.boolean("parallel_tool_calls"),
+        thinking=reader.boolean("thinking"),
     )
 
 
@@ -181,8 +216,18 @@ def _messages(reader: FieldReader) -> tuple[ChatMessage, ...] | None:
         turn = FieldReader(item, f"{reader.what}.messages[{index}]", reader.limits)
         turn.request_id = reader.request_id
         role = turn.required_string("role", non_empty=True, max_len=MAX_ROLE_LEN)
-        content = turn.required_string("content", max_len=reader.limits.max_str_len)
-        messages.append(ChatMessage(role=role, content=content))
+        tool_calls = read_message_tool_calls(turn)
+        # An assistant turn that only calls tools may leave its content out (OpenAI's null).
+        content = turn.string("content", required=not tool_calls, max_len=reader.limits.max_str_len)
+        messages.append(
+            ChatMessage(
+                role=role,
+                content=content or "",
+                tool_calls=tool_calls or None,
+                tool_call_id=read_tool_call_id(turn),
+                name=turn.string("name", max_len=MAX_ROLE_LEN),
+            )
+        )
     return tuple(messages)
 
 
@@ -226,6 +271,8 @@ def _prefix_boundary(
                 '"system" needs messages that start with a system turn',
             )
         return SYSTEM_PREFIX
+    if reader.message.get("prefix_boundary") == PROMPT_PREFIX:
+        return PROMPT_PREFIX
     value = reader.integer("prefix_boundary", minimum=0)
     if value is not None and prompt_token_ids is not None and value > len(prompt_token_ids):
         raise reader.error(

@@ -6,6 +6,7 @@ Lists are tuples so a message can't be changed after it was validated.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal, TypedDict
@@ -26,9 +27,11 @@ SAMPLING_FIELDS: Final = (
     "logprobs",
 )
 
-# `prefix_boundary: "system"`: the worker measures the leading system messages of a chat itself.
+# `prefix_boundary: "system"`: the worker measures the leading system messages of a chat itself;
+# `"prompt"`: all of the prompt but its last token (jobs of one prompt: the gateway's n > 1).
 SYSTEM_PREFIX: Final = "system"
-PrefixBoundary = int | Literal["system"]
+PROMPT_PREFIX: Final = "prompt"
+PrefixBoundary = int | Literal["system", "prompt"]
 
 FinishReason = Literal["stop", "length", "abort", "expired"]
 FINISH_REASONS: Final[tuple[FinishReason, ...]] = ("stop", "length", "abort", "expired")
@@ -65,14 +68,70 @@ class JobOptions(TypedDict, total=False):
     metadata: Mapping[str, Any]
     model: str
     response_format: Mapping[str, Any]
+    tools: list[Tool] | tuple[Tool, ...]
+    # A ToolChoice, "auto" / "none" / "required", or {"name": FUNCTION}.
+    tool_choice: ToolChoice | str | Mapping[str, str]
+    parallel_tool_calls: bool
+    thinking: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tool:
+    """A function the model may call: its ``parameters`` are a JSON Schema (an object's)."""
+
+    name: str
+    description: str | None = None
+    parameters: Mapping[str, Any] | None = None
+    # The producer's OpenAI-style flag; the worker enforces every call's arguments anyway.
+    strict: bool | None = None
+
+
+# ``tool_choice`` modes; "function" names the one function the model must call.
+ToolChoiceMode = Literal["auto", "none", "required", "function"]
+TOOL_CHOICE_MODES: Final[tuple[ToolChoiceMode, ...]] = ("auto", "none", "required")
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """Whether the model may (auto), must not (none), must (required) call a tool, or must
+    call the function ``name``."""
+
+    mode: ToolChoiceMode
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call the model made: ``arguments`` is the JSON text of its arguments (an object)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of the ``index``-th call of a request: its first piece carries ``id`` and
+    ``name``; the ``arguments`` pieces joined are the call's arguments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
-    """One chat turn; the worker renders the list with the model's chat template."""
+    """One chat turn; the worker renders the list with the model's chat template.
+
+    An assistant turn may hold the ``tool_calls`` it made; a ``tool`` turn answers the call
+    ``tool_call_id`` (its ``name`` the function's)."""
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,6 +166,14 @@ class Job:
     # What the output must match: {"type": "json_object"} | {"type": "json_schema", "schema":
     # {...}} | {"type": "regex", "pattern": "..."} | {"type": "grammar", "lark": "..."}.
     response_format: Mapping[str, Any] | None = None
+    # Functions the model may call, and how (None: "auto" when there are tools).
+    tools: tuple[Tool, ...] | None = None
+    tool_choice: ToolChoice | None = None
+    # False: at most one call per answer (None: as many as the model makes).
+    parallel_tool_calls: bool | None = None
+    # False: a model that reasons asks its chat template to skip it (None: the model's
+    # default).
+    thinking: bool | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The set sampling fields, ready for ``SamplingParams(**kwargs)`` (lists, not tuples)."""
@@ -117,15 +184,47 @@ class Job:
                 kwargs[name] = list(value) if isinstance(value, tuple) else value
         return kwargs
 
-    def chat_messages(self) -> list[dict[str, str]] | None:
-        """``messages`` in the shape chat templates take, or None for a plain prompt."""
+    def chat_messages(self) -> list[dict[str, Any]] | None:
+        """``messages`` in the shape chat templates take (OpenAI's, tool calls' arguments
+        parsed), or None for a plain prompt."""
         if self.messages is None:
             return None
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        return [chat_turn(m) for m in self.messages]
+
+    def calls_tools(self) -> bool:
+        """True when the model is offered tools it may call (tools, and a choice not none)."""
+        return bool(self.tools) and (self.tool_choice is None or self.tool_choice.mode != "none")
 
     def is_expired(self, now: float) -> bool:
         """True when the job has a deadline and ``now`` (epoch seconds) is past it."""
         return self.deadline is not None and now > self.deadline
+
+
+def chat_turn(message: ChatMessage) -> dict[str, Any]:
+    """One turn as chat templates take it: OpenAI's shape, arguments as a parsed object
+    (what templates render with ``tojson``)."""
+    turn: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        turn["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": _arguments(call.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        turn["name"] = message.name
+    return turn
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # the decoder checked it; a template still renders a string
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +278,10 @@ class DeltaEvent(EventBase):
     new_text: str
     new_token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # For a reasoning model: thinking text (not in ``new_text``); for a job with tools: the
+    # pieces of the calls the model makes (their markup is not in ``new_text`` either).
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
     type: ClassVar[str] = "delta"
 
@@ -194,6 +297,9 @@ class DoneEvent(EventBase):
     # For a job with a response_format: whether output_text matches it (False when cut short
     # by max_tokens or aborted); None for an unconstrained job.
     output_valid: bool | None = None
+    # The whole reasoning text, and every complete call the model made (a job with tools).
+    reasoning_text: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
 
     type: ClassVar[str] = "done"
     terminal: ClassVar[bool] = True

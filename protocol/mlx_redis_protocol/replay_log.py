@@ -124,21 +124,24 @@ return results
 )
 
 # KEYS[1] log, KEYS[2] attempt key; ARGV[1] attempt, ARGV[2] TTL seconds, ARGV[3] the run's
-# token (unique per run of an attempt). A worker calls it before publishing anything for an
-# attempt: from then on only this run writes the request's events, and the seq it returns (the
-# log's last) is final, since no other run can append after it. Returns -2 when the log's
-# newest event is terminal (the job is finished: nothing may follow it, whatever queued
-# markers a re-submission appended), and -1 when a newer attempt has already begun (this
-# delivery is stale), or with ARGV[4] = "IFFREE" when any attempt has begun: a worker ending a
-# request that still waits (an abort) must not take it from the worker that started it; or,
-# with ARGV[4] = "IFFENCE", when the fence is not exactly ARGV[5]: the abort of a job whose
-# worker died takes over from that run only, never from one that began meanwhile. Both
-# checks and the fence are one atomic step, so an older attempt's last event cannot land
-# between "not finished yet" and "fenced". Safe to repeat with the same token: it sets the
-# same fence and returns the same seq. The fence has no TTL while the request runs (a long
-# prefill publishes nothing for a while); the terminal event gives it the log's. It renews the
-# log's TTL, so a log that waited almost its TTL in the queue does not expire between here
-# and the first event.
+# token (unique per run of an attempt; "WORKER/ENTRY/TOKEN" names the job stream entry that the
+# run serves). A worker calls it before publishing anything for an attempt: from then on only
+# this run writes the request's events, and the seq it returns (the log's last) is final, since
+# no other run can append after it. Returns -2 when the log's newest event is terminal (the job
+# is finished: nothing may follow it, whatever queued markers a re-submission appended); -3
+# when the fence names another job entry of the same request (a producer queued it twice, or a
+# forward was repeated): that entry's run owns the request, whatever the attempt numbers say,
+# since delivery counts of two entries are unrelated, and taking over would splice two runs
+# into one attempt; -1 when a newer attempt has already begun (this delivery is stale), or
+# with ARGV[4] = "IFFREE" when any attempt has begun: a worker ending a request that still
+# waits (an abort) must not take it from the worker that started it; or, with ARGV[4] =
+# "IFFENCE", when the fence is not exactly ARGV[5]: the abort of a job whose worker died takes
+# over from that run only, never from one that began meanwhile. The checks and the fence are
+# one atomic step, so an older attempt's last event cannot land between "not finished yet"
+# and "fenced". Safe to repeat with the same token: it sets the same fence and returns the same
+# seq. The fence has no TTL while the request runs (a long prefill publishes nothing for a
+# while); the terminal event gives it the log's. It renews the log's TTL, so a log that waited
+# almost its TTL in the queue does not expire between here and the first event.
 BEGIN_ATTEMPT: Final = (
     NEWEST_EVENT
     + """
@@ -147,6 +150,13 @@ if ended then
   return -2
 end
 local fence = redis.call('GET', KEYS[2])
+local entry = string.match(ARGV[3], '^[^/]*/([^/]+)/')
+if fence and entry then
+  local owner = string.match(fence, '^%d+ [^/]*/([^/]+)/')
+  if owner and owner ~= entry then
+    return -3
+  end
+end
 if ARGV[4] == 'IFFENCE' then
   if fence ~= ARGV[5] then
     return -1
@@ -165,6 +175,7 @@ return math.max(seq, 0)
 
 STALE_ATTEMPT: Final = -1
 FINISHED: Final = -2
+DUPLICATE: Final = -3
 # The run of the producer's queued marker (attempt 0), which no attempt fences.
 NO_RUN: Final = "-"
 
@@ -249,21 +260,26 @@ def publish_call(
     return script_keys, script_args
 
 
-def new_run(worker_id: str | None = None) -> str:
+def new_run(worker_id: str | None = None, entry_id: str | None = None) -> str:
     """A token for one run of an attempt (``begin_attempt``, then ``publish_events``); it
-    names the worker that runs it, so others can tell a fence whose worker died."""
+    names the worker that runs it, so others can tell a fence whose worker died, and the job
+    entry it serves (``WORKER/ENTRY/TOKEN``), so a second entry of the same request is told
+    from a redelivery of the first (``DUPLICATE``)."""
     token = secrets.token_hex(8)
-    return f"{worker_id}/{token}" if worker_id else token
+    if not worker_id:
+        return token
+    return f"{worker_id}/{entry_id}/{token}" if entry_id else f"{worker_id}/{token}"
 
 
 @dataclass(frozen=True, slots=True)
 class Fence:
-    """A request's attempt key: which attempt, which run, and the worker of that run (None
-    for a token that names none)."""
+    """A request's attempt key: which attempt, which run, the worker of that run and the job
+    entry it serves (None for a token that names none)."""
 
     raw: bytes
     attempt: int
     worker_id: str | None
+    entry_id: str | None = None
 
 
 def parse_fence(raw: bytes | str | None) -> Fence | None:
@@ -276,8 +292,11 @@ def parse_fence(raw: bytes | str | None) -> Fence | None:
     attempt, _, run = raw.decode(errors="replace").partition(" ")
     if not attempt.isdigit() or not run:
         return None
-    worker_id, slash, _ = run.rpartition("/")
-    return Fence(raw=raw, attempt=int(attempt), worker_id=worker_id if slash else None)
+    parts = run.split("/")
+    if len(parts) == 1:
+        return Fence(raw=raw, attempt=int(attempt), worker_id=None)
+    entry_id = parts[1] if len(parts) == 3 else None
+    return Fence(raw=raw, attempt=int(attempt), worker_id=parts[0], entry_id=entry_id)
 
 
 async def begin_attempt(
@@ -293,9 +312,10 @@ async def begin_attempt(
 ) -> int:
     """Fence the request for this run of ``attempt`` (a ``new_run()`` token) and return the
     log's last seq to continue from; or ``FINISHED`` when the log's newest event is terminal,
-    or ``STALE_ATTEMPT`` when a newer attempt has already begun (with ``if_free``: when any
-    attempt has; with ``if_fence``: when the fence is not exactly that value). Nothing is
-    fenced in those two cases."""
+    ``DUPLICATE`` when the fence names another job entry of the request (``new_run``'s
+    ``entry_id``), or ``STALE_ATTEMPT`` when a newer attempt has already begun (with
+    ``if_free``: when any attempt has; with ``if_fence``: when the fence is not exactly that
+    value). Nothing is fenced in those cases."""
     if not run or run == NO_RUN or any(c.isspace() for c in run):
         raise ValueError(f"a run token must be a word, got {run!r}")
     log_key, fence_key = keys.log(request_id), keys.attempt(request_id)

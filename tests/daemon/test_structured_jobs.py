@@ -15,7 +15,7 @@ from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.codec_job import encode_job
 from mlx_redis_protocol.constants import JOB_FIELD
 from mlx_redis_protocol.messages import DoneEvent, ErrorEvent, Job
-from mlx_redis_worker.daemon.jobs import _response_format
+from mlx_redis_worker.daemon.job_prompt import _response_format
 from mlx_redis_worker.engine import ResponseFormat
 from tests.daemon.helpers import check_stream, collect, settled
 from tests.protocol.messages_samples import JOBS

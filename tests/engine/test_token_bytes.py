@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer
 
 from mlx_redis_worker.engine import EngineCore, SamplingParams
 from mlx_redis_worker.engine.token_bytes import TokenBytes
@@ -62,3 +63,32 @@ def _is_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+class _SentencePieceVocabulary:
+    """The two calls mlx-lm's SentencePiece detokenizer makes of a tokenizer, over a small
+    SentencePiece-style vocabulary (``▁`` for a space, ``<0xNN>`` byte tokens)."""
+
+    pieces = ("<unk>", "▁caf", "<0xC3>", "<0xA9>", "▁ok", "é")
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.pieces[token] for token in ids]
+
+
+def test_sentencepiece_tokens_are_their_bytes_with_spaces() -> None:
+    class Tokenizer:
+        detokenizer = SPMStreamingDetokenizer(_SentencePieceVocabulary())
+
+    token_bytes = TokenBytes(Tokenizer())
+    assert [token_bytes(token) for token in range(6)] == [
+        b"<unk>",
+        b" caf",
+        b"\xc3",
+        b"\xa9",
+        b" ok",
+        "é".encode(),
+    ]
+    assert b"".join(token_bytes(token) for token in (1, 2, 3, 4)).decode() == " café ok"

@@ -611,8 +611,8 @@ IMAGE_PARTS: Any = [
 FUNCTION: Any = {"type": "function", "function": {"name": "f", "parameters": {}}}
 # (endpoint, fields over the defaults, the parameter the 400 names)
 BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
-    ("chat", {"n": 2}, "n"),
-    ("chat", {"n": 2, "stream": True}, "n"),
+    ("chat", {"n": 17}, "n"),
+    ("chat", {"n": 17, "stream": True}, "n"),
     ("chat", {"temperature": 3}, "temperature"),
     ("chat", {"top_p": 1.5}, "top_p"),
     ("chat", {"max_tokens": 0}, "max_tokens"),
@@ -631,7 +631,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {"messages": [{"role": "user", "content": IMAGE_PARTS}]}, "messages[0].content"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("chat", {"response_format": {"type": "xml"}}, "response_format"),
-    ("text", {"prompt": ["one", "two"]}, "prompt"),
+    ("text", {"prompt": [[1, 2]]}, "prompt"),
     ("text", {"max_tokens": DEFAULT_LIMITS.max_tokens + 1}, "max_tokens"),
     ("text", {"logprobs": 6}, "logprobs"),
     ("text", {"echo": True}, "echo"),

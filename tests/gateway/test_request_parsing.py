@@ -11,7 +11,7 @@ from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.openai_api import CompletionRequest, Kind, parse_request
 from mlx_redis_protocol.codec_job import MAX_SEED
 from mlx_redis_protocol.limits import DEFAULT_LIMITS
-from mlx_redis_protocol.messages import ChatMessage
+from mlx_redis_protocol.messages import PROMPT_PREFIX, ChatMessage
 
 USER_HI: Any = [{"role": "user", "content": "hi"}]
 
@@ -78,7 +78,42 @@ def test_a_text_body_maps_its_prompt_and_gets_a_cmpl_id() -> None:
 
 
 def test_a_batch_of_one_prompt_is_that_prompt() -> None:
-    assert parse("text", text(prompt=["only one"])).job.prompt == "only one"
+    accepted = parse("text", text(prompt=["only one"]))
+    assert accepted.job.prompt == "only one"
+    assert accepted.choices == () and accepted.request_id == accepted.job.request_id
+
+
+def test_a_list_of_prompts_is_a_job_per_prompt_under_the_requests_id() -> None:
+    accepted = parse("text", text(prompt=["a", "b", "c"], seed=7))
+    assert accepted.request_id.startswith("cmpl-")
+    assert [c.index for c in accepted.choices] == [0, 1, 2]
+    assert [c.job.request_id for c in accepted.choices] == [
+        f"{accepted.request_id}.{index}" for index in range(3)
+    ]
+    assert [c.job.prompt for c in accepted.choices] == ["a", "b", "c"]
+    assert all(c.leads and c.job.seed == 7 for c in accepted.choices)
+    assert all(c.job.prefix_boundary is None for c in accepted.choices)  # nothing to share
+    assert accepted.job == accepted.choices[0].job
+
+
+def test_n_copies_of_a_prompt_share_its_prefix_and_sample_apart() -> None:
+    accepted = parse("text", text(prompt=["a", "b"], n=3, seed=MAX_SEED))
+    choices = accepted.choices
+    # Prompt i's copy j is choice i * n + j; its first copy leads.
+    assert [(c.index, c.prompt, c.leads) for c in choices] == [
+        (0, 0, True),
+        (1, 0, False),
+        (2, 0, False),
+        (3, 1, True),
+        (4, 1, False),
+        (5, 1, False),
+    ]
+    assert [c.job.prompt for c in choices] == ["a"] * 3 + ["b"] * 3
+    assert [c.job.seed for c in choices] == [MAX_SEED, 0, 1] * 2  # the client's seed, then on
+    assert all(c.job.prefix_boundary == PROMPT_PREFIX for c in choices)
+    chat_choices = parse("chat", chat(n=2)).choices
+    assert [c.job.messages for c in chat_choices] == [(ChatMessage("user", "hi"),)] * 2
+    assert chat_choices[0].job.seed != chat_choices[1].job.seed  # a random seed, then the next
 
 
 def test_fields_not_given_are_left_to_the_worker() -> None:
@@ -203,8 +238,11 @@ def test_unknown_fields_and_default_like_values_are_ignored() -> None:
 
 
 REFUSALS: list[tuple[Kind, Any, str]] = [
-    ("chat", chat(n=2), "n"),
-    ("text", text(n=3), "n"),
+    ("chat", chat(n=17), "n"),
+    ("text", text(n=0), "n"),
+    ("text", text(prompt=["a", "b"], n=9), "n"),
+    ("text", text(prompt=["a"] * 17), "prompt"),
+    ("text", text(n=2, best_of=3), "best_of"),
     ("text", text(best_of=2), "best_of"),
     ("text", text(echo=True), "echo"),
     ("text", text(suffix="and then"), "suffix"),
@@ -296,7 +334,8 @@ REFUSALS: list[tuple[Kind, Any, str]] = [
         "messages[0].content",
     ),
     ("chat", chat(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
-    ("text", text(prompt=["one", "two"]), "prompt"),
+    ("text", text(prompt=[]), "prompt"),
+    ("text", text(prompt=["one", 2]), "prompt"),
     ("text", text(prompt=[1, 2, 3]), "prompt"),
     ("text", text(prompt=None), "prompt"),
     ("text", text(prompt=""), "prompt"),

@@ -70,6 +70,7 @@ JOBS = [
     Job(
         request_id="req-6", prompt="Digits:", response_format={"type": "regex", "pattern": "[0-9]+"}
     ),
+    Job(request_id="req-7.1", prompt="Copies share me", seed=3, prefix_boundary="prompt"),
 ]
 
 EVENTS = [

@@ -12,6 +12,7 @@ from mlx_redis_protocol import replay_log
 from mlx_redis_protocol.codec_events import decode_event, encode_event
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.replay_log import (
+    DUPLICATE,
     FINISHED,
     PUBLISH_EVENTS,
     STALE_ATTEMPT,
@@ -365,3 +366,33 @@ def test_begin_if_fence_takes_over_from_that_run_only(redis_url: str, keys: Keys
     assert parse_fence(b"1 tokenwithoutworker") == Fence(b"1 tokenwithoutworker", 1, None)
     assert parse_fence(b"garbage") is None and parse_fence(None) is None
     assert new_run("w-1").startswith("w-1/")
+
+
+def test_begin_refuses_a_second_entry_of_a_request_whatever_its_attempt(
+    redis_url: str, keys: Keys
+) -> None:
+    """Two job entries of one request (queued twice): the run of the entry that holds the
+    fence owns the request. The other entry's run is refused with DUPLICATE, whether its
+    delivery count is the same or higher (counts of two entries are unrelated), so two runs
+    never share an attempt; a redelivery of the owning entry takes over as before, and once
+    the request ended every entry is FINISHED."""
+
+    async def scenario() -> tuple[int, ...]:
+        redis = Redis.from_url(redis_url)
+        try:
+            await emit(redis, keys, queued("twice"))
+            first = await begin_attempt(redis, keys, "twice", 1, 600, new_run("w1", "10-0"))
+            second = await begin_attempt(redis, keys, "twice", 1, 600, new_run("w2", "11-0"))
+            later = await begin_attempt(redis, keys, "twice", 5, 600, new_run("w2", "11-0"))
+            again = await begin_attempt(redis, keys, "twice", 2, 600, new_run("w2", "10-0"))
+            fence = parse_fence(await redis.get(keys.attempt("twice")))
+            assert fence is not None and (fence.worker_id, fence.entry_id) == ("w2", "10-0")
+            await emit(redis, keys, reset("twice", 1, 2), done("twice", 2, "x", attempt=2))
+            ended = await begin_attempt(redis, keys, "twice", 1, 600, new_run("w1", "11-0"))
+            return first, second, later, again, ended
+        finally:
+            await redis.aclose()
+
+    assert run(scenario()) == (0, DUPLICATE, DUPLICATE, 0, FINISHED)
+    parsed = parse_fence(b"3 w-1/1712-0/abc")
+    assert parsed == Fence(b"3 w-1/1712-0/abc", 3, "w-1", "1712-0")

@@ -6,11 +6,11 @@ again (the answer's shape and owner) is a key beside the log. So any number of g
 stand behind a load balancer, and a client that lost its stream resumes it on any of them with
 ``GET /v1/requests/{id}/stream`` and ``Last-Event-ID``.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as SSE or one JSON
-body), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /v1/requests/{id}`` (the finished answer),
-``GET /v1/requests/{id}/stream``, ``GET /health``, and the status page (``/``,
-``/status.json``, ``/status/fragment``). Any other path or method is a 404 or 405 in OpenAI's
-error shape, as every other refusal is.
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+(streamed as SSE or one JSON body), ``GET /v1/models``, ``GET /v1/models/{id}``,
+``GET /v1/requests/{id}`` (the finished answer), ``GET /v1/requests/{id}/stream``,
+``GET /health``, and the status page (``/``, ``/status.json``, ``/status/fragment``). Any
+other path or method is a 404 or 405 in OpenAI's error shape, as every other refusal is.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import structlog
 from redis.exceptions import RedisError
@@ -38,10 +38,22 @@ from starlette.routing import Route
 from mlx_redis_gateway.api_keys import ApiKey, KeyFile
 from mlx_redis_gateway.auth import Authenticator
 from mlx_redis_gateway.errors import ApiError
+from mlx_redis_gateway.fanout import (
+    Choice,
+    child_shape,
+    merged_completion,
+    merged_stream,
+    queue_choices,
+)
 from mlx_redis_gateway.fleet_status import FleetStatus, read_fleet_status
 from mlx_redis_gateway.http_limits import DEFAULT_HTTP_LIMITS, HttpLimits, RequestLimits, read_json
 from mlx_redis_gateway.openai_api import CompletionRequest, Kind, check_request_id, parse_request
 from mlx_redis_gateway.quotas import LEASE_SECONDS, Quotas
+from mlx_redis_gateway.responses_api import (
+    ResponseEvents,
+    completed_response,
+    parse_responses_request,
+)
 from mlx_redis_gateway.shaping import DONE_MESSAGE, ResponseShape, Shaper, sse_data, sse_message
 from mlx_redis_gateway.status_page import render_fragment, render_page
 from mlx_redis_protocol.client import Client
@@ -55,10 +67,11 @@ from mlx_redis_protocol.errors import (
     StreamTimeout,
 )
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
-from mlx_redis_protocol.messages import Event
+from mlx_redis_protocol.messages import Event, Job
 from mlx_redis_protocol.redis_retry import describe
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 # The header (or body field ``resumable``) by which a client says its stream may be resumed:
 # its disconnect then leaves the job running instead of aborting it.
@@ -146,6 +159,42 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         return await self._complete(request, "text")
 
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, stateless (``responses_api``), over a chat job."""
+        key = self.auth.api_key(request)
+        accepted, echoed = parse_responses_request(
+            await self._json_body(request),
+            limits=self.settings.limits,
+            user_key=key.name if key is not None else None,
+        )
+        await self._check_served(accepted.model)
+        request_id = accepted.request_id
+        if key is not None:
+            await self.quotas.admit_or_refuse(key, request_id)
+        try:
+            shape = await self._submit(accepted, key)
+        except BaseException:
+            await self.quotas.release(request_id)
+            raise
+        created = time.time()
+        resumable = self._resumable(request, accepted)
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        log.info("gateway_request", kind="response", model=accepted.model, stream=accepted.stream)
+        if accepted.stream:
+            events = ResponseEvents(request_id, Shaper(request_id, shape), echoed, created)
+            return EventSourceResponse(
+                self._response_sse(events, abort_when_left=not resumable),
+                ping=15,
+                headers={"x-request-id": request_id, "cache-control": "no-cache"},
+            )
+        shaper = await self._until_disconnected(
+            request, self._follow(request_id, shape), on_left=self._left(request_id, resumable)
+        )
+        if shaper is None:
+            return Response(status_code=499)
+        body = completed_response(shaper, echoed, created)
+        return JSONResponse(body, headers={"x-request-id": request_id})
+
     async def models(self, request: Request) -> Response:
         self.auth.api_key(request)
         served = await self.client.served_models()
@@ -156,13 +205,7 @@ class Gateway:
         """One served model (``client.models.retrieve``); 404 ``model_not_found`` otherwise."""
         self.auth.api_key(request)
         name = request.path_params["model"]
-        if not await self.client.serves(name):
-            raise ApiError(
-                404,
-                f"the model {name!r} does not exist or no live worker serves it",
-                param="model",
-                code="model_not_found",
-            )
+        await self._check_served(name)
         return JSONResponse(_model_object(name))
 
     async def health(self, request: Request) -> Response:
@@ -211,23 +254,18 @@ class Gateway:
 
     async def _complete(self, request: Request, kind: Kind) -> Response:
         key = self.auth.api_key(request)
-        body = read_json(await request.body(), self.settings.http.max_json_depth)
         accepted = parse_request(
             kind,
-            body,
+            await self._json_body(request),
             limits=self.settings.limits,
             user_key=key.name if key is not None else None,
         )
-        if not await self.client.serves(accepted.model):
-            raise ApiError(
-                404,
-                f"the model {accepted.model!r} does not exist or no live worker serves it",
-                param="model",
-                code="model_not_found",
-            )
-        request_id = accepted.job.request_id
+        await self._check_served(accepted.model)
+        request_id = accepted.request_id
         if key is not None:
             await self.quotas.admit_or_refuse(key, request_id)
+        if accepted.choices:
+            return await self._fan_out(request, accepted, key)
         try:
             shape = await self._submit(accepted, key)
         except BaseException:
@@ -245,8 +283,25 @@ class Gateway:
             return Response(status_code=499)
         return self._answer(shaper)
 
+    async def _json_body(self, request: Request) -> Any:
+        return read_json(await request.body(), self.settings.http.max_json_depth)
+
+    async def _check_served(self, model: str) -> None:
+        if not await self.client.serves(model):
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist or no live worker serves it",
+                param="model",
+                code="model_not_found",
+            )
+
     async def _submit(self, accepted: CompletionRequest, key: ApiKey | None) -> ResponseShape:
-        shape = ResponseShape(
+        shape = self._shape(accepted, key)
+        await self._queue(accepted.job, shape)
+        return shape
+
+    def _shape(self, accepted: CompletionRequest, key: ApiKey | None) -> ResponseShape:
+        return ResponseShape(
             kind=accepted.kind,
             model=accepted.model,
             created=int(time.time()),
@@ -254,14 +309,17 @@ class Gateway:
             logprobs=accepted.logprobs,
             owner=key.name if key is not None else None,
         )
+
+    async def _queue(self, job: Job, shape: ResponseShape) -> None:
+        """Queue ``job``, its answer's shape beside its log."""
         redis = await self.client.connect()
-        key_of_shape = self.client.keys.gateway_request(accepted.job.request_id)
+        key_of_shape = self.client.keys.gateway_request(job.request_id)
         try:
             # Side by side (one round trip of waiting, not two): nobody can ask to resume the
             # request before this answer gives its id, and by then both are written.
             await asyncio.gather(
                 redis.set(key_of_shape, shape.encode(), ex=self.settings.log_ttl),
-                self.client.submit_job(accepted.job),
+                self.client.submit_job(job),
             )
         except Exception as exc:
             if isinstance(exc, RedisUnavailable) or is_unavailable(exc):
@@ -269,7 +327,95 @@ class Gateway:
                     503, f"the queue is unavailable: {exc}", "server_error", code="unavailable"
                 ) from exc
             raise
-        return shape
+
+    async def _fan_out(
+        self, request: Request, accepted: CompletionRequest, key: ApiKey | None
+    ) -> Response:
+        """A request of several choices (``n`` > 1, a list of prompts), each a job of its own
+        (``fanout`` says how they are queued and merged)."""
+        request_id = accepted.request_id
+        shape = self._shape(accepted, key)
+        choices = [
+            Choice(c.index, c.job.request_id, child_shape(shape), c.leads) for c in accepted.choices
+        ]
+        queued = {c.request_id: asyncio.Event() for c in choices}
+
+        async def submit(job: Job) -> None:
+            await self._queue(job, shape)
+            queued[job.request_id].set()
+
+        leaders_queued = asyncio.Event()
+        queuing = asyncio.ensure_future(
+            queue_choices(accepted.choices, submit, self._events, leaders_queued=leaders_queued)
+        )
+        # The leading jobs are queued before the answer starts: a refusal is its status.
+        leaders = asyncio.ensure_future(leaders_queued.wait())
+        await asyncio.wait({leaders, queuing}, return_when=asyncio.FIRST_COMPLETED)
+        leaders.cancel()
+        if queuing.done() and queuing.exception() is not None:
+            await self.quotas.release(request_id)
+            raise _as_api_error(queuing.exception())
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        log.info("gateway_request", kind=accepted.kind, model=accepted.model, choices=len(choices))
+        resumable = self._resumable(request, accepted)
+
+        async def queued_choice(choice: Choice) -> None:
+            waiter = asyncio.ensure_future(queued[choice.request_id].wait())
+            await asyncio.wait({waiter, queuing}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if not queued[choice.request_id].is_set():
+                raise _as_api_error(queuing.exception())
+
+        def left(unfinished: list[str]) -> None:
+            queuing.cancel()
+            self._in_background(self._fan_out_left(request_id, unfinished, resumable))
+
+        if accepted.stream:
+            messages = merged_stream(
+                request_id,
+                choices,
+                self._events,
+                include_usage=accepted.include_usage,
+                queued=queued_choice,
+                left=left,
+            )
+            return EventSourceResponse(
+                messages, ping=15, headers={"x-request-id": request_id, "cache-control": "no-cache"}
+            )
+
+        async def follow(choice: Choice) -> Shaper:
+            await queued_choice(choice)
+            return await self._follow(choice.request_id, choice.shape, holds_lease=False)
+
+        async def answer() -> list[Shaper]:
+            following = [asyncio.ensure_future(follow(choice)) for choice in choices]
+            try:
+                return list(await asyncio.gather(*following))
+            finally:
+                for task in following:
+                    task.cancel()
+                ended = [
+                    t for t in following if t.done() and not t.cancelled() and not t.exception()
+                ]
+                finished = {t.result().request_id for t in ended if t.result().done is not None}
+                left([c.request_id for c in choices if c.request_id not in finished])
+
+        shapers = await self._until_disconnected(request, answer())
+        if shapers is None:
+            return Response(status_code=499)
+        body = merged_completion(request_id, choices, shapers)
+        return JSONResponse(body, headers={"x-request-id": request_id})
+
+    async def _fan_out_left(self, request_id: str, unfinished: list[str], resumable: bool) -> None:
+        """A fanned-out request is over for its client: its jobs that have not ended are
+        aborted (unless it was resumable, or the gateway is stopping), its lease released."""
+        abort = self.settings.abort_on_disconnect and not AppStatus.should_exit
+        if unfinished and not resumable and abort:
+            log.info("fan_out_left_aborting", request_id=request_id, jobs=len(unfinished))
+            for job_id in unfinished:
+                with contextlib.suppress(ClientError):
+                    await self.client.abort(job_id, timeout=1.0)
+        await self.quotas.release(request_id)
 
     def _resumable(self, request: Request, accepted: CompletionRequest) -> bool:
         header = request.headers.get(RESUMABLE_HEADER)
@@ -359,14 +505,42 @@ class Gateway:
                 yield sse_data(error.body())
             ended = True
         finally:
-            finished = shaper.done is not None
-            # A gateway that stops (SIGTERM) ends its streams, but their clients did not
-            # leave: they may resume elsewhere, so their jobs run on.
-            abort = abort_when_left and not AppStatus.should_exit
-            if not finished and (not ended or shaper.error is not None):
-                self._in_background(self._left(request_id, not abort)())
-            else:
-                self._in_background(self.quotas.release(request_id))
+            self._stream_ended(shaper, ended=ended, abort_when_left=abort_when_left)
+
+    async def _response_sse(
+        self, events: ResponseEvents, *, abort_when_left: bool
+    ) -> AsyncIterator[bytes]:
+        """A Responses stream: its opening events, one message per text delta, its closing
+        events (or ``response.failed``)."""
+        shaper, ended = events.shaper, False
+        try:
+            yield events.opening()
+            try:
+                async for event in self._events(shaper.request_id):
+                    messages = events.feed(event)
+                    if messages:
+                        yield messages
+                    if shaper.finished:
+                        break
+            except ApiError as error:
+                shaper.error = error
+                yield events.failed(error)
+            ended = True
+        finally:
+            self._stream_ended(shaper, ended=ended, abort_when_left=abort_when_left)
+
+    def _stream_ended(self, shaper: Shaper, *, ended: bool, abort_when_left: bool) -> None:
+        """A stream is over: its request's client left before its end (then the job is
+        aborted, or kept for a resume), or it ended (its lease is released)."""
+        request_id = shaper.request_id
+        finished = shaper.done is not None
+        # A gateway that stops (SIGTERM) ends its streams, but their clients did not
+        # leave: they may resume elsewhere, so their jobs run on.
+        abort = abort_when_left and not AppStatus.should_exit
+        if not finished and (not ended or shaper.error is not None):
+            self._in_background(self._left(request_id, not abort)())
+        else:
+            self._in_background(self.quotas.release(request_id))
 
     def _left(self, request_id: str, resumable: bool) -> Callable[[], Awaitable[None]]:
         """What to do for a request whose client left before its end: abort it (not
@@ -388,9 +562,9 @@ class Gateway:
     async def _until_disconnected(
         self,
         request: Request,
-        work: Awaitable[Shaper],
+        work: Awaitable[T],
         on_left: Callable[[], Awaitable[None]] | None = None,
-    ) -> Shaper | None:
+    ) -> T | None:
         """``work``'s result, or None when the client disconnects first (then ``on_left``
         runs in the background)."""
         task = asyncio.ensure_future(work)
@@ -433,6 +607,15 @@ class Gateway:
                 redis = await self.client.connect()
                 self._status = (now, await read_fleet_status(redis, self.client.keys))
             return self._status[1]
+
+
+def _as_api_error(exc: BaseException | None) -> ApiError:
+    """What a client is told when its request's jobs could not all be queued."""
+    if isinstance(exc, ApiError):
+        return exc
+    if exc is not None and (isinstance(exc, RedisUnavailable) or is_unavailable(exc)):
+        return ApiError(503, f"the queue is unavailable: {exc}", "server_error", code="unavailable")
+    return ApiError(500, f"the request's jobs could not be queued: {exc}", "server_error")
 
 
 def _cancelled() -> bool:
@@ -496,6 +679,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
     routes = [
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/responses", gateway.responses, methods=["POST"]),
         Route("/v1/models", gateway.models, methods=["GET"]),
         Route("/v1/models/{model:path}", gateway.model, methods=["GET"]),
         Route("/v1/requests/{request_id}", gateway.result, methods=["GET"]),

@@ -1,10 +1,10 @@
 """OpenAI request bodies → protocol jobs: what is mapped, what is refused, what is ignored.
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` bodies are read field by field:
-known fields map to the job (docs/gateway.md has the table), fields whose
-value we cannot honour (``n`` > 1, tools, ``logit_bias``, ``echo``, ...) are a 400 naming the
-parameter, and unknown fields are ignored, as OpenAI's own clients expect of compatible
-servers. Nothing here touches Redis.
+known fields map to the job (docs/gateway.md has the table), fields whose value we cannot
+honour (tools, ``logit_bias``, ``echo``, ...) are a 400 naming the parameter, and unknown
+fields are ignored, as OpenAI's own clients expect of compatible servers. Nothing here
+touches Redis.
 """
 
 from __future__ import annotations
@@ -12,17 +12,18 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
 
 from mlx_redis_gateway.errors import ApiError, bad_request
+from mlx_redis_gateway.fanout import ChoiceJob
 from mlx_redis_protocol.client import build_job
 from mlx_redis_protocol.codec_job import MAX_SEED
 from mlx_redis_protocol.errors import ProtocolError
 from mlx_redis_protocol.fields import FieldReader
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id, new_request_id
 from mlx_redis_protocol.limits import Limits
-from mlx_redis_protocol.messages import ChatMessage, Job
+from mlx_redis_protocol.messages import PROMPT_PREFIX, ChatMessage, Job
 
 Kind = Literal["chat", "text"]
 
@@ -33,6 +34,9 @@ _ROLES: Final = {
     "user": "user",
     "assistant": "assistant",
 }
+# Most jobs one request may fan out to (``n`` times the prompts of a list): each is a job on the
+# queue, so a request cannot flood it.
+MAX_CHOICES: Final = 16
 # Most top logprobs OpenAI accepts for each endpoint.
 _MAX_TOP_LOGPROBS: Final = {"chat": 20, "text": 5}
 # Fields with a value we cannot honour; a default-like value (the second item) passes.
@@ -49,7 +53,9 @@ _UNSUPPORTED: Final[dict[str, tuple[str, Any]]] = {
 
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
-    """One accepted OpenAI request: the job to queue and how to shape the answer."""
+    """One accepted OpenAI request: the job to queue and how to shape the answer; with
+    ``n`` > 1 or a list of prompts, the jobs of all its choices (``choices``; ``job`` is the
+    first's)."""
 
     kind: Kind
     model: str
@@ -58,6 +64,13 @@ class CompletionRequest:
     include_usage: bool
     logprobs: bool  # whether the answer carries logprobs
     resumable: bool | None  # asked for in the body (None: not said; the header may say)
+    choices: tuple[ChoiceJob, ...] = ()  # more than one: a fanned-out request
+    fan_out_id: str | None = None  # a fanned-out request's own id (its jobs': ``{id}.{index}``)
+
+    @property
+    def request_id(self) -> str:
+        """The answer's id: the job's, or the fanned-out request's own."""
+        return self.fan_out_id if self.fan_out_id is not None else self.job.request_id
 
 
 class _BodyReader(FieldReader):
@@ -112,7 +125,7 @@ def _parse(
     model = reader.required_string("model", non_empty=True)
     if not is_valid_id(model):
         raise bad_request(f"model must be {ID_RULE}", param="model", code="model_not_found")
-    _refuse_unsupported(reader, kind)
+    n = _refuse_unsupported(reader, kind)
     stream = bool(reader.boolean("stream"))
     stream_options = reader.mapping("stream_options") or {}
     include_usage = stream_options.get("include_usage") is True
@@ -132,23 +145,51 @@ def _parse(
         "metadata": _metadata(reader, user_key),
         "response_format": _response_format(reader),
     }
-    prompt, messages = _prompt(reader, kind)
-    job = build_job(
-        prompt=prompt,
-        prompt_token_ids=None,
-        messages=messages,
-        request_id=request_id_for(kind),
-        options={name: value for name, value in options.items() if value is not None},
-        limits=limits,
+    prompts, messages = _prompt(reader, kind)
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_request(
+            f"n times the prompts is over {MAX_CHOICES} choices", param="n", code="limit_exceeded"
+        )
+    request_id = request_id_for(kind)
+    fan_out = len(prompts) * n > 1
+    if fan_out and n > 1:
+        options["prefix_boundary"] = PROMPT_PREFIX  # the copies share the prompt's prefill
+    jobs = [
+        build_job(
+            prompt=prompt,
+            prompt_token_ids=None,
+            messages=messages,
+            request_id=f"{request_id}.{index * n}" if fan_out else request_id,
+            options={name: value for name, value in options.items() if value is not None},
+            limits=limits,
+        )
+        for index, prompt in enumerate(prompts)
+    ]
+    choices = tuple(
+        ChoiceJob(
+            index=index * n + copy,
+            job=replace(
+                job,
+                request_id=f"{request_id}.{index * n + copy}",
+                # Copies of one prompt sample apart, and repeatably so for a client's seed.
+                seed=(options["seed"] + copy) % (MAX_SEED + 1),
+            ),
+            prompt=index,
+            leads=copy == 0,
+        )
+        for index, job in enumerate(jobs)
+        for copy in range(n)
     )
     return CompletionRequest(
         kind=kind,
         model=model,
-        job=job,
+        job=choices[0].job if fan_out else jobs[0],
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
         resumable=reader.boolean("resumable"),
+        choices=choices if fan_out else (),
+        fan_out_id=request_id if fan_out else None,
     )
 
 
@@ -157,19 +198,19 @@ def request_id_for(kind: Kind) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{new_request_id()}"
 
 
-def _refuse_unsupported(reader: _BodyReader, kind: Kind) -> None:
-    n = reader.integer("n", minimum=1)
-    if n is not None and n != 1:
-        raise bad_request("only n = 1 is supported", param="n")
+def _refuse_unsupported(reader: _BodyReader, kind: Kind) -> int:
+    """Refuses what cannot be honoured; ``n``, the choices per prompt."""
+    n = reader.integer("n", minimum=1) or 1
     best_of = reader.integer("best_of", minimum=1)
-    if best_of is not None and best_of != 1:
-        raise bad_request("only best_of = 1 is supported", param="best_of")
+    if best_of is not None and best_of not in (1, n):
+        raise bad_request("best_of must be 1 or n (no choice is ranked)", param="best_of")
     if reader.boolean("echo"):
         raise bad_request("echo is not supported", param="echo")
     for name, (message, allowed) in _UNSUPPORTED.items():
         value = reader.message.get(name)
         if value is not None and value != allowed and value != [] and value != {}:
             raise bad_request(message, param=name)
+    return n
 
 
 def _response_format(reader: _BodyReader) -> dict[str, Any] | None:
@@ -258,22 +299,28 @@ def _metadata(reader: _BodyReader, user_key: str | None) -> dict[str, Any] | Non
     return kept or None
 
 
-def _prompt(reader: _BodyReader, kind: Kind) -> tuple[str | None, list[ChatMessage] | None]:
+def _prompt(reader: _BodyReader, kind: Kind) -> tuple[list[str | None], list[ChatMessage] | None]:
+    """The request's prompts (completions: a string, or a list of them, each a choice of its
+    own), or its one chat."""
     if kind == "text":
         prompt = reader.message.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]  # a batch of one
-        if not isinstance(prompt, str):
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+        if not prompts or not all(isinstance(item, str) for item in prompts):
             raise bad_request(
-                "prompt must be a string (batches and token arrays are not supported)",
+                "prompt must be a string or a non-empty array of strings (token arrays are not "
+                "supported)",
                 param="prompt",
             )
-        return prompt, None
+        if len(prompts) > MAX_CHOICES:
+            raise bad_request(
+                f"prompt holds over {MAX_CHOICES} prompts", param="prompt", code="limit_exceeded"
+            )
+        return list(prompts), None
     items = reader.array("messages", required=True, max_items=reader.limits.max_messages)
     assert items is not None  # required
     if not items:
         raise bad_request("messages must not be empty", param="messages")
-    return None, [_message(item, index) for index, item in enumerate(items)]
+    return [None], [_message(item, index) for index, item in enumerate(items)]
 
 
 def _message(item: object, index: int) -> ChatMessage:

@@ -22,9 +22,10 @@ from mlx_redis_protocol.errors import ProtocolError
 from mlx_redis_protocol.identifiers import stream_id_time
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.limits import Limits
-from mlx_redis_protocol.messages import SYSTEM_PREFIX, Job
+from mlx_redis_protocol.messages import Job
 from mlx_redis_protocol.redis_retry import retry_until_done
 from mlx_redis_protocol.replay_log import (
+    DUPLICATE,
     FINISHED,
     STALE_ATTEMPT,
     Outcome,
@@ -32,10 +33,10 @@ from mlx_redis_protocol.replay_log import (
     new_run,
     parse_fence,
 )
+from mlx_redis_worker.daemon.job_prompt import job_prompt
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.publisher import AttemptLost, EventPublisher
-from mlx_redis_worker.engine import EngineCore, QueueFullError, ResponseFormat, SamplingParams
-from mlx_redis_worker.engine.prompt import chat_prompt
+from mlx_redis_worker.engine import EngineCore, QueueFullError, SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -60,11 +61,16 @@ class EarlyEnd:
 
 REQUEUED = EarlyEnd("requeued", requeue=True)
 
+# Duplicate entries parked at once (per model): a producer that queues one request a million
+# times gets the rest left pending, leases not kept, for a later reclaim to park them.
+MAX_PARKED = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class JobStats:
     in_flight: list[str]  # request ids running in the engine
     outcomes: dict[str, int]  # jobs handled, by outcome (completed, expired, lost_lease, ...)
+    parked: int = 0  # duplicate entries waiting for another entry's run of their request
 
 
 class JobRunner:
@@ -94,6 +100,10 @@ class JobRunner:
         self.max_deliveries = max_deliveries
         self.default_stream_interval = default_stream_interval
         self.in_flight: dict[str, str] = {}  # request_id -> entry id
+        # Duplicates: entries of requests that another entry's run owns (BEGIN_ATTEMPT said
+        # DUPLICATE). They hold no slot; their leases are kept, and once the owner's run ends
+        # (``unpark``) they run again through ``run``, which acknowledges them.
+        self.parked: dict[str, tuple[str, Delivery]] = {}  # entry id -> (request id, delivery)
         self.outcomes: dict[str, int] = {}
         self.draining = False
 
@@ -110,9 +120,6 @@ class JobRunner:
         """Begin an attempt, end the job early when its checks say so, else generate and wait
         for the terminal event; acknowledge only once that event is in the log."""
         rid = job.request_id
-        if rid in self.in_flight:  # the same request twice at once: let the first one finish
-            log.warning("job_duplicate_in_flight")
-            return
         written = await self._begin(delivery, rid, job.metadata)
         if written is None:
             return
@@ -132,8 +139,12 @@ class JobRunner:
         """Fence the request for this delivery's attempt and open its events; None when it is
         not ours to run (already finished: acknowledged; a newer attempt runs elsewhere)."""
         attempt = delivery.times_delivered
-        run = new_run(self.worker_id)
+        run = new_run(self.worker_id, delivery.entry_id)
         last_seq = await self._begin_attempt(rid, attempt, run)
+        if last_seq == DUPLICATE:
+            self._park(delivery, rid)
+            return None
+        self.parked.pop(delivery.entry_id, None)
         if last_seq == FINISHED:  # its log already ends: a redelivery of a finished job
             await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
             self._count("already_done")
@@ -173,15 +184,17 @@ class JobRunner:
         """Hand the job to the engine; how it ends instead when the engine refuses it."""
         rid = job.request_id
         try:
-            prompt, prefix_boundary = self._prompt(job)
-            params = SamplingParams(**job.sampling_kwargs(), response_format=_response_format(job))
+            prompt = job_prompt(job, self.engine.tokenizer)
+            params = SamplingParams(**job.sampling_kwargs(), response_format=prompt.response_format)
+            if prompt.parser is not None:
+                self.publisher.split_output(rid, prompt.parser)
             self.in_flight[rid] = delivery.entry_id
             log.info("job_started", attempt=delivery.times_delivered, prompt_kind=_prompt_kind(job))
             await self.engine.add_request(
-                prompt,
+                prompt.prompt,
                 params,
                 request_id=rid,
-                prefix_boundary=prefix_boundary,
+                prefix_boundary=prompt.prefix_boundary,
                 stream_interval=job.stream_interval or self.default_stream_interval,
                 collect=False,
             )
@@ -272,10 +285,45 @@ class JobRunner:
             return "elsewhere"  # a worker began it meanwhile, and its fence refused our event
         return "queued"
 
+    def _park(self, delivery: Delivery, rid: str) -> None:
+        """Another entry of this request runs it: keep this one aside, slot-free, until that
+        run ends; no event, no error."""
+        if delivery.entry_id in self.parked:
+            return  # retried while the owner still runs: parked again
+        if len(self.parked) >= MAX_PARKED:
+            log.warning("job_duplicate_not_parked", parked=len(self.parked))
+            return  # left pending without a lease: a reclaim brings it back later
+        self.parked[delivery.entry_id] = (rid, delivery)
+        self._count("duplicate")
+        log.info("job_duplicate_parked")
+
+    async def unpark(self) -> list[Delivery]:
+        """The parked duplicates whose owner's run is over (the fence has its TTL: the request
+        ended; or it is gone, or now names this entry): to be run again, which acknowledges a
+        finished request's entry (or runs it, when its owner's attempt was given up). They stay
+        parked until that run has begun. One round trip for all."""
+        parked = list(self.parked.items())
+        if not parked:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for _, (rid, _) in parked:
+                pipe.get(self.keys.attempt(rid))
+                pipe.pttl(self.keys.attempt(rid))
+            replies = await pipe.execute()
+        ready = []
+        for index, (entry_id, (_, delivery)) in enumerate(parked):
+            fence, ttl = parse_fence(replies[2 * index]), replies[2 * index + 1]
+            owned_elsewhere = fence is not None and fence.entry_id not in (None, entry_id)
+            if not (owned_elsewhere and ttl == -1):
+                ready.append(delivery)
+        return ready
+
     def lose_entries(self, entry_ids: list[str]) -> None:
         """Our leases on these entries are gone (another worker claimed them): their running
         attempts are over (``AttemptLost``)."""
         lost = set(entry_ids)
+        for entry_id in lost:
+            self.parked.pop(entry_id, None)
         for request_id, entry_id in list(self.in_flight.items()):
             if entry_id in lost:
                 self.publisher.abandon(request_id, lost=Outcome.FENCED)
@@ -286,19 +334,6 @@ class JobRunner:
         for rid in list(self.in_flight):
             self.publisher.abandon(rid)
             await self.engine.abort_request(rid)
-
-    def _prompt(self, job: Job) -> tuple[str | list[int], int]:
-        """The engine's prompt and its shared-prefix length (``prefix_boundary``)."""
-        boundary = job.prefix_boundary if isinstance(job.prefix_boundary, int) else 0
-        if job.prompt is not None:
-            return job.prompt, boundary
-        if job.prompt_token_ids is not None:
-            return list(job.prompt_token_ids), boundary
-        system_prefix = job.prefix_boundary == SYSTEM_PREFIX
-        token_ids, system_end = chat_prompt(
-            self.engine.tokenizer, job.chat_messages() or [], system_prefix=system_prefix
-        )
-        return token_ids, system_end if system_prefix else boundary
 
     async def _begin_attempt(
         self,
@@ -351,7 +386,7 @@ class JobRunner:
         end = EarlyEnd.invalid(code, message)
         written = None
         if rid is not None and rid not in self.in_flight:
-            attempt, run = delivery.times_delivered, new_run(self.worker_id)
+            attempt, run = delivery.times_delivered, new_run(self.worker_id, delivery.entry_id)
             last_seq = await self._begin_attempt(rid, attempt, run)
             if last_seq >= 0:  # else finished, or begun elsewhere: dead-lettered all the same
                 written = self._open(rid, attempt, run, last_seq, None, delivery)
@@ -410,19 +445,12 @@ class JobRunner:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
     def stats(self) -> JobStats:
-        return JobStats(in_flight=sorted(self.in_flight), outcomes=dict(self.outcomes))
+        return JobStats(
+            in_flight=sorted(self.in_flight), outcomes=dict(self.outcomes), parked=len(self.parked)
+        )
 
 
 def _prompt_kind(job: Job) -> str:
     if job.prompt is not None:
         return "prompt"
     return "prompt_token_ids" if job.prompt_token_ids is not None else "messages"
-
-
-def _response_format(job: Job) -> ResponseFormat | None:
-    """The engine's form of the job's response_format (the decoder checked its shape; the
-    engine checks that it can enforce it, or refuses the job)."""
-    if job.response_format is None:
-        return None
-    # The decoder leaves ``type`` and that type's one field: ResponseFormat's own names.
-    return ResponseFormat(**job.response_format)

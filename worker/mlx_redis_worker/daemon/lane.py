@@ -81,6 +81,7 @@ class ModelLane:
         busy: what does not fit waits in the backlog, leases kept, and the consumer serves the
         backlog before reading new jobs. So orphaned jobs, older than anything new, run next
         instead of waiting until the stream runs dry."""
+        self.start(await self.runner.unpark())
         room = self.max_concurrency - len(self.backlog)
         if room > 0:
             claimed = await self.queue.reclaim(room)
@@ -89,7 +90,8 @@ class ModelLane:
             self.start(claimed)
 
     async def extend_leases(self) -> None:
-        lost = await self.queue.extend_leases(list(self.jobs) + [d.entry_id for d in self.backlog])
+        held = {*self.jobs, *(d.entry_id for d in self.backlog), *self.runner.parked}
+        lost = await self.queue.extend_leases(sorted(held))
         if lost:
             log.warning("leases_lost", model=self.name, entries=lost)
             self.backlog = [d for d in self.backlog if d.entry_id not in lost]

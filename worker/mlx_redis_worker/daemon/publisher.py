@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -33,12 +33,14 @@ from mlx_redis_protocol.messages import (
     Event,
     ResetEvent,
     TokenLogprob,
+    ToolCallDelta,
     Usage,
 )
 from mlx_redis_protocol.redis_retry import retry_until_done
 from mlx_redis_protocol.replay_log import Outcome, publish_events
 from mlx_redis_worker.daemon.activity import TokenHistory
 from mlx_redis_worker.engine import RequestOutput
+from mlx_redis_worker.engine.output_parser import OutputParser, Split
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +61,8 @@ class _Stream:
     written: asyncio.Future[None]
     model: str | None = None  # the fleet's name of the model running it (for on_done)
     tokens: int = 0  # completion tokens this attempt streamed so far
+    # Splits the text into content, reasoning and tool calls (None: text as it is).
+    parser: OutputParser | None = None
 
 
 @dataclass(slots=True)
@@ -70,7 +74,20 @@ class _Draft:
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
     fields: dict[str, Any] = field(default_factory=dict)
+
+    def merge(self, split: Split) -> None:
+        """Add a delta's pieces; a call's arguments pieces join while unsent."""
+        self.new_text += split.content
+        self.reasoning += split.reasoning
+        for piece in split.tool_calls:
+            last = self.tool_calls[-1] if self.tool_calls else None
+            if last is not None and last.index == piece.index and piece.name is None:
+                self.tool_calls[-1] = replace(last, arguments=last.arguments + piece.arguments)
+            else:
+                self.tool_calls.append(piece)
 
     @property
     def terminal(self) -> bool:
@@ -88,6 +105,8 @@ class _Draft:
                 new_text=self.new_text,
                 new_token_ids=tuple(self.new_token_ids),
                 logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
+                reasoning=self.reasoning,
+                tool_calls=tuple(self.tool_calls),
             )
         if self.kind == "reset":
             return ResetEvent(**common)
@@ -183,6 +202,10 @@ class EventPublisher:
         self._streams[request_id] = stream
         return stream.written
 
+    def split_output(self, request_id: str, parser: OutputParser) -> None:
+        """Publish the request's text split by ``parser`` (content, reasoning, tool calls)."""
+        self._streams[request_id].parser = parser
+
     def reset(self, request_id: str) -> None:
         self._add(_Draft(self._streams[request_id], "reset"))
 
@@ -198,12 +221,16 @@ class EventPublisher:
         aborted while it waited), whose usage is all zero."""
         stream = self._streams[request_id]
         usage = _usage(stream, output) if output is not None else Usage(0, 0)
-        fields = {
+        fields: dict[str, Any] = {
             "finish_reason": finish_reason,
             "output_text": output.output_text if output else "",
             "usage": usage,
             "output_valid": output.output_valid if output else None,
         }
+        if stream.parser is not None and output is not None:
+            fields["output_text"] = stream.parser.content
+            fields["reasoning_text"] = stream.parser.reasoning
+            fields["tool_calls"] = tuple(stream.parser.calls)
         self._add(_Draft(stream, "done", fields=fields))
         if self.on_done is not None:
             # Called from the engine's step listener: an observer's bug must not cost the
@@ -237,8 +264,13 @@ class EventPublisher:
                 continue
             stream.tokens += len(output.new_token_ids)
             self.token_history.add(len(output.new_token_ids))
-            if output.new_token_ids or output.new_text:
-                self._add_delta(output)
+            split = Split(content=output.new_text)
+            if stream.parser is not None:
+                split = stream.parser.feed(output.new_text)
+                if output.finished:
+                    split.add(stream.parser.finish())
+            if output.new_token_ids or split.content or split.reasoning or split.tool_calls:
+                self._add_delta(output, split)
             if output.finished:
                 if output.finish_reason == "error":
                     self.error(output.request_id, "engine_error", output.error or "engine error")
@@ -342,7 +374,7 @@ class EventPublisher:
         if not stream.written.done():
             stream.written.set_result(None)
 
-    def _add_delta(self, output: RequestOutput) -> None:
+    def _add_delta(self, output: RequestOutput, split: Split) -> None:
         pending = self._unsent_delta.get(output.request_id)
         logprobs = (
             [
@@ -359,7 +391,7 @@ class EventPublisher:
             else None
         )
         if pending is not None:
-            pending.new_text += output.new_text
+            pending.merge(split)
             pending.new_token_ids.extend(output.new_token_ids)
             if logprobs is not None:
                 pending.logprobs = (pending.logprobs or []) + logprobs
@@ -367,10 +399,10 @@ class EventPublisher:
         draft = _Draft(
             self._streams[output.request_id],
             "delta",
-            new_text=output.new_text,
             new_token_ids=list(output.new_token_ids),
             logprobs=logprobs,
         )
+        draft.merge(split)
         self._add(draft)
         self._unsent_delta[output.request_id] = draft
 

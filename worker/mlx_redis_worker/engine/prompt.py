@@ -60,11 +60,18 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 def chat_prompt(
-    tokenizer: Any, messages: list[dict[str, str]], *, system_prefix: bool
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    system_prefix: bool,
+    tools: list[dict[str, Any]] | None = None,
+    thinking: bool | None = None,
 ) -> tuple[list[int], int]:
     """The token ids of ``messages`` rendered with the model's chat template (generation
     prompt included), and the shared-prefix boundary: where the leading system turns end in
-    those tokens when ``system_prefix``, else 0.
+    those tokens when ``system_prefix``, else 0. ``tools`` (OpenAI's shape) go to the
+    template; ``thinking`` False asks a reasoning model's template to skip the thought
+    (``enable_thinking``), None leaves the template's default.
 
     ``ValueError`` when the model has no chat template: transformers' own error (or, in older
     versions, a default template the model never saw) would leave the sender guessing what to
@@ -72,13 +79,21 @@ def chat_prompt(
     """
     if not has_chat_template(tokenizer):
         raise ValueError(NO_CHAT_TEMPLATE)
-    token_ids = encode_prompt(tokenizer, _render(tokenizer, messages, generation_prompt=True))
+    extra: dict[str, Any] = {}
+    if tools is not None:
+        extra["tools"] = tools
+    if thinking is not None:
+        extra["enable_thinking"] = thinking
+    rendered = _render(tokenizer, messages, generation_prompt=True, **extra)
+    token_ids = encode_prompt(tokenizer, rendered)
     if not system_prefix:
         return token_ids, 0
     # The common prefix of the whole chat and its system turns rendered alone: exact even when
     # the template renders a lone system turn a little differently.
     system = list(takewhile(lambda m: m["role"] == "system", messages))
-    system_ids = encode_prompt(tokenizer, _render(tokenizer, system, generation_prompt=False))
+    system_ids = encode_prompt(
+        tokenizer, _render(tokenizer, system, generation_prompt=False, **extra)
+    )
     return token_ids, shared_prefix_length(system_ids, token_ids)
 
 
@@ -91,9 +106,11 @@ def shared_prefix_length(a: list[int], b: list[int]) -> int:
     return length
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
+def _render(
+    tokenizer: Any, messages: list[dict[str, Any]], *, generation_prompt: bool, **extra: Any
+) -> str:
     rendered: str = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=generation_prompt, tokenize=False
+        messages, add_generation_prompt=generation_prompt, tokenize=False, **extra
     )
     return rendered
 
