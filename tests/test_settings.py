@@ -154,3 +154,17 @@ def test_several_models_from_every_source(tmp_path: Path) -> None:
         load_settings({}, environ={"MLXW_MODEL": "a=tiny,a=smollm2"})
     result = mlx_worker("run", "--model", "a=tiny", "--model", "a=smollm2")
     assert result.returncode == 2 and "model names must differ" in result.stderr
+
+
+def test_grammar_limits_from_settings_default_to_the_engines() -> None:
+    from mlx_redis_worker.engine.config import GrammarLimits
+
+    assert WorkerSettings().grammar_limits == GrammarLimits()
+    settings = load_settings(
+        {"max_schema_bytes": 1000}, {"MLXW_MAX_MASK_US": "500", "MLXW_MAX_GRAMMAR_COMPILE_MS": "9"}
+    )
+    assert settings.grammar_limits == GrammarLimits(
+        max_schema_bytes=1000, max_grammar_compile_ms=9, max_mask_us=500
+    )
+    with pytest.raises(ValueError, match="max_mask_us must be > 0"):
+        load_settings({}, {"MLXW_MAX_MASK_US": "0"})

@@ -15,6 +15,7 @@ from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.codec_job import encode_job
 from mlx_redis_protocol.constants import JOB_FIELD
 from mlx_redis_protocol.messages import DoneEvent, ErrorEvent, Job
+from mlx_redis_worker.bench.hostile_schemas import deep_anyof, schema_bytes
 from mlx_redis_worker.daemon.job_prompt import _response_format
 from mlx_redis_worker.engine import ResponseFormat
 from tests.daemon.helpers import check_stream, collect, settled
@@ -169,3 +170,33 @@ def test_every_wire_response_format_is_an_engine_response_format() -> None:
         for name in ("schema", "pattern", "lark"):
             assert getattr(engine_format, name) == fmt.get(name)
     assert _response_format(Job(request_id="r", prompt="p")) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_format_over_a_grammar_limit_is_an_invalid_job_naming_it(
+    workers: WorkerFactory, redis_url: str, prefix: str
+) -> None:
+    """A worker run with MLXW_MAX_SCHEMA_BYTES refuses a larger schema as ``invalid_job``
+    naming the limit, before anything runs, and serves a small one beside it."""
+    workers.start("w1", env={"MLXW_MAX_SCHEMA_BYTES": "4096"})
+    large = {"type": "json_schema", "schema": deep_anyof("job", width=4, depth=2)}
+    assert schema_bytes(large["schema"]) > 4096 > schema_bytes(SMALL_SCHEMA)
+
+    async def main() -> None:
+        async with Client(redis_url, prefix=prefix) as client:
+            refused = await client.submit("hello", response_format=large, max_tokens=MAX_TOKENS)
+            small = {"type": "json_schema", "schema": SMALL_SCHEMA}
+            served = await client.submit("hello", response_format=small, max_tokens=MAX_TOKENS)
+            summary = check_stream(await collect(client, refused), refused)
+            error = summary.terminal
+            assert isinstance(error, ErrorEvent)
+            assert error.code == "invalid_job"
+            assert "over max_schema_bytes (4096)" in error.message, error.message
+            assert not summary.deltas
+            done = check_stream(await collect(client, served), served).terminal
+            assert isinstance(done, DoneEvent) and done.output_valid is True
+            await until(lambda: settled(client), 10, "entries acknowledged")
+            dead = await _dead_entries(client)
+            assert [entry["request_id"].decode() for entry in dead] == [refused]
+
+    run(main())

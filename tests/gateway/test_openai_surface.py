@@ -10,7 +10,9 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -22,6 +24,7 @@ from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.messages import DoneEvent, TerminalEvent
 from tests.gateway.conftest import Fleet
 from tests.support.gateway import GatewayFactory, GatewayProcess
+from tests.support.processes import mlx_worker
 from tests.support.schemas import SMALL_SCHEMA
 
 MODEL = "tiny"
@@ -314,6 +317,34 @@ def test_a_client_that_leaves_a_fan_out_aborts_its_jobs(
     assert all(done.usage.completion_tokens < 4000 for done in dones)
 
 
+def test_each_choice_counts_against_the_keys_concurrency_cap(
+    gateways: GatewayFactory, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys.toml"
+    added = mlx_worker(
+        "api-key",
+        "add",
+        f"fan-{uuid.uuid4().hex[:8]}",
+        "--file",
+        str(keys),
+        "--max-concurrent",
+        "2",
+    )
+    assert added.returncode == 0, added.stderr
+    keyed = gateways.start("--api-keys", str(keys))
+    with openai.OpenAI(
+        base_url=keyed.base_url, api_key=added.stdout.strip(), max_retries=0
+    ) as limited:
+        fields: Any = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2}
+        with pytest.raises(openai.RateLimitError) as caught:
+            limited.completions.create(**fields, n=3)
+        assert caught.value.code == "concurrency_limit_exceeded"
+        # Two fit, and their slots are free again once they end.
+        for _ in range(2):
+            assert len(limited.completions.create(**fields, n=2).choices) == 2
+        assert len(limited.completions.create(**{**fields, "prompt": PROMPTS[:2]}).choices) == 2
+
+
 def test_langchains_openai_llm_batches_prompts_as_one_request(
     gateway: GatewayProcess, greedy_texts: list[DoneEvent]
 ) -> None:
@@ -440,6 +471,40 @@ def test_a_streamed_response_is_openais_event_sequence(client: openai.OpenAI, fl
     assert last.response.usage is not None and last.response.usage.output_tokens == TOKENS
     done = [e for e in events if e.type == "response.output_text.done"]
     assert done[0].text == text  # type: ignore[union-attr]
+
+
+def test_a_response_carries_its_tokens_logprobs_when_asked(client: openai.OpenAI) -> None:
+    fields: Any = {
+        "model": MODEL,
+        "input": "Tell me a story",
+        "max_output_tokens": TOKENS,
+        "temperature": 0,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    }
+    response = client.responses.create(**fields)
+    part = response.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.logprobs is not None
+    assert len(part.logprobs) == TOKENS
+    assert all(len(entry.top_logprobs) == 2 for entry in part.logprobs)
+    # Greedy: each token is its likeliest alternative.
+    assert all(entry.top_logprobs[0].token == entry.token for entry in part.logprobs)
+    # The tokens' bytes (this gateway's extra field, as chat's) are the text.
+    joined = bytes(b for entry in part.logprobs for b in getattr(entry, "bytes", None) or ())
+    text = joined.decode("utf-8", "replace")
+    assert part.text in (text, text.removeprefix(" "))
+
+    events = list(client.responses.create(**fields, stream=True))
+    streamed = [
+        entry.token
+        for event in events
+        if event.type == "response.output_text.delta"
+        for entry in event.logprobs
+    ]
+    assert streamed == [entry.token for entry in part.logprobs]
+    assert client.responses.create(**{**fields, "include": [], "top_logprobs": None}).output[
+        0
+    ].content[0].logprobs in ([], None)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])

@@ -261,11 +261,11 @@ class Gateway:
             user_key=key.name if key is not None else None,
         )
         await self._check_served(accepted.model)
+        if accepted.choices:
+            return await self._fan_out(request, accepted, key)
         request_id = accepted.request_id
         if key is not None:
             await self.quotas.admit_or_refuse(key, request_id)
-        if accepted.choices:
-            return await self._fan_out(request, accepted, key)
         try:
             shape = await self._submit(accepted, key)
         except BaseException:
@@ -339,6 +339,8 @@ class Gateway:
             Choice(c.index, c.job.request_id, child_shape(shape), c.leads) for c in accepted.choices
         ]
         queued = {c.request_id: asyncio.Event() for c in choices}
+        if key is not None:
+            await self._admit_all(key, [c.request_id for c in choices])
 
         async def submit(job: Job) -> None:
             await self._queue(job, shape)
@@ -353,7 +355,7 @@ class Gateway:
         await asyncio.wait({leaders, queuing}, return_when=asyncio.FIRST_COMPLETED)
         leaders.cancel()
         if queuing.done() and queuing.exception() is not None:
-            await self.quotas.release(request_id)
+            await self._release_all([c.request_id for c in choices])
             raise _as_api_error(queuing.exception())
         structlog.contextvars.bind_contextvars(request_id=request_id)
         log.info("gateway_request", kind=accepted.kind, model=accepted.model, choices=len(choices))
@@ -368,7 +370,8 @@ class Gateway:
 
         def left(unfinished: list[str]) -> None:
             queuing.cancel()
-            self._in_background(self._fan_out_left(request_id, unfinished, resumable))
+            jobs = [c.request_id for c in choices]
+            self._in_background(self._fan_out_left(request_id, jobs, unfinished, resumable))
 
         if accepted.stream:
             messages = merged_stream(
@@ -406,16 +409,34 @@ class Gateway:
         body = merged_completion(request_id, choices, shapers)
         return JSONResponse(body, headers={"x-request-id": request_id})
 
-    async def _fan_out_left(self, request_id: str, unfinished: list[str], resumable: bool) -> None:
+    async def _fan_out_left(
+        self, request_id: str, jobs: list[str], unfinished: list[str], resumable: bool
+    ) -> None:
         """A fanned-out request is over for its client: its jobs that have not ended are
-        aborted (unless it was resumable, or the gateway is stopping), its lease released."""
+        aborted (unless it was resumable, or the gateway is stopping), their leases released."""
         abort = self.settings.abort_on_disconnect and not AppStatus.should_exit
         if unfinished and not resumable and abort:
             log.info("fan_out_left_aborting", request_id=request_id, jobs=len(unfinished))
             for job_id in unfinished:
                 with contextlib.suppress(ClientError):
                     await self.client.abort(job_id, timeout=1.0)
-        await self.quotas.release(request_id)
+        await self._release_all(jobs)
+
+    async def _admit_all(self, key: ApiKey, request_ids: list[str]) -> None:
+        """Each job of a fanned-out request counts against its key's limits, as a request of
+        its own would; refused (429) unless all are admitted."""
+        admitted: list[str] = []
+        try:
+            for request_id in request_ids:
+                await self.quotas.admit_or_refuse(key, request_id)
+                admitted.append(request_id)
+        except BaseException:
+            await self._release_all(admitted)
+            raise
+
+    async def _release_all(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            await self.quotas.release(request_id)
 
     def _resumable(self, request: Request, accepted: CompletionRequest) -> bool:
         header = request.headers.get(RESUMABLE_HEADER)

@@ -32,6 +32,7 @@ _UNSUPPORTED: Final = {
     "prompt": "stored prompts are not supported",
 }
 _ROLES: Final = ("system", "developer", "user", "assistant")
+LOGPROBS_INCLUDE: Final = "message.output_text.logprobs"
 _TEXT_PARTS: Final = ("input_text", "output_text", "text")
 
 
@@ -53,6 +54,10 @@ def parse_responses_request(
     response_format = _text_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
+    if _wants_logprobs(body):
+        chat["logprobs"] = True
+        if body.get("top_logprobs") is not None:
+            chat["top_logprobs"] = body["top_logprobs"]
     try:
         accepted = parse_request("chat", chat, limits=limits, user_key=user_key)
     except ApiError as error:
@@ -72,8 +77,20 @@ def parse_responses_request(
         "max_output_tokens": chat.get("max_tokens"),
         "user": chat.get("user"),
         "text": {"format": _echoed_format(body.get("text"))},
+        "top_logprobs": chat.get("top_logprobs"),
     }
     return job, echoed
+
+
+def _wants_logprobs(body: Mapping[str, Any]) -> bool:
+    """Whether the answer carries its tokens' logprobs: ``include`` names them, or
+    ``top_logprobs`` asks for alternatives."""
+    include = body.get("include")
+    if include is not None and not (
+        isinstance(include, list) and all(isinstance(item, str) for item in include)
+    ):
+        raise bad_request("include must be an array of strings", param="include")
+    return LOGPROBS_INCLUDE in (include or []) or body.get("top_logprobs") is not None
 
 
 def _replace_id(accepted: CompletionRequest, request_id: str) -> CompletionRequest:
@@ -166,11 +183,12 @@ class ResponseEvents:
         self.item_id = f"msg_{request_id.removeprefix('resp_')}"
         self.sequence = 0
         self.text: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []  # the text's tokens', when asked for
 
     def opening(self) -> bytes:
         response = self.response("in_progress")
         item = self._item("in_progress", [])
-        part = _text_part("")
+        part = _text_part("", [])
         return b"".join(
             [
                 self._message("response.created", response=response),
@@ -198,11 +216,16 @@ class ResponseEvents:
         out = []
         for choice in chunk.data.get("choices", []):
             delta = choice.get("delta", {}).get("content")
-            if delta:
-                self.text.append(delta)
+            logprobs = (choice.get("logprobs") or {}).get("content") or []
+            if delta or logprobs:
+                self.text.append(delta or "")
+                self.logprobs += logprobs
                 out.append(
                     self._message(
-                        "response.output_text.delta", **self._where(), delta=delta, logprobs=[]
+                        "response.output_text.delta",
+                        **self._where(),
+                        delta=delta or "",
+                        logprobs=logprobs,
                     )
                 )
         done = self.shaper.done
@@ -216,25 +239,32 @@ class ResponseEvents:
 
     def _closing(self, done: DoneEvent) -> bytes:
         text = "".join(self.text)
-        part = _text_part(text)
+        part = _text_part(text, self.logprobs)
         status = _status(done)
         item = self._item("completed" if status == "completed" else "incomplete", [part])
-        response = self.response(status, done)
+        response = self.response(status, done, self.logprobs)
         return b"".join(
             [
-                self._message("response.output_text.done", **self._where(), text=text, logprobs=[]),
+                self._message(
+                    "response.output_text.done", **self._where(), text=text, logprobs=self.logprobs
+                ),
                 self._message("response.content_part.done", **self._where(), part=part),
                 self._message("response.output_item.done", output_index=0, item=item),
                 self._message(f"response.{status}", response=response),
             ]
         )
 
-    def response(self, status: str, done: DoneEvent | None = None) -> dict[str, Any]:
+    def response(
+        self,
+        status: str,
+        done: DoneEvent | None = None,
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         """The response object, as it stands (with its output and usage once ``done``)."""
         output: list[dict[str, Any]] = []
         if done is not None:
             item_status = "completed" if status == "completed" else "incomplete"
-            output = [self._item(item_status, [_text_part(done.output_text)])]
+            output = [self._item(item_status, [_text_part(done.output_text, logprobs or [])])]
         return response_object(
             self.request_id,
             self.created,
@@ -300,7 +330,8 @@ def completed_response(shaper: Shaper, echoed: Mapping[str, Any], created: float
     done = shaper.done
     assert done is not None
     events = ResponseEvents(shaper.request_id, shaper, echoed, created)
-    return events.response(_status(done), done)
+    logprobs = (shaper.completion()["choices"][0]["logprobs"] or {}).get("content") or []
+    return events.response(_status(done), done, logprobs)
 
 
 def _status(done: DoneEvent) -> str:
@@ -315,8 +346,8 @@ def _incomplete_details(status: str, done: DoneEvent | None) -> dict[str, Any] |
     return {"reason": "max_output_tokens" if done.finish_reason == "length" else None}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
 
 def _usage(usage: Usage) -> dict[str, Any]:

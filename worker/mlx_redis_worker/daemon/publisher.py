@@ -273,7 +273,10 @@ class EventPublisher:
                 self._add_delta(output, split)
             if output.finished:
                 if output.finish_reason == "error":
-                    self.error(output.request_id, "engine_error", output.error or "engine error")
+                    # A request refused while it ran (its format over a limit) is the job's
+                    # fault, as when refused up front.
+                    code = "invalid_job" if output.request_fault else "engine_error"
+                    self.error(output.request_id, code, output.error or "engine error")
                 else:
                     self.done(output.request_id, output.finish_reason or "stop", output)
 

@@ -11,13 +11,16 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from mlx_redis_protocol.connection import SENTINEL_SCHEME, TOPOLOGIES, parse_sentinel_url
 from mlx_redis_protocol.constants import DEFAULT_PREFIX, DEFAULT_REDIS_URL
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id
 from mlx_redis_worker.daemon.job_queue import DEFAULT_DEAD_LETTER_MAXLEN
+
+if TYPE_CHECKING:
+    from mlx_redis_worker.engine.config import GrammarLimits
 
 ENV_PREFIX = "MLXW_"
 
@@ -86,6 +89,12 @@ class WorkerSettings:
     prefix: str = DEFAULT_PREFIX
     worker_id: str = field(default_factory=default_worker_id)
     max_concurrency: int = 32
+    # What one job's response_format may cost (over any: invalid_job naming it): its size as
+    # compact JSON, compiling it, one token's mask. GrammarLimits' defaults, written here so
+    # that reading settings does not import the engine (a test checks that they agree).
+    max_schema_bytes: int = 128 * 1024
+    max_grammar_compile_ms: int = 2000
+    max_mask_us: int = 10_000
     cache_dir: str = "~/.cache/mlx-redis-worker/prefix-caches"
     # A job idle (not refreshed) this long is presumed orphaned and reclaimed by another worker.
     lease_seconds: float = 60.0
@@ -124,6 +133,9 @@ class WorkerSettings:
             "log_ttl",
             "reply_ttl",
             "stream_interval",
+            "max_schema_bytes",
+            "max_grammar_compile_ms",
+            "max_mask_us",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -158,6 +170,16 @@ class WorkerSettings:
     @property
     def lease_refresh_interval(self) -> float:
         return self.lease_seconds / 3
+
+    @property
+    def grammar_limits(self) -> GrammarLimits:
+        from mlx_redis_worker.engine.config import GrammarLimits
+
+        return GrammarLimits(
+            max_schema_bytes=self.max_schema_bytes,
+            max_grammar_compile_ms=self.max_grammar_compile_ms,
+            max_mask_us=self.max_mask_us,
+        )
 
     @property
     def cache_path(self) -> Path:

@@ -35,6 +35,7 @@ from mlx_redis_worker.daemon.publisher import EventPublisher
 from mlx_redis_worker.daemon.serving import Serving
 from mlx_redis_worker.daemon.settings import WorkerSettings
 from mlx_redis_worker.engine import EngineConfig, EngineCore, SchedulerConfig
+from mlx_redis_worker.engine.config import GrammarLimits
 from mlx_redis_worker.models import load_model
 
 log = structlog.get_logger(__name__)
@@ -51,7 +52,9 @@ class LoadedModel:
     tokenizer: Any
 
 
-def scheduler_config(*, max_concurrency: int, limits: Limits) -> SchedulerConfig:
+def scheduler_config(
+    *, max_concurrency: int, limits: Limits, grammar_limits: GrammarLimits | None = None
+) -> SchedulerConfig:
     """The engine's batch for a worker. The caps a job meets twice (the decoder, then the
     engine) are the wire's, so the engine never refuses for another number what the decoder
     let through."""
@@ -60,6 +63,7 @@ def scheduler_config(*, max_concurrency: int, limits: Limits) -> SchedulerConfig
         max_waiting_requests=max_concurrency,
         max_prompt_tokens=limits.max_prompt_tokens,
         max_logprobs=limits.max_logprobs,
+        grammar_limits=grammar_limits or GrammarLimits(),
     )
 
 
@@ -104,7 +108,9 @@ class Worker:
                 log.info("worker_stopped_before_serving", waiting_for="redis")
                 return 0
             scheduler = scheduler_config(
-                max_concurrency=settings.max_concurrency, limits=DEFAULT_LIMITS
+                max_concurrency=settings.max_concurrency,
+                limits=DEFAULT_LIMITS,
+                grammar_limits=settings.grammar_limits,
             )
             for served in self._loaded_models():
                 if self._stop.is_set():

@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlx_redis_worker.engine.request import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarLimits:
+    """What one request's response_format may cost; over any, the request is refused with a
+    ``ValueError`` naming the limit (the worker's ``invalid_job``).
+
+    ``max_schema_bytes``: the format as given (its schema as compact JSON, its pattern, its
+    Lark text). ``max_grammar_compile_ms``: compiling it and building its matcher, off the
+    engine thread (a compile past it is refused; it finishes in the background and is cached,
+    bounded by llguidance's own fuel limits). ``max_mask_us``: one token's mask, measured once
+    while compiling (the fastest of a few tries, so a busy machine does not refuse a good
+    format). The names are the worker's settings of the same name.
+    """
+
+    max_schema_bytes: int = 128 * 1024
+    max_grammar_compile_ms: int = 2000
+    max_mask_us: int = 10_000
+
+    def __post_init__(self) -> None:
+        for name in ("max_schema_bytes", "max_grammar_compile_ms", "max_mask_us"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GrammarLimits.{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass(slots=True)
@@ -19,7 +43,8 @@ class SchedulerConfig:
     A request's first token leaves in the step its prefill ends. While prompts wait, up to
     ``max_consecutive_prefills`` steps in a row prefill without decoding the running batch
     (first tokens first; 0 decodes every step). A request over ``max_prompt_tokens`` or asking
-    for more than ``max_logprobs`` top log-probabilities per token is refused (``ValueError``).
+    for more than ``max_logprobs`` top log-probabilities per token is refused (``ValueError``),
+    and so is a response_format over one of ``grammar_limits``.
     """
 
     max_num_seqs: int = 32
@@ -34,6 +59,7 @@ class SchedulerConfig:
     enable_prefix_cache: bool = True
     prefix_cache_max_entries: int = 64
     prefix_cache_max_bytes: int = 2 << 30
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
         for name in (

@@ -127,11 +127,12 @@ class EngineCore(CacheControl, ReferenceApi):
         self._check_usable()
         if images or videos:
             raise ValueError("images/videos were given, but this engine serves a text-only model")
-        # Off the loop: the first constrained request builds the tokenizer's index (about a
-        # second), and a new schema compiles.
+        # Off the loop and off the engine thread: the first constrained request builds the
+        # tokenizer's index (about a second), and a new schema compiles (within its limits).
         grammar = None
         if sampling_params is not None and sampling_params.response_format is not None:
-            grammar = await asyncio.to_thread(self._grammar_for, sampling_params)
+            self._check_format_params(sampling_params)
+            grammar = await self.scheduler.grammars.compile_async(sampling_params.response_format)
         request = self._make_request(
             prompt, sampling_params, request_id, prefix_boundary, stream_interval, grammar=grammar
         )
@@ -192,12 +193,16 @@ class EngineCore(CacheControl, ReferenceApi):
         for a format this engine cannot enforce, or one combined with stop strings."""
         if params is None or params.response_format is None:
             return None
+        self._check_format_params(params)
+        return self.scheduler.grammars.compile(params.response_format)
+
+    @staticmethod
+    def _check_format_params(params: SamplingParams) -> None:
         if params.stop:
             raise ValueError(
                 "stop strings cannot be combined with response_format: a cut output would not "
                 "match it"
             )
-        return self.scheduler.grammars.compile(params.response_format)
 
     def _submit(self, requests: list[Request]) -> None:
         """Hand requests to the scheduler on the engine thread; one it refuses (a full queue)
@@ -354,6 +359,7 @@ class EngineCore(CacheControl, ReferenceApi):
                 self._engine_thread.call_sync(lambda s: s.clear_prefix_cache())
         self._engine_thread.stop()
         self._running = False
+        self.scheduler.grammars.close()
         self.scheduler.prefix_cache = None
         self._release_model()
         self._closed = True

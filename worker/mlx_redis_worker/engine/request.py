@@ -210,6 +210,9 @@ class RequestOutput:
     tokens_per_second: float = 0.0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    # With ``error``: the request itself is at fault (its response_format went over a limit
+    # while it ran), not the engine.
+    request_fault: bool = False
     # For a request with a response_format, once finished: whether the output matches it
     # (False when max_tokens cut it short of a match); None otherwise.
     output_valid: bool | None = None

@@ -77,7 +77,9 @@ class Scheduler:
         )
         self.eos_token_ids = sorted(getattr(tokenizer, "eos_token_ids", None) or ())
         self.grammars = GrammarCompiler(
-            getattr(tokenizer, "_tokenizer", tokenizer), model_vocab_size(model, tokenizer)
+            getattr(tokenizer, "_tokenizer", tokenizer),
+            model_vocab_size(model, tokenizer),
+            self.config.grammar_limits,
         )
         self.token_bytes = TokenBytes(tokenizer)
         self.num_requests_processed = 0
@@ -229,6 +231,7 @@ class Scheduler:
         if request.grammar is not None:
             # Last: the mask applies to the logits every other processor has shaped.
             sequence.grammar = self.grammars.processor(request.grammar)
+            sequence.grammar.on_limit = sequence.fail
             processors.append(sequence.grammar)
             sampler = sequence.grammar.sampler(sampler)
         (uid,) = self._ensure_generator().insert_segments(

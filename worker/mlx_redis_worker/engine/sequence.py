@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_redis_worker.engine.output_collector import RequestStreamState
 from mlx_redis_worker.engine.request import Request, RequestOutput, TokenLogprob
 from mlx_redis_worker.engine.stats import RequestProgress
-from mlx_redis_worker.engine.structured import GrammarProcessor
+from mlx_redis_worker.engine.structured import GrammarLimitError, GrammarProcessor
 from mlx_redis_worker.engine.text_stream import TextStream
 from mlx_redis_worker.engine.token_bytes import TokenBytes
 
@@ -65,6 +65,7 @@ class Sequence:
             ),
             logprobs=logprobs,
             error=request.error if finished else None,
+            request_fault=finished and isinstance(self.failure, GrammarLimitError),
             output_valid=self._valid() if finished else None,
             transcript=transcript,
             text_parts=parts,
