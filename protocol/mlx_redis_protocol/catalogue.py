@@ -39,8 +39,10 @@ async def live_heartbeats(redis: RedisClient, keys: Keys) -> list[Heartbeat]:
     async with redis.pipeline(transaction=False) as pipe:
         for name in names:
             pipe.get(name)
-        values = await pipe.execute()
-    beats = [decode_heartbeat(value) for value in values]
+        # A key of another type under the pattern (a stray XADD) answers WRONGTYPE: it is
+        # no heartbeat, and must not fail the reads of the ones that are.
+        values = await pipe.execute(raise_on_error=False)
+    beats = [decode_heartbeat(value) for value in values if isinstance(value, bytes | str)]
     return sorted((beat for beat in beats if beat is not None), key=lambda b: b.worker_id)
 
 
@@ -226,9 +228,10 @@ def _queue_status(stream: JobStream, replies: Sequence[Any], now_ms: int) -> Que
 
 
 def _is_missing(error: ResponseError) -> bool:
-    """The error of XINFO GROUPS / XPENDING on a stream or group that does not exist."""
+    """The error of XINFO GROUPS / XPENDING on a stream or group that does not exist, or of
+    any read on a key of another type (a stray SET on a stream's name): no queue there."""
     text = str(error)
-    return "NOGROUP" in text or "no such key" in text.lower()
+    return "NOGROUP" in text or "no such key" in text.lower() or "WRONGTYPE" in text
 
 
 def _group_info(groups: Any, group: str) -> dict[str, Any]:

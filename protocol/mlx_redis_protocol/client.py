@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
-from contextlib import aclosing, contextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import aclosing, asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
@@ -61,6 +62,20 @@ ChatInput = Sequence[Mapping[str, Any] | ChatMessage]
 
 # How long a Client trusts a catalogue read that found the model it submits to.
 MODEL_CACHE_SECONDS: Final = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class CommandLoad:
+    """How busy a Client's command bound is: commands on the wire, callers waiting their
+    turn, and the bound."""
+
+    in_flight: int
+    waiting: int
+    max_in_flight: int
+
+    @property
+    def saturated(self) -> bool:
+        return self.waiting > 0
 
 
 class Client:
@@ -119,6 +134,7 @@ class Client:
         self._owns_redis = redis is None
         self._redis = redis
         self._hub = ChannelHub(redis) if redis is not None else None
+        self.max_in_flight = max_in_flight
         self._commands = asyncio.Semaphore(max_in_flight)
         self._connecting = asyncio.Lock()
         # The models live workers served at the last look, and when (monotonic seconds).
@@ -149,6 +165,22 @@ class Client:
                         )
                     self._hub = ChannelHub(self._redis)
         return self._redis
+
+    @asynccontextmanager
+    async def command_slot(self) -> AsyncIterator[RedisClient]:
+        """The client's Redis, with one of its ``max_in_flight`` command slots held while the
+        block runs: a caller's own commands on the client's connections wait their turn with
+        the client's, instead of taking connections the pool does not have."""
+        redis = await self.connect()
+        async with self._commands:
+            yield redis
+
+    def command_load(self) -> CommandLoad:
+        """The command bound's load now (no Redis call)."""
+        # The semaphore's own counters (typed in typeshed): no second count to keep in step.
+        waiting = sum(1 for waiter in self._commands._waiters or () if not waiter.done())
+        in_flight = self.max_in_flight - self._commands._value
+        return CommandLoad(in_flight=in_flight, waiting=waiting, max_in_flight=self.max_in_flight)
 
     async def __aenter__(self) -> Client:
         await self.connect()

@@ -31,6 +31,9 @@ PROMPT_FIELDS: Final = ("prompt", "prompt_token_ids", "messages")
 MAX_ROLE_LEN: Final = 64
 # Seeds feed a 64-bit PRNG key.
 MAX_SEED: Final = 2**64 - 1
+# A job's ``speculative.method``: how drafts are made, or "off" (not even the worker default).
+SPECULATIVE_METHODS: Final = ("prompt_lookup", "off")
+MAX_DRAFT_TOKENS: Final = 16
 
 
 def encode_job(job: Job) -> bytes:
@@ -46,7 +49,7 @@ def encode_job(job: Job) -> bytes:
             value = [encode_tool(tool) for tool in value]
         elif name == "tool_choice":
             value = encode_tool_choice(value)
-        elif name in ("metadata", "response_format") and isinstance(value, Mapping):
+        elif name in ("metadata", "response_format", "speculative") and isinstance(value, Mapping):
             value = dict(value)  # anything else goes as it is, for the decoder to refuse
         elif isinstance(value, tuple):
             value = list(value)
@@ -120,6 +123,7 @@ def _decode_job(data: object, limits: Limits) -> Job:
         tool_choice=read_tool_choice(reader, tools),
         parallel_tool_calls=reader.boolean("parallel_tool_calls"),
         thinking=reader.boolean("thinking"),
+        speculative=_speculative(reader),
     )
 
 
@@ -176,6 +180,29 @@ def _response_format(reader: FieldReader) -> dict[str, Any] | None:
         return {"type": kind, "schema": schema}
     text = where.required_string(field, non_empty=True, max_len=reader.limits.max_str_len)
     return {"type": kind, field: text}
+
+
+def _speculative(reader: FieldReader) -> dict[str, Any] | None:
+    value = reader.mapping("speculative")
+    if value is None:
+        return None
+    where = FieldReader(value, f"{reader.what}.speculative", reader.limits)
+    where.request_id = reader.request_id
+    extra = {name for name, item in value.items() if item is not None} - {
+        "method",
+        "num_draft_tokens",
+    }
+    if extra:
+        raise where.error("invalid_field", min(extra, key=str), "is not a field of speculative")
+    method = where.required_string("method")
+    if method not in SPECULATIVE_METHODS:
+        raise where.error(
+            "invalid_field", "method", f"must be one of {', '.join(SPECULATIVE_METHODS)}"
+        )
+    count = where.integer("num_draft_tokens", minimum=1)
+    if count is not None and count > MAX_DRAFT_TOKENS:
+        raise where.error("limit_exceeded", "num_draft_tokens", f"is over {MAX_DRAFT_TOKENS}")
+    return {"method": method} if count is None else {"method": method, "num_draft_tokens": count}
 
 
 def readable_model(data: object) -> str | None:

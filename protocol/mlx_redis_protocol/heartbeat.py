@@ -9,9 +9,16 @@ jobs that name none with, and its version. Readers are lenient: a heartbeat of a
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
+
+from mlx_redis_protocol.identifiers import is_valid_id
+
+# Numbers a reader takes from a worker's document: exact in a float, so a time or a count
+# past it (a hostile or broken writer) cannot overflow the arithmetic that shows it.
+MAX_EXACT_INT: Final = 2**53
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,16 +88,47 @@ def decode_heartbeat(raw: bytes | str | None) -> Heartbeat | None:
 
 def worker_document(raw: bytes | str | None) -> dict[str, Any] | None:
     """A worker's JSON value (heartbeat, activity) as a dict naming its worker; None for a
-    missing value, one that is not JSON, or one without a ``worker_id``."""
+    missing value, one that is not JSON, or one without a ``worker_id`` that is an id."""
     if raw is None:
         return None
     try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        value = _clean(json.loads(raw))
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("worker_id"), str):
+    if not isinstance(value, dict):
+        return None
+    worker_id = value.get("worker_id")
+    # Its id names the worker's other keys (activity): one that is no id is no worker's.
+    if not isinstance(worker_id, str) or not is_valid_id(worker_id):
         return None
     return value
+
+
+def _clean(value: Any) -> Any:
+    """A decoded JSON value whose every part a reader can show and re-encode: a number that
+    is not finite or past 2**53 becomes None (as absent), a string's lone surrogates become
+    U+FFFD (they cannot be written as UTF-8)."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8") if _has_surrogate(value) else value
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return value if abs(value) <= MAX_EXACT_INT else None
+    if isinstance(value, float):
+        return value if math.isfinite(value) and abs(value) <= MAX_EXACT_INT else None
+    if isinstance(value, list):
+        return [_clean(item) for item in value]
+    if isinstance(value, dict):
+        return {_clean(name): _clean(item) for name, item in value.items()}
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _models(value: Any) -> dict[str, ServedModel]:

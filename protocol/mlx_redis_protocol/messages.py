@@ -73,6 +73,7 @@ class JobOptions(TypedDict, total=False):
     tool_choice: ToolChoice | str | Mapping[str, str]
     parallel_tool_calls: bool
     thinking: bool
+    speculative: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,6 +175,9 @@ class Job:
     # False: a model that reasons asks its chat template to skip it (None: the model's
     # default).
     thinking: bool | None = None
+    # Speculative decoding: {"method": "prompt_lookup" | "off", "num_draft_tokens": 1..16};
+    # None: the worker's default.
+    speculative: Mapping[str, Any] | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The set sampling fields, ready for ``SamplingParams(**kwargs)`` (lists, not tuples)."""

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from mlx_redis_protocol.limits import DEFAULT_LIMITS
 from mlx_redis_protocol.messages import SAMPLING_FIELDS, Job
+from mlx_redis_worker.daemon.jobs import job_speculative, speculative_params
+from mlx_redis_worker.daemon.settings import WorkerSettings, parse_speculative
 from mlx_redis_worker.daemon.worker import scheduler_config
-from mlx_redis_worker.engine import SamplingParams
+from mlx_redis_worker.engine import SamplingParams, SpeculativeParams
 from tests.protocol.messages_samples import JOBS
 
 
@@ -36,3 +40,32 @@ def test_the_engine_enforces_the_wires_caps() -> None:
     config = scheduler_config(max_concurrency=4, limits=DEFAULT_LIMITS)
     assert config.max_prompt_tokens == DEFAULT_LIMITS.max_prompt_tokens
     assert config.max_logprobs == DEFAULT_LIMITS.max_logprobs
+
+
+def test_a_jobs_speculative_choice_beats_the_worker_default() -> None:
+    default = SpeculativeParams(num_draft_tokens=6)
+    plain = Job(request_id="r", prompt="p")
+    assert job_speculative(plain, None) is None
+    assert job_speculative(plain, default) == default
+    off = dataclasses.replace(plain, speculative={"method": "off"})
+    assert job_speculative(off, default) is None
+    named = dataclasses.replace(plain, speculative={"method": "prompt_lookup"})
+    assert job_speculative(named, default) == default  # the default's draft length
+    assert job_speculative(named, None) == SpeculativeParams()
+    full = dataclasses.replace(
+        plain, speculative={"method": "prompt_lookup", "num_draft_tokens": 2}
+    )
+    assert job_speculative(full, default) == SpeculativeParams(num_draft_tokens=2)
+
+
+def test_the_speculative_setting_parses_or_says_what_is_wrong() -> None:
+    assert parse_speculative("off") is None
+    assert parse_speculative("prompt_lookup") == ("prompt_lookup", 4)
+    assert speculative_params(parse_speculative("prompt_lookup:8")) == SpeculativeParams(
+        num_draft_tokens=8
+    )
+    for bad in ("on", "prompt_lookup:0", "prompt_lookup:17", "prompt_lookup:x", "off:2"):
+        with pytest.raises(ValueError, match="speculative"):
+            parse_speculative(bad)
+    with pytest.raises(ValueError, match="speculative"):
+        WorkerSettings(speculative="medusa")

@@ -45,6 +45,17 @@ ENGINE_KEYS = [
     "total_completion_tokens",
     "batch_failures",
     "model_seconds",
+    "speculation",
+]
+SPECULATION_KEYS = [
+    "steps",
+    "rows",
+    "draft_tokens",
+    "accepted_tokens",
+    "backoffs",
+    "batch_backoffs",
+    "acceptance_rate",
+    "tokens_per_step",
 ]
 HEALTH_KEYS = [
     "healthy",
@@ -82,6 +93,7 @@ def test_the_stats_dicts_are_the_typed_stats(engine: EngineCore) -> None:
     typed, view = engine.stats(), engine.get_stats()
     assert list(view) == ENGINE_KEYS
     assert list(view["health"]) == HEALTH_KEYS and view["requests"] == []
+    assert list(view["speculation"]) == SPECULATION_KEYS
     assert view["total_completion_tokens"] == typed.scheduler.total_completion_tokens
     assert typed.scheduler.total_completion_tokens == sum(o.completion_tokens for o in outputs)
     assert typed.scheduler.num_requests_processed == view["num_requests_processed"] == 3

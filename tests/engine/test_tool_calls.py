@@ -21,6 +21,7 @@ from mlx_redis_worker.engine.tool_calls import (
     MISTRAL,
     Markers,
     ToolSyntax,
+    closed,
     tool_grammar,
     tool_syntax,
 )
@@ -240,3 +241,31 @@ def test_tools_beside_a_response_format_are_refused(tiny_model: Any) -> None:
         response_format={"type": "json_object"},
     )
     assert job_prompt(none, tiny_model[1]).parser is None
+
+
+def test_objects_that_say_nothing_of_other_keys_are_closed_to_them() -> None:
+    """A call's arguments get no keys of the model's own (every such call still validates);
+    what a schema says, and its const and enum values, stay as they are."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+            "c": {"type": "array", "items": {"properties": {}}},
+            "d": {"const": {"properties": {}}},
+        },
+        "$defs": {"e": {"type": "object", "properties": {}, "additionalProperties": True}},
+    }
+    assert closed(schema) == {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {"b": {"type": "integer"}},
+                "additionalProperties": False,
+            },
+            "c": {"type": "array", "items": {"properties": {}, "additionalProperties": False}},
+            "d": {"const": {"properties": {}}},
+        },
+        "$defs": {"e": {"type": "object", "properties": {}, "additionalProperties": True}},
+        "additionalProperties": False,
+    }

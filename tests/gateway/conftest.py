@@ -36,6 +36,18 @@ def fleet(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture
+def lone_gateways(redis_server: RedisServer, tmp_path: Path) -> Iterator[GatewayFactory]:
+    """Gateways with no worker behind them (a prefix of the test's own), for what happens
+    before a job exists; stopped (and their logs printed) at the test's end."""
+    factory = GatewayFactory(tmp_path, redis_server.url, f"h{uuid.uuid4().hex[:12]}")
+    try:
+        yield factory
+    finally:
+        factory.stop_all()
+        print(factory.report())
+
+
+@pytest.fixture
 def gateways(fleet: Fleet, tmp_path: Path) -> Iterator[GatewayFactory]:
     """Start ``mlx-worker gateway`` processes in front of the module's worker; stopped (and
     their logs printed) at the test's end."""

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import json
 import socket
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mlx_redis_worker.local_redis import RedisServer
 from tests.support.gateway import GatewayFactory, GatewayProcess
 from tests.support.waiting import wait_until
 
@@ -25,18 +21,8 @@ CHAT_HEAD = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
 
 
 @pytest.fixture
-def factory(redis_server: RedisServer, tmp_path: Path) -> Iterator[GatewayFactory]:
-    factory = GatewayFactory(tmp_path, redis_server.url, f"h{uuid.uuid4().hex[:12]}")
-    try:
-        yield factory
-    finally:
-        factory.stop_all()
-        print(factory.report())
-
-
-@pytest.fixture
-def gateway(factory: GatewayFactory) -> GatewayProcess:
-    return factory.start(
+def gateway(lone_gateways: GatewayFactory) -> GatewayProcess:
+    return lone_gateways.start(
         "--max-body-bytes",
         str(MAX_BODY),
         "--max-header-bytes",
@@ -198,9 +184,9 @@ def test_a_keep_alive_connection_serves_a_bounded_number_of_requests(
 
 
 def test_connections_over_the_cap_are_refused_with_a_503_until_some_close(
-    factory: GatewayFactory,
+    lone_gateways: GatewayFactory,
 ) -> None:
-    gateway = factory.start("--max-connections", "8", "--header-timeout", "600")
+    gateway = lone_gateways.start("--max-connections", "8", "--header-timeout", "600")
     idle = [connect(gateway) for _ in range(8)]
     try:
         # Accepted in order: the ninth is refused at once, though the eight send nothing.

@@ -12,20 +12,31 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from mlx_redis_protocol.messages import Usage
 from mlx_redis_worker.daemon.metrics import Metrics, MetricSources
+from mlx_redis_worker.engine.speculative_batch import SpeculationCounters
+from mlx_redis_worker.engine.stats import SpeculationStats
 
 
 class FakeEngine:
     """The engine's typed stats, the only part of it the metrics read."""
 
-    def __init__(self, hit_rate: float | None) -> None:
+    def __init__(self, hit_rate: float | None, speculated: bool = True) -> None:
         self.hit_rate = hit_rate
+        self.speculation = (
+            SpeculationCounters(steps=10, rows=12, drafted=40, accepted=30, emitted=50)
+            if speculated
+            else SpeculationCounters()
+        )
 
     def stats(self) -> SimpleNamespace:
         return SimpleNamespace(
             steps_executed=42,
             engine_thread_cpu_seconds=1.5,
             step_seconds=2.0,
-            scheduler=SimpleNamespace(total_completion_tokens=300, model_seconds=1.75),
+            scheduler=SimpleNamespace(
+                total_completion_tokens=300,
+                model_seconds=1.75,
+                speculation=SpeculationStats.of(self.speculation),
+            ),
         )
 
     def cache_stats(self) -> SimpleNamespace | None:
@@ -58,7 +69,8 @@ def source(model: str, group: dict[str, Any] | None, hit_rate: float | None) -> 
     runner = SimpleNamespace(in_flight={"r1": "1-0", "r2": "2-0"}, outcomes={"completed": 5})
     return MetricSources(
         model=model,
-        engine=FakeEngine(hit_rate),  # type: ignore[arg-type]
+        # A model without a prefix cache has not speculated either: its rates are gaps.
+        engine=FakeEngine(hit_rate, speculated=hit_rate is not None),  # type: ignore[arg-type]
         runner=runner,  # type: ignore[arg-type]
         queue=FakeQueue(group),  # type: ignore[arg-type]
     )
@@ -95,6 +107,11 @@ def test_refresh_copies_the_sources() -> None:
     assert found["mlxw_group_lag{model=tiny}"] == 3
     assert found["mlxw_group_pending{model=tiny}"] == 2
     assert found["mlxw_prefix_cache_hit_rate{model=tiny}"] == 0.25
+    assert found["mlxw_speculative_steps_total{model=tiny}"] == 10
+    assert found["mlxw_speculative_draft_tokens_total{model=tiny}"] == 40
+    assert found["mlxw_speculative_accepted_tokens_total{model=tiny}"] == 30
+    assert found["mlxw_speculative_acceptance_rate{model=tiny}"] == 0.75
+    assert found["mlxw_speculative_tokens_per_step{model=tiny}"] == 3.5
     assert found["mlxw_metrics_refreshed_timestamp_seconds"] > 0
 
 
@@ -122,6 +139,8 @@ def test_unknown_values_are_gaps_not_zeros() -> None:
     assert "mlxw_group_lag{model=tiny}" not in found
     assert "mlxw_group_pending{model=tiny}" not in found
     assert "mlxw_prefix_cache_hit_rate{model=tiny}" not in found
+    assert "mlxw_speculative_acceptance_rate{model=tiny}" not in found
+    assert found["mlxw_speculative_steps_total{model=tiny}"] == 0
     assert found["mlxw_requests_in_flight{model=tiny}"] == 2
     m = metrics({"lag": None, "pending": 0}, None)  # Redis may not know the lag
     asyncio.run(m.refresh_now())

@@ -153,6 +153,31 @@ def _add_bench_commands(commands: Any) -> None:
         func=_lazy("mlx_redis_worker.bench.structured_bench", "run_structured_bench")
     )
 
+    tools = benches.add_parser(
+        "tools", help="tool calls: do all parse and validate (required, auto)? how often called?"
+    )
+    tools.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path or hub id")
+    tools.add_argument("--schemas", type=int, default=200, help="functions, one per schema")
+    tools.add_argument("--seed", type=int, default=0, help="of the schema suite")
+    tools.add_argument("--batch", type=int, default=8, help="requests in flight at once")
+    tools.add_argument("--max-tokens", type=int, default=256)
+    tools.add_argument("--temperature", type=float, default=0.7)
+    tools.set_defaults(func=_lazy("mlx_redis_worker.bench.tools_bench", "run_tools_bench"))
+
+    speculative = benches.add_parser(
+        "speculative", help="speculative decoding vs plain: batch 1 speedup, batch N tok/s"
+    )
+    speculative.add_argument("--model", default="smollm2", help="smollm2 | tiny | a path")
+    speculative.add_argument("--prompts", type=int, default=6, help="input-grounded prompts")
+    speculative.add_argument("--max-tokens", type=int, default=128, help="per batch-1 request")
+    speculative.add_argument("--num-draft-tokens", type=int, default=4)
+    speculative.add_argument("--repeat", type=int, default=2, help="rotations at batch 1")
+    speculative.add_argument("--batch", type=int, default=32, help="requests added together")
+    speculative.add_argument("--batch-max-tokens", type=int, default=64)
+    speculative.set_defaults(
+        func=_lazy("mlx_redis_worker.bench.speculative_bench", "run_speculative_bench")
+    )
+
 
 def _add_load_flags(bench: argparse.ArgumentParser) -> None:
     """The generation load of the engine and end-to-end benches."""
@@ -220,6 +245,11 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "heartbeat_interval": (float, "seconds between heartbeats"),
     "activity_interval": (float, "seconds between writes of the activity key (status page)"),
     "metrics_port": (int, "serve Prometheus metrics on 127.0.0.1:PORT"),
+    "speculative": (
+        str,
+        "speculative decoding for jobs that do not ask: off, or METHOD[:DRAFT_TOKENS] "
+        "(prompt_lookup, prompt_lookup:4)",
+    ),
 }
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +37,7 @@ from starlette.routing import Route
 
 from mlx_redis_gateway.api_keys import ApiKey, KeyFile
 from mlx_redis_gateway.auth import Authenticator
+from mlx_redis_gateway.browser_guard import BrowserGuard, require_json
 from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.fanout import (
     Choice,
@@ -48,14 +49,15 @@ from mlx_redis_gateway.fanout import (
 from mlx_redis_gateway.fleet_status import FleetStatus, read_fleet_status
 from mlx_redis_gateway.http_limits import DEFAULT_HTTP_LIMITS, HttpLimits, RequestLimits, read_json
 from mlx_redis_gateway.openai_api import CompletionRequest, Kind, check_request_id, parse_request
-from mlx_redis_gateway.quotas import LEASE_SECONDS, Quotas
+from mlx_redis_gateway.quotas import LEASE_SECONDS, Quotas, read_lease
+from mlx_redis_gateway.redis_health import HealthProbe
 from mlx_redis_gateway.responses_api import (
     ResponseEvents,
     completed_response,
     parse_responses_request,
 )
 from mlx_redis_gateway.shaping import DONE_MESSAGE, ResponseShape, Shaper, sse_data, sse_message
-from mlx_redis_gateway.status_page import render_fragment, render_page
+from mlx_redis_gateway.status_page import STATUS_PAGE_CSP, render_fragment, render_page
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.connection import is_unavailable
 from mlx_redis_protocol.constants import DEFAULT_LOG_TTL_SECONDS, DEFAULT_PREFIX, DEFAULT_REDIS_URL
@@ -78,6 +80,7 @@ T = TypeVar("T")
 RESUMABLE_HEADER: Final = "x-resumable"
 # How long one read of the fleet's status serves the status page's requests.
 STATUS_CACHE_SECONDS: Final = 1.0
+_PAGE_HEADERS: Final = {"content-security-policy": STATUS_PAGE_CSP}
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +101,15 @@ class GatewaySettings:
     quota_lease_seconds: float = LEASE_SECONDS
     limits: Limits = DEFAULT_LIMITS
     http: HttpLimits = DEFAULT_HTTP_LIMITS
+    # Host names answered besides the loopback ones ("*": any); checked without API keys,
+    # or with them when any is named.
+    allowed_hosts: tuple[str, ...] = ()
+
+    def checked_hosts(self) -> tuple[str, ...] | None:
+        """The Host allowlist to enforce; None: any Host."""
+        if self.api_keys is not None and not self.allowed_hosts:
+            return None
+        return self.allowed_hosts
 
     def __post_init__(self) -> None:
         if self.quota_lease_seconds < 1:
@@ -125,6 +137,7 @@ class Gateway:
         self._background: set[asyncio.Task[None]] = set()
         self._status: tuple[float, FleetStatus] | None = None
         self._status_lock = asyncio.Lock()
+        self._health = HealthProbe(self.client)
 
     @property
     def quotas(self) -> Quotas:
@@ -133,8 +146,10 @@ class Gateway:
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        redis = await self.client.connect()
-        self._quotas = Quotas(redis, self.client.keys, self.settings.quota_lease_seconds)
+        await self.client.connect()
+        self._quotas = Quotas(
+            self.client.command_slot, self.client.keys, self.settings.quota_lease_seconds
+        )
         leases = asyncio.create_task(self.quotas.keep_leases(), name="quota leases")
         log.info(
             "gateway_ready",
@@ -149,6 +164,7 @@ class Gateway:
             for task in list(self._background):
                 task.cancel()
             await asyncio.gather(leases, *self._background, return_exceptions=True)
+            await self.quotas.close()
             await self.client.aclose()
 
     # -- routes ------------------------------------------------------------------------------
@@ -209,42 +225,67 @@ class Gateway:
         return JSONResponse(_model_object(name))
 
     async def health(self, request: Request) -> Response:
+        """200 while Redis answers, 503 only when it cannot be reached; how busy the
+        gateway's Redis commands are is told beside (``redis.saturated``), not as a failure."""
+        load = self.client.command_load()
         try:
-            served = await self.client.served_models()
+            served = await self._health.served_models()
         except RedisUnavailable as exc:
             return JSONResponse({"status": "unavailable", "error": str(exc)}, status_code=503)
-        return JSONResponse({"status": "ok", "models": sorted(served)})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "models": sorted(served),
+                "redis": {
+                    "saturated": load.saturated,
+                    "commands_in_flight": load.in_flight,
+                    "commands_waiting": load.waiting,
+                    "max_in_flight": load.max_in_flight,
+                },
+            }
+        )
 
     async def resume(self, request: Request) -> Response:
         """The request's stream again, after the event the client names (``Last-Event-ID``
         header or ``last_event_id`` query parameter); from the start without one."""
         key = self.auth.api_key(request)
-        request_id, shape = await self._owned(request, key)
         raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
         try:
             after = int(raw) if raw is not None else -1
         except ValueError as exc:
             raise ApiError(400, "Last-Event-ID must be an integer", param="Last-Event-ID") from exc
-        return self._stream_response(request_id, shape, after=after, abort_when_left=False)
+        lease = await self._admit_read(request, key)
+        try:
+            request_id, shape = await self._owned(request, key)
+        except BaseException:
+            await self._release(lease)
+            raise
+        return self._stream_response(
+            request_id, shape, after=after, abort_when_left=False, lease=lease
+        )
 
     async def result(self, request: Request) -> Response:
         """The finished answer of a request (waits for its end), as a completion object."""
         key = self.auth.api_key(request)
-        request_id, shape = await self._owned(request, key)
-        # Another route may be streaming this request: its lease is not this route's to end.
-        following = self._follow(request_id, shape, holds_lease=False)
-        shaper = await self._until_disconnected(request, following)
+        lease = await self._admit_read(request, key)
+        try:
+            request_id, shape = await self._owned(request, key)
+            # Another route may be streaming this request: its lease is not this route's.
+            following = self._follow(request_id, shape, holds_lease=False)
+            shaper = await self._until_disconnected(request, following)
+        finally:
+            await self._release(lease)
         if shaper is None:
             return Response(status_code=499)
         return self._answer(shaper)
 
     async def status_page(self, request: Request) -> Response:
         self.auth.operator(request)
-        return HTMLResponse(render_page(await self._fleet_status()))
+        return HTMLResponse(render_page(await self._fleet_status()), headers=_PAGE_HEADERS)
 
     async def status_fragment(self, request: Request) -> Response:
         self.auth.operator(request)
-        return HTMLResponse(render_fragment(await self._fleet_status()))
+        return HTMLResponse(render_fragment(await self._fleet_status()), headers=_PAGE_HEADERS)
 
     async def status_json(self, request: Request) -> Response:
         self.auth.operator(request)
@@ -284,6 +325,7 @@ class Gateway:
         return self._answer(shaper)
 
     async def _json_body(self, request: Request) -> Any:
+        require_json(request)
         return read_json(await request.body(), self.settings.http.max_json_depth)
 
     async def _check_served(self, model: str) -> None:
@@ -312,15 +354,16 @@ class Gateway:
 
     async def _queue(self, job: Job, shape: ResponseShape) -> None:
         """Queue ``job``, its answer's shape beside its log."""
-        redis = await self.client.connect()
         key_of_shape = self.client.keys.gateway_request(job.request_id)
+
+        async def write_shape() -> None:
+            async with self.client.command_slot() as redis:
+                await redis.set(key_of_shape, shape.encode(), ex=self.settings.log_ttl)
+
         try:
             # Side by side (one round trip of waiting, not two): nobody can ask to resume the
             # request before this answer gives its id, and by then both are written.
-            await asyncio.gather(
-                redis.set(key_of_shape, shape.encode(), ex=self.settings.log_ttl),
-                self.client.submit_job(job),
-            )
+            await asyncio.gather(write_shape(), self.client.submit_job(job))
         except Exception as exc:
             if isinstance(exc, RedisUnavailable) or is_unavailable(exc):
                 raise ApiError(
@@ -350,6 +393,7 @@ class Gateway:
         queuing = asyncio.ensure_future(
             queue_choices(accepted.choices, submit, self._events, leaders_queued=leaders_queued)
         )
+        queuing.add_done_callback(_log_queuing_failure)
         # The leading jobs are queued before the answer starts: a refusal is its status.
         leaders = asyncio.ensure_future(leaders_queued.wait())
         await asyncio.wait({leaders, queuing}, return_when=asyncio.FIRST_COMPLETED)
@@ -492,17 +536,25 @@ class Gateway:
                 await self.quotas.release(request_id)
 
     def _stream_response(
-        self, request_id: str, shape: ResponseShape, *, after: int, abort_when_left: bool
+        self,
+        request_id: str,
+        shape: ResponseShape,
+        *,
+        after: int,
+        abort_when_left: bool,
+        lease: str | None = None,
     ) -> Response:
+        """``lease``: a read's quota lease, given back when the stream ends."""
+        messages = self._sse(request_id, shape, after, abort_when_left)
         return EventSourceResponse(
-            self._sse(request_id, shape, after, abort_when_left),
+            messages if lease is None else self._releasing(messages, lease),
             ping=15,
             headers={"x-request-id": request_id, "cache-control": "no-cache"},
         )
 
     async def _sse(
         self, request_id: str, shape: ResponseShape, after: int, abort_when_left: bool
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """The SSE messages of a request, after seq ``after``: its chunks, then ``[DONE]``
         (or an error chunk). A client that leaves first aborts the job when
         ``abort_when_left`` (and the gateway is configured to)."""
@@ -563,6 +615,16 @@ class Gateway:
         else:
             self._in_background(self.quotas.release(request_id))
 
+    async def _releasing(
+        self, messages: AsyncGenerator[bytes, None], lease: str
+    ) -> AsyncIterator[bytes]:
+        try:
+            async with aclosing(messages):
+                async for message in messages:
+                    yield message
+        finally:
+            self._in_background(self.quotas.release(lease))
+
     def _left(self, request_id: str, resumable: bool) -> Callable[[], Awaitable[None]]:
         """What to do for a request whose client left before its end: abort it (not
         resumable, and the gateway aborts on disconnect), else keep its quota lease until it
@@ -609,8 +671,8 @@ class Gateway:
     async def _owned(self, request: Request, key: ApiKey | None) -> tuple[str, ResponseShape]:
         """The request named in the path and its shape, if the caller's key made it."""
         request_id = check_request_id(request.path_params["request_id"])
-        redis = await self.client.connect()
-        raw = await redis.get(self.client.keys.gateway_request(request_id))
+        async with self.client.command_slot() as redis:
+            raw = await redis.get(self.client.keys.gateway_request(request_id))
         shape = ResponseShape.decode(raw) if raw is not None else None
         # Someone else's request reads as missing: its existence is not told.
         if shape is None or (key is not None and shape.owner != key.name):
@@ -619,15 +681,36 @@ class Gateway:
             )
         return request_id, shape
 
+    async def _admit_read(self, request: Request, key: ApiKey | None) -> str | None:
+        """A quota lease for reading the request named in the path (None without keys): a
+        read counts against its key's rate and concurrency like a completion."""
+        if key is None:
+            return None
+        request_id = check_request_id(request.path_params["request_id"])
+        lease = read_lease(request_id)
+        await self.quotas.admit_or_refuse(key, lease, holder=request_id)
+        return lease
+
+    async def _release(self, lease: str | None) -> None:
+        if lease is not None:
+            await self.quotas.release(lease)
+
     # -- status ------------------------------------------------------------------------------
 
     async def _fleet_status(self) -> FleetStatus:
         async with self._status_lock:
             now = time.monotonic()
             if self._status is None or now - self._status[0] > STATUS_CACHE_SECONDS:
-                redis = await self.client.connect()
-                self._status = (now, await read_fleet_status(redis, self.client.keys))
+                async with self.client.command_slot() as redis:
+                    self._status = (now, await read_fleet_status(redis, self.client.keys))
             return self._status[1]
+
+
+def _log_queuing_failure(task: asyncio.Future[None]) -> None:
+    """A fan-out's jobs that could not all be queued: its client hears of it from the
+    choices left waiting; the operator from this line (even when no client is left)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("fan_out_queuing_failed", error=str(task.exception()))
 
 
 def _as_api_error(exc: BaseException | None) -> ApiError:
@@ -721,7 +804,10 @@ def build_app(settings: GatewaySettings) -> Starlette:
     }
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(RequestLimits, limits=settings.http)],
+        middleware=[
+            Middleware(RequestLimits, limits=settings.http),
+            Middleware(BrowserGuard, allowed_hosts=settings.checked_hosts()),
+        ],
         exception_handlers=handlers,
         lifespan=gateway.lifespan,
     )

@@ -66,6 +66,14 @@ def add_gateway_commands(commands: Any) -> None:
     )
     gateway.add_argument("--no-status-page", action="store_true", help="serve no status page")
     _add_http_limits(gateway)
+    gateway.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="NAME",
+        help="a Host name to answer besides localhost, 127.0.0.1 and ::1 (repeatable; '*': any). "
+        "Without API keys other names get a 400 (DNS rebinding); with keys, Host is checked "
+        "only when this names one",
+    )
     gateway.set_defaults(func=run_gateway)
 
     api_key = commands.add_parser("api-key", help="manage the gateway's API keys")
@@ -119,6 +127,7 @@ def run_gateway(args: argparse.Namespace) -> int:
             status_page=not args.no_status_page,
             quota_lease_seconds=args.quota_lease_seconds,
             http=http,
+            allowed_hosts=tuple(args.allowed_host or ()),
         )
     except ValueError as exc:
         return _fail(str(exc))
@@ -146,6 +155,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         log_config=None,  # structlog already owns the output
         access_log=False,
         http=guarded_protocol(settings.http),
+        server_header=False,  # no banner naming the server and its version
         lifespan="on",
         timeout_graceful_shutdown=30,
         # Longer than a load balancer's idle timeout (60 s is common), so the balancer, not

@@ -4,6 +4,7 @@ counts, tokens per time bucket) and the newest dead letters with their reasons."
 
 from __future__ import annotations
 
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -11,12 +12,16 @@ from typing import Any, Final
 
 from mlx_redis_protocol.activity import Activity, RequestActivity, decode_activity
 from mlx_redis_protocol.catalogue import Fleet, fleet_models
-from mlx_redis_protocol.connection import RedisClient, as_text
+from mlx_redis_protocol.connection import RedisClient
 from mlx_redis_protocol.identifiers import stream_id_time
 from mlx_redis_protocol.keys import Keys
 
 # Dead letters read per dead-letter stream, and shown in all.
 DEAD_LETTERS_SHOWN: Final = 20
+# A dead letter's time past this (year 9999) is shown as unknown: no date can show it.
+LATEST_TIME: Final = 253_402_300_799.0
+# How many times a dead letter was delivered: ASCII digits (str.isdigit takes "²"), at most 9.
+_DIGITS: Final = re.compile(r"[0-9]{1,9}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +138,8 @@ async def _activities(redis: RedisClient, keys: Keys, worker_ids: list[str]) -> 
     async with redis.pipeline(transaction=False) as pipe:
         for worker_id in worker_ids:
             pipe.get(keys.activity(worker_id))
-        values = await pipe.execute()
-    decoded = [decode_activity(value) for value in values]
+        values = await pipe.execute(raise_on_error=False)  # a key of another type: skipped
+    decoded = [decode_activity(value) for value in values if isinstance(value, bytes | str)]
     return [activity for activity in decoded if activity is not None]
 
 
@@ -163,8 +168,8 @@ async def _dead_letters(redis: RedisClient, streams: list[str]) -> tuple[DeadLet
         if not isinstance(entries, list):
             continue
         for entry_id, raw in entries:
-            fields = {as_text(name): value for name, value in raw.items()}
-            letters.append(_dead_letter(stream, as_text(entry_id), fields))
+            fields = {_text(name): value for name, value in raw.items()}
+            letters.append(_dead_letter(stream, _text(entry_id), fields))
     letters.sort(key=lambda dead: dead.at or 0.0, reverse=True)
     return tuple(letters[:DEAD_LETTERS_SHOWN])
 
@@ -172,15 +177,25 @@ async def _dead_letters(redis: RedisClient, streams: list[str]) -> tuple[DeadLet
 def _dead_letter(stream: str, entry_id: str, fields: dict[str, Any]) -> DeadLetter:
     def text(name: str) -> str | None:
         value = fields.get(name)
-        return as_text(value) if value is not None else None
+        return _text(value) if value is not None else None
 
     deliveries = text("deliveries")
+    at = stream_id_time(entry_id)
     return DeadLetter(
         stream=stream,
         entry_id=entry_id,
-        at=stream_id_time(entry_id),
+        # An id a writer chose (XADD with an explicit id) can lie past any date.
+        at=at if at is not None and 0 < at < LATEST_TIME else None,
         request_id=text("request_id"),
         code=text("code") or "unknown",
         message=text("message") or "",
-        deliveries=int(deliveries) if deliveries and deliveries.isdigit() else None,
+        deliveries=int(deliveries) if deliveries and _DIGITS.fullmatch(deliveries) else None,
     )
+
+
+def _text(value: object) -> str:
+    """Anything a producer wrote, as text a page can show: bytes that are not UTF-8 are
+    replaced, never an error."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value).encode("utf-8", "replace").decode("utf-8")

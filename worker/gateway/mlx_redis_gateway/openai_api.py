@@ -2,13 +2,14 @@
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` bodies are read field by field:
 known fields map to the job (docs/gateway.md has the table), fields whose value we cannot
-honour (tools, ``logit_bias``, ``echo``, ...) are a 400 naming the parameter, and unknown
+honour (``logit_bias``, ``echo``, ...) are a 400 naming the parameter, and unknown
 fields are ignored, as OpenAI's own clients expect of compatible servers. Nothing here
 touches Redis.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from collections.abc import Mapping
@@ -19,11 +20,12 @@ from mlx_redis_gateway.errors import ApiError, bad_request
 from mlx_redis_gateway.fanout import ChoiceJob
 from mlx_redis_protocol.client import build_job
 from mlx_redis_protocol.codec_job import MAX_SEED
+from mlx_redis_protocol.codec_tools import MAX_TOOLS, TOOL_NAME_RULE, is_tool_name
 from mlx_redis_protocol.errors import ProtocolError
 from mlx_redis_protocol.fields import FieldReader
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id, new_request_id
 from mlx_redis_protocol.limits import Limits
-from mlx_redis_protocol.messages import PROMPT_PREFIX, ChatMessage, Job
+from mlx_redis_protocol.messages import PROMPT_PREFIX, ChatMessage, Job, Tool, ToolCall
 
 Kind = Literal["chat", "text"]
 
@@ -33,6 +35,7 @@ _ROLES: Final = {
     "developer": "system",
     "user": "user",
     "assistant": "assistant",
+    "tool": "tool",
 }
 # Most jobs one request may fan out to (``n`` times the prompts of a list): each is a job on the
 # queue, so a request cannot flood it.
@@ -41,9 +44,8 @@ MAX_CHOICES: Final = 16
 _MAX_TOP_LOGPROBS: Final = {"chat": 20, "text": 5}
 # Fields with a value we cannot honour; a default-like value (the second item) passes.
 _UNSUPPORTED: Final[dict[str, tuple[str, Any]]] = {
-    "tools": ("tools are not supported by this gateway", None),
-    "functions": ("functions are not supported by this gateway", None),
-    "tool_choice": ("tool_choice is not supported by this gateway", "none"),
+    "functions": ("functions (deprecated) are not supported: send tools", None),
+    "function_call": ("function_call (deprecated) is not supported: send tool_choice", None),
     "logit_bias": ("logit_bias is not supported by this gateway", None),
     "audio": ("audio output is not supported", None),
     "prediction": ("predicted outputs are not supported", None),
@@ -110,6 +112,9 @@ _JOB_FIELD_PARAMS: Final = {
     "messages": "messages",
     "stop": "stop",
     "response_format": "response_format",
+    "tools": "tools",
+    "tool_choice": "tool_choice",
+    "parallel_tool_calls": "parallel_tool_calls",
 }
 
 
@@ -145,6 +150,8 @@ def _parse(
         "metadata": _metadata(reader, user_key),
         "response_format": _response_format(reader),
     }
+    if kind == "chat":
+        options |= _tool_options(reader)
     prompts, messages = _prompt(reader, kind)
     if len(prompts) * n > MAX_CHOICES:
         raise bad_request(
@@ -180,6 +187,11 @@ def _parse(
         for index, job in enumerate(jobs)
         for copy in range(n)
     )
+    if jobs[0].calls_tools() and jobs[0].response_format is not None:
+        raise bad_request(
+            "response_format cannot go with tools the model may call (tool_choice none)",
+            param="response_format",
+        )
     return CompletionRequest(
         kind=kind,
         model=model,
@@ -239,6 +251,56 @@ def _response_format(reader: _BodyReader) -> dict[str, Any] | None:
         "regex, grammar)",
         param="response_format",
     )
+
+
+def _tool_options(reader: _BodyReader) -> dict[str, Any]:
+    """OpenAI's ``tools``, ``tool_choice``, ``parallel_tool_calls`` and the reasoning switch
+    (``chat_template_kwargs.enable_thinking``, as vLLM takes it) as the job's fields."""
+    items = reader.array("tools", max_items=MAX_TOOLS) or []
+    tools = [_tool(item, index) for index, item in enumerate(items)]
+    template_kwargs = reader.mapping("chat_template_kwargs") or {}
+    thinking = template_kwargs.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise bad_request(
+            "chat_template_kwargs.enable_thinking must be a boolean",
+            param="chat_template_kwargs.enable_thinking",
+        )
+    return {
+        "tools": tools or None,
+        "tool_choice": _tool_choice(reader.message.get("tool_choice")),
+        "parallel_tool_calls": reader.boolean("parallel_tool_calls"),
+        "thinking": thinking,
+    }
+
+
+def _tool(item: object, index: int) -> Tool:
+    param = f"tools[{index}]"
+    if not isinstance(item, dict) or item.get("type", "function") != "function":
+        raise bad_request(f"{param} must be a function tool", param=param)
+    function = item.get("function")
+    if not isinstance(function, dict) or not is_tool_name(function.get("name")):
+        raise bad_request(f"{param}.function.name must be {TOOL_NAME_RULE}", param=param)
+    description = function.get("description")
+    parameters = function.get("parameters")
+    strict = function.get("strict")
+    if description is not None and not isinstance(description, str):
+        raise bad_request(f"{param}.function.description must be a string", param=param)
+    if parameters is not None and not isinstance(parameters, dict):
+        raise bad_request(f"{param}.function.parameters must be an object", param=param)
+    return Tool(
+        name=function["name"],
+        description=description,
+        parameters=parameters,
+        strict=strict if isinstance(strict, bool) else None,
+    )
+
+
+def _tool_choice(value: object) -> object:
+    """``"auto"``, ``"none"``, ``"required"`` or ``{"type": "function", "function": {"name":
+    …}}`` as the job takes it (the job's checks refuse anything else)."""
+    if isinstance(value, dict) and isinstance(value.get("function"), dict):
+        return {"name": value["function"].get("name")}
+    return value
 
 
 def _max_tokens(reader: _BodyReader, kind: Kind) -> int | None:
@@ -331,13 +393,47 @@ def _message(item: object, index: int) -> ChatMessage:
     role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
     if role is None:
         raise bad_request(
-            f"{param}.role must be one of system, developer, user, assistant"
-            " (tool messages are not supported)",
+            f"{param}.role must be one of system, developer, user, assistant, tool",
             param=f"{param}.role",
         )
-    if item.get("tool_calls"):
-        raise bad_request(f"{param}.tool_calls are not supported", param=f"{param}.tool_calls")
-    return ChatMessage(role=role, content=_content(item.get("content"), f"{param}.content"))
+    tool_call_id = item.get("tool_call_id")
+    if role == "tool" and not isinstance(tool_call_id, str):
+        raise bad_request(f"{param}.tool_call_id is required", param=f"{param}.tool_call_id")
+    name = item.get("name")
+    return ChatMessage(
+        role=role,
+        content=_content(item.get("content"), f"{param}.content"),
+        tool_calls=_tool_calls(item.get("tool_calls"), f"{param}.tool_calls"),
+        tool_call_id=tool_call_id if role == "tool" else None,
+        name=name if isinstance(name, str) and role == "tool" else None,
+    )
+
+
+def _tool_calls(value: object, param: str) -> tuple[ToolCall, ...] | None:
+    """An assistant message's ``tool_calls`` (the job's checks then check each call)."""
+    if not value:
+        return None
+    if not isinstance(value, list):
+        raise bad_request(f"{param} must be an array", param=param)
+    calls = []
+    for index, item in enumerate(value):
+        function = item.get("function") if isinstance(item, dict) else None
+        if not isinstance(function, dict):
+            raise bad_request(f"{param}[{index}] must be a function call", param=param)
+        call_id, name = item.get("id"), function.get("name")
+        calls.append(
+            ToolCall(
+                id=call_id if isinstance(call_id, str) else "",
+                name=name if isinstance(name, str) else "",
+                arguments=_arguments(function.get("arguments")),
+            )
+        )
+    return tuple(calls)
+
+
+def _arguments(value: object) -> str:
+    """A call's arguments as JSON text (some clients send the object itself)."""
+    return json.dumps(value) if isinstance(value, dict) else value if isinstance(value, str) else ""
 
 
 def _content(content: object, param: str) -> str:

@@ -124,6 +124,7 @@ def _quota_probes(redis: RedisClient, keys: Keys, name: str) -> list[Probe]:
         probe("TIME", "", redis.time),
         probe("ZREMRANGEBYSCORE", leases, lambda: redis.zremrangebyscore(leases, "-inf", 0)),
         probe("ZCARD", leases, lambda: redis.zcard(leases)),
+        probe("ZSCORE", leases, lambda: redis.zscore(leases, "probe")),
         # XX: only members that exist are updated, and there are none.
         probe("ZADD", leases, lambda: redis.zadd(leases, {"probe": 0}, xx=True)),
         probe("ZREM", leases, lambda: redis.zrem(leases, "probe")),

@@ -6,11 +6,23 @@ key has ``max_concurrent`` requests in flight, then takes a token from the key's
 next one; only a request that passes both checks takes a token and a lease. Time is Redis'
 (``TIME``), so gateways with skewed clocks agree. A lease is refreshed while its request
 runs and dropped when it ends; a gateway that dies leaves leases that expire on their own.
+
+Reading a request (its answer, or its stream again) is admitted the same way, under a lease
+of its own (``read_lease``): reads and resumes count against the key's rate and concurrency
+like completions, so a key cannot flood the gateway with reads that use no quota. A read of a
+request that still holds its own lease needs no second slot (a client resuming its own
+running stream is never refused for it), only a token. Every command goes through the
+client's bounded command slots (``Client.command_slot``), so quota traffic waits its turn
+instead of failing for want of a connection; a lease whose release fails is retried in the
+background for a few seconds before it is left to expire.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Final
 
@@ -29,12 +41,19 @@ LEASE_SECONDS: Final = 30.0
 
 # KEYS[1] the bucket (hash: tokens, at), KEYS[2] the in-flight leases (zset: request id →
 # expiry ms). ARGV[1] requests per minute (0: no limit), ARGV[2] max in flight (0: no cap),
-# ARGV[3] the request id, ARGV[4] lease ms. Returns {0, 0} admitted, {1, wait_ms} over the
+# ARGV[3] the lease's id, ARGV[4] lease ms, ARGV[5] (may be empty) a lease that, when held,
+# makes this one need no slot of its own. Returns {0, 0} admitted, {1, wait_ms} over the
 # rate, {2, in_flight} over the cap.
 ADMIT: Final = """
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local rate, cap, lease = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
+if cap > 0 and ARGV[5] ~= '' then
+  local held = redis.call('ZSCORE', KEYS[2], ARGV[5])
+  if held and tonumber(held) > now then
+    cap = 0
+  end
+end
 if cap > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
   local in_flight = redis.call('ZCARD', KEYS[2])
@@ -61,6 +80,10 @@ end
 return {0, 0}
 """
 
+# Waits (seconds) before the retries of a lease's release that failed: about 4 s in all, so a
+# Redis that refuses briefly does not keep a slot for the lease's whole time.
+RELEASE_RETRIES: Final = (0.1, 0.3, 0.6, 1.0, 2.0)
+
 # KEYS[1] the in-flight leases; ARGV[1] lease ms, ARGV[2..] request ids still running here.
 REFRESH: Final = """
 local t = redis.call('TIME')
@@ -83,38 +106,56 @@ class Refusal:
     in_flight: int = 0
 
 
+def read_lease(request_id: str) -> str:
+    """A fresh lease id for one read of ``request_id`` (never a request id itself)."""
+    return f"{request_id}/read-{uuid.uuid4().hex[:12]}"
+
+
 class Quotas:
     """Admission and leases for one gateway's requests."""
 
     def __init__(
-        self, redis: RedisClient, keys: Keys, lease_seconds: float = LEASE_SECONDS
+        self,
+        slot: Callable[[], AbstractAsyncContextManager[RedisClient]],
+        keys: Keys,
+        lease_seconds: float = LEASE_SECONDS,
     ) -> None:
-        self.redis = redis
+        """``slot``: one bounded command slot on the gateway's Redis, per use."""
+        self.slot = slot
         self.keys = keys
         self.lease_ms = int(lease_seconds * 1000)
-        self._held: dict[str, ApiKey] = {}  # request id → its key, while it holds a lease
+        self._held: dict[str, ApiKey] = {}  # lease id → its key, while it holds a lease
+        self._retrying: set[asyncio.Task[None]] = set()
 
-    async def admit(self, key: ApiKey, request_id: str) -> Refusal | None:
-        """Take a token and a lease for ``request_id``, or say why not."""
+    async def admit(self, key: ApiKey, lease_id: str, holder: str | None = None) -> Refusal | None:
+        """Take a token and a lease ``lease_id``, or say why not. ``holder``: a lease that,
+        while held, spares this one a slot of its own (a read of a running request)."""
         if key.requests_per_minute is None and key.max_concurrent is None:
             return None
-        verdict, figure = await run_script(
-            self.redis,
-            ADMIT,
-            [self.keys.quota(key.name), self.keys.quota_in_flight(key.name)],
-            [key.requests_per_minute or 0, key.max_concurrent or 0, request_id, self.lease_ms],
-        )
+        async with self.slot() as redis:
+            verdict, figure = await run_script(
+                redis,
+                ADMIT,
+                [self.keys.quota(key.name), self.keys.quota_in_flight(key.name)],
+                [
+                    key.requests_per_minute or 0,
+                    key.max_concurrent or 0,
+                    lease_id,
+                    self.lease_ms,
+                    holder or "",
+                ],
+            )
         if verdict == 1:
             return Refusal("rate", retry_after=int(figure) / 1000)
         if verdict == 2:
             return Refusal("concurrency", retry_after=1.0, in_flight=int(figure))
         if key.max_concurrent is not None:
-            self._held[request_id] = key
+            self._held[lease_id] = key
         return None
 
-    async def admit_or_refuse(self, key: ApiKey, request_id: str) -> None:
+    async def admit_or_refuse(self, key: ApiKey, lease_id: str, holder: str | None = None) -> None:
         """``admit``, with a refusal raised as OpenAI's 429 (and a Retry-After)."""
-        refusal = await self.admit(key, request_id)
+        refusal = await self.admit(key, lease_id, holder)
         if refusal is None:
             return
         if refusal.reason == "rate":
@@ -131,15 +172,39 @@ class Quotas:
             code = "concurrency_limit_exceeded"
         raise ApiError(429, message, "requests", code=code, retry_after=refusal.retry_after)
 
-    async def release(self, request_id: str) -> None:
-        """Give the lease back (best effort: it expires anyway)."""
-        key = self._held.pop(request_id, None)
+    async def release(self, lease_id: str) -> None:
+        """Give the lease back; when Redis fails to take it, retry in the background (and
+        past that, the lease expires on its own: nothing refreshes it any more)."""
+        key = self._held.pop(lease_id, None)
         if key is None:
             return
+        if await self._release_once(key, lease_id, log_failure=False):
+            return
+        task = asyncio.create_task(self._release_later(key, lease_id))
+        self._retrying.add(task)
+        task.add_done_callback(self._retrying.discard)
+
+    async def _release_once(self, key: ApiKey, lease_id: str, *, log_failure: bool) -> bool:
         try:
-            await self.redis.zrem(self.keys.quota_in_flight(key.name), request_id)
+            async with self.slot() as redis:
+                await redis.zrem(self.keys.quota_in_flight(key.name), lease_id)
         except REDIS_FAILURES as exc:
-            log.warning("quota_lease_not_released", request_id=request_id, error=describe(exc))
+            if log_failure:
+                log.warning("quota_lease_not_released", lease=lease_id, error=describe(exc))
+            return False
+        return True
+
+    async def _release_later(self, key: ApiKey, lease_id: str) -> None:
+        for attempt, wait in enumerate(RELEASE_RETRIES, start=1):
+            await asyncio.sleep(wait)
+            if await self._release_once(key, lease_id, log_failure=attempt == len(RELEASE_RETRIES)):
+                return
+
+    async def close(self) -> None:
+        """Stop the releases still being retried (their leases expire on their own)."""
+        for task in list(self._retrying):
+            task.cancel()
+        await asyncio.gather(*self._retrying, return_exceptions=True)
 
     async def keep_leases(self) -> None:
         """Refresh every held lease each third of the lease time, until cancelled."""
@@ -155,6 +220,7 @@ class Quotas:
                 for name, ids in by_key.items()
             ]
             try:
-                await run_script_each(self.redis, REFRESH, calls)
+                async with self.slot() as redis:
+                    await run_script_each(redis, REFRESH, calls)
             except REDIS_FAILURES as exc:  # they expire unless a later refresh gets through
                 log.warning("quota_leases_not_refreshed", error=describe(exc))

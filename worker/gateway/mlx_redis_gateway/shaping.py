@@ -28,6 +28,7 @@ from mlx_redis_protocol.messages import (
     QueuedEvent,
     ResetEvent,
     TokenLogprob,
+    ToolCallDelta,
     Usage,
 )
 
@@ -126,6 +127,12 @@ class Shaper:
         self.sent = self.attempt
         self.attempt_logprobs: list[TokenLogprob] = []
         self.offsets = _TextOffsets()  # of the attempt's logprob tokens in its text
+        # The current attempt's thought and call pieces, and how much of them the client has
+        # (a re-run after a reset repeats them: only what is past that goes out).
+        self.attempt_reasoning = ""
+        self.attempt_calls: dict[int, _CallSoFar] = {}
+        self.reasoning_sent = 0
+        self.calls_sent: dict[int, int] = {}  # index -> argument characters sent
         self.done: DoneEvent | None = None
         self.error: ApiError | None = None
 
@@ -141,6 +148,8 @@ class Shaper:
             self.attempt = _Output()
             self.attempt_logprobs = []
             self.offsets = _TextOffsets()
+            self.attempt_reasoning = ""
+            self.attempt_calls = {}
             return []
         if isinstance(event, DeltaEvent):
             return self._delta(event)
@@ -163,8 +172,48 @@ class Shaper:
         if event.logprobs:
             self.attempt_logprobs += event.logprobs
             self.offsets.add(event.logprobs)
+        self.attempt_reasoning += event.reasoning
+        for piece in event.tool_calls:
+            call = self.attempt_calls.setdefault(piece.index, _CallSoFar())
+            call.add(piece)
         if not self.streaming:
             return []
+        chunks = self._thought_and_calls(event)
+        return chunks + self._text_delta(event)
+
+    def _thought_and_calls(self, event: DeltaEvent) -> list[Chunk]:
+        """Chat chunks for what is new of the thought and of the calls (pieces in OpenAI's
+        ``delta.tool_calls`` shape: a call's first one with its id and name)."""
+        if self.shape.kind != "chat":
+            return []
+        chunks = []
+        reasoning = self.attempt_reasoning[self.reasoning_sent :]
+        if reasoning:
+            self.reasoning_sent = len(self.attempt_reasoning)
+            chunks.append(Chunk(event.seq, self._chunk({"reasoning_content": reasoning}, None)))
+        pieces = []
+        for index in sorted({piece.index for piece in event.tool_calls}):
+            call = self.attempt_calls[index]
+            sent = self.calls_sent.get(index)
+            piece: dict[str, Any] = {"index": index}
+            if sent is None:
+                if call.name is None:
+                    continue
+                sent = 0
+                piece |= {"id": call.id, "type": "function"}
+                piece["function"] = {"name": call.name, "arguments": ""}
+            arguments = call.arguments[sent:]
+            if arguments:
+                piece.setdefault("function", {})["arguments"] = arguments
+            elif "id" not in piece:
+                continue
+            self.calls_sent[index] = len(call.arguments)
+            pieces.append(piece)
+        if pieces:
+            chunks.append(Chunk(event.seq, self._chunk({"tool_calls": pieces}, None)))
+        return chunks
+
+    def _text_delta(self, event: DeltaEvent) -> list[Chunk]:
         if self.attempt is self.sent:
             new_text, new_logprobs = event.new_text, list(event.logprobs or ())
         else:
@@ -214,7 +263,7 @@ class Shaper:
         empty: dict[str, Any] | str = {} if self.shape.kind == "chat" else ""
         # With a usage chunk after it, the closing chunk carries no id: a client that lost
         # the usage chunk resumes before both and gets both again.
-        closing = self._chunk(empty, event.finish_reason)
+        closing = self._chunk(empty, finish_reason(event))
         if event.output_valid is not None:  # this gateway's extension: did it match the format?
             closing["choices"][0]["output_valid"] = event.output_valid
         chunks = [Chunk(event.seq, closing, has_id=not self.shape.include_usage)]
@@ -284,20 +333,54 @@ class Shaper:
         logprobs = self._logprobs(self.attempt_logprobs) if self.shape.logprobs else None
         if self.shape.kind == "chat":
             body = self._envelope("chat.completion")
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": done.output_text, "refusal": None},
-            }
+            message: dict[str, Any] = {"role": "assistant", "content": done.output_text}
+            if done.tool_calls:
+                message["content"] = done.output_text or None
+                message["tool_calls"] = [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                    for call in done.tool_calls
+                ]
+            if done.reasoning_text:
+                message["reasoning_content"] = done.reasoning_text
+            message["refusal"] = None
+            choice: dict[str, Any] = {"index": 0, "message": message}
         else:
             body = self._envelope("text_completion")
             choice = {"index": 0, "text": done.output_text}
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = done.finish_reason
+        choice["finish_reason"] = finish_reason(done)
         if done.output_valid is not None:
             choice["output_valid"] = done.output_valid
         body["choices"] = [choice]
         body["usage"] = usage_body(done.usage)
         return body
+
+
+class _CallSoFar:
+    """One call of the current attempt, as its pieces have built it."""
+
+    __slots__ = ("arguments", "id", "name")
+
+    def __init__(self) -> None:
+        self.id: str | None = None
+        self.name: str | None = None
+        self.arguments = ""
+
+    def add(self, piece: ToolCallDelta) -> None:
+        if piece.id is not None:
+            self.id = piece.id
+        if piece.name is not None:
+            self.name = piece.name
+        self.arguments += piece.arguments
+
+
+def finish_reason(done: DoneEvent) -> str:
+    """OpenAI's: ``tool_calls`` when the model ended its answer with calls."""
+    return "tool_calls" if done.tool_calls and done.finish_reason == "stop" else done.finish_reason
 
 
 DONE_MESSAGE: Final = b"data: [DONE]\r\n\r\n"

@@ -14,8 +14,12 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Final
 
+from mlx_redis_gateway.browser_guard import script_csp
 from mlx_redis_gateway.fleet_status import FleetStatus
 from mlx_redis_protocol.catalogue import QueueStatus
+
+# Said of every dead letter's message: it may quote what a job's producer sent.
+_TENANT_TEXT: Final = "text from a job's producer or its request, shown as sent; not the gateway's"
 
 # The plot's size in SVG units; it scales to the page's width.
 _PLOT_WIDTH: Final = 1200
@@ -49,6 +53,8 @@ code{font:12px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
 margin-left:6px;vertical-align:middle;overflow:hidden}
 .bar i{display:block;height:100%;background:var(--accent)}
 .message{max-width:520px;word-break:break-word}
+.tenant-text{font-style:italic}.tenant-text::before{content:"\\201C"}
+.tenant-text::after{content:"\\201D"}
 .stats{display:flex;gap:24px;color:var(--muted)}.stats b{color:var(--fg)}
 svg{width:100%;height:auto;display:block}
 svg text{font:12px system-ui,sans-serif;fill:var(--muted)}
@@ -73,6 +79,10 @@ _SCRIPT: Final = """
   setTimeout(refresh, 1000);
 })();
 """
+
+
+# The page's Content-Security-Policy: its one script, by hash; nothing loaded from elsewhere.
+STATUS_PAGE_CSP: Final = script_csp(_SCRIPT)
 
 
 def render_page(status: FleetStatus) -> str:
@@ -202,10 +212,10 @@ def _dead_letters(status: FleetStatus) -> str:
             f'<td title="{_e(when)}">{ago}</td><td><code>{_e(dead.stream)}</code></td>'
             f"<td><code>{_e(dead.request_id or '—')}</code></td>"
             f'<td class="bad code">{_e(dead.code)}</td>'
-            f'<td class="message">{_e(dead.message)}</td>'
+            f'<td class="message tenant-text" title="{_TENANT_TEXT}">{_e(dead.message)}</td>'
             f'<td class="num">{deliveries}</td></tr>'
         )
-    head = ("when", "stream", "request", "code", "message", "#deliveries")
+    head = ("when", "stream", "request", "code", "message (tenant text)", "#deliveries")
     return _section("dead-letters", "Dead letters (newest)", head, rows, "no dead letters")
 
 

@@ -245,7 +245,7 @@ async def _gateway_ready(port: int, process: subprocess.Popen[bytes]) -> None:
             raise RuntimeError(f"the gateway exited during start-up ({process.returncode})")
         with contextlib.suppress(OSError, RuntimeError):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"GET /health HTTP/1.1\r\nHost: gateway\r\nConnection: close\r\n\r\n")
+            writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
             status = await reader.readline()
             writer.close()
             if status.split(b" ", 2)[1:2] == [b"200"]:

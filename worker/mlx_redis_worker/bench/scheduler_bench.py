@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
-from mlx_lm.generate import GenerationBatch
-
 from mlx_redis_worker.bench.engine_bench import make_prompts
 from mlx_redis_worker.engine import Request, SamplingParams, Scheduler, SchedulerConfig
-from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator
+from mlx_redis_worker.engine.speculative_batch import (
+    SpeculativeBatchGenerator,
+    SpeculativeResponse,
+)
 from mlx_redis_worker.models import load_model
 
 
@@ -54,7 +55,7 @@ class ReplayGenerator:
         step, self._step = self._step, self._step + 1
         reason = "length" if step == len(self._tokens[0]) - 1 else None
         return [
-            GenerationBatch.Response(uid, self._tokens[uid][step], None, reason, None, None)
+            SpeculativeResponse(uid, self._tokens[uid][step], None, reason, None, None)
             for uid in self._uids
         ]
 
@@ -67,7 +68,7 @@ def run_scheduler(tokenizer: Any, tokens: list[list[int]], stream_interval: int)
     scheduler = Scheduler(
         None, tokenizer, SchedulerConfig(max_num_seqs=len(tokens), enable_prefix_cache=False)
     )
-    scheduler._generator = cast(PhasedBatchGenerator, ReplayGenerator(tokens))
+    scheduler._generator = cast(SpeculativeBatchGenerator, ReplayGenerator(tokens))
     params = SamplingParams(max_tokens=len(tokens[0]), temperature=0.0)
     start = time.perf_counter()
     for i in range(len(tokens)):

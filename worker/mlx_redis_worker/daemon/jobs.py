@@ -36,7 +36,7 @@ from mlx_redis_protocol.replay_log import (
 from mlx_redis_worker.daemon.job_prompt import job_prompt
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.publisher import AttemptLost, EventPublisher
-from mlx_redis_worker.engine import EngineCore, QueueFullError, SamplingParams
+from mlx_redis_worker.engine import EngineCore, QueueFullError, SamplingParams, SpeculativeParams
 
 log = structlog.get_logger(__name__)
 
@@ -87,6 +87,7 @@ class JobRunner:
         default_stream_interval: int,
         worker_id: str,
         model: str,
+        default_speculative: SpeculativeParams | None = None,
     ) -> None:
         """``model``: the fleet's name of the engine's model; the queue is its stream."""
         self.engine = engine
@@ -99,6 +100,7 @@ class JobRunner:
         self.limits = limits
         self.max_deliveries = max_deliveries
         self.default_stream_interval = default_stream_interval
+        self.default_speculative = default_speculative
         self.in_flight: dict[str, str] = {}  # request_id -> entry id
         # Duplicates: entries of requests that another entry's run owns (BEGIN_ATTEMPT said
         # DUPLICATE). They hold no slot; their leases are kept, and once the owner's run ends
@@ -185,7 +187,11 @@ class JobRunner:
         rid = job.request_id
         try:
             prompt = job_prompt(job, self.engine.tokenizer)
-            params = SamplingParams(**job.sampling_kwargs(), response_format=prompt.response_format)
+            params = SamplingParams(
+                **job.sampling_kwargs(),
+                response_format=prompt.response_format,
+                speculative=job_speculative(job, self.default_speculative),
+            )
             if prompt.parser is not None:
                 self.publisher.split_output(rid, prompt.parser)
             self.in_flight[rid] = delivery.entry_id
@@ -454,3 +460,25 @@ def _prompt_kind(job: Job) -> str:
     if job.prompt is not None:
         return "prompt"
     return "prompt_token_ids" if job.prompt_token_ids is not None else "messages"
+
+
+def job_speculative(job: Job, default: SpeculativeParams | None) -> SpeculativeParams | None:
+    """The job's own choice (the decoder checked its shape), else the worker's default; a
+    job that names a method without a draft length gets the default's (or 4)."""
+    asked = job.speculative
+    if asked is None:
+        return default
+    if asked["method"] == "off":
+        return None
+    count = asked.get("num_draft_tokens")
+    if count is None:
+        count = (default or SpeculativeParams()).num_draft_tokens
+    return SpeculativeParams(method=asked["method"], num_draft_tokens=count)
+
+
+def speculative_params(setting: tuple[str, int] | None) -> SpeculativeParams | None:
+    """The engine's form of a parsed ``speculative`` setting."""
+    if setting is None:
+        return None
+    method, count = setting
+    return SpeculativeParams(method=method, num_draft_tokens=count)  # type: ignore[arg-type]

@@ -64,6 +64,12 @@ class ModelSnapshot:
     group_pending: int | None = None
     # None when the engine runs without a prefix cache.
     prefix_cache_hit_rate: float | None = None
+    speculative_steps: int = 0
+    speculative_draft_tokens: int = 0
+    speculative_accepted_tokens: int = 0
+    # None until a speculative verify step ran (no rate to speak of).
+    speculative_acceptance_rate: float | None = None
+    speculative_tokens_per_step: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +156,8 @@ async def _model_snapshot(source: MetricSources) -> ModelSnapshot:
         log.debug("metrics_group_info_failed", error=describe(exc))
     engine = source.engine.stats()
     cache = source.engine.cache_stats()
+    speculation = engine.scheduler.speculation
+    verified = speculation.rows > 0
     return ModelSnapshot(
         model=source.model,
         in_flight=len(source.runner.in_flight),
@@ -162,6 +170,11 @@ async def _model_snapshot(source: MetricSources) -> ModelSnapshot:
         group_lag=lag,
         group_pending=pending,
         prefix_cache_hit_rate=cache.hit_rate if cache is not None else None,
+        speculative_steps=speculation.steps,
+        speculative_draft_tokens=speculation.draft_tokens,
+        speculative_accepted_tokens=speculation.accepted_tokens,
+        speculative_acceptance_rate=speculation.acceptance_rate if verified else None,
+        speculative_tokens_per_step=speculation.tokens_per_step if verified else None,
     )
 
 
@@ -233,6 +246,36 @@ _MODEL_SERIES: tuple[
         GaugeMetricFamily,
         "Share of prefix-cache lookups that found a cached prefix.",
         "prefix_cache_hit_rate",
+    ),
+    (
+        "mlxw_speculative_steps",
+        CounterMetricFamily,
+        "Speculative verify steps (one forward pass checking the batch's drafts).",
+        "speculative_steps",
+    ),
+    (
+        "mlxw_speculative_draft_tokens",
+        CounterMetricFamily,
+        "Draft tokens the model verified.",
+        "speculative_draft_tokens",
+    ),
+    (
+        "mlxw_speculative_accepted_tokens",
+        CounterMetricFamily,
+        "Draft tokens the model accepted (each one a token gained without a step of its own).",
+        "speculative_accepted_tokens",
+    ),
+    (
+        "mlxw_speculative_acceptance_rate",
+        GaugeMetricFamily,
+        "Accepted / verified draft tokens since the worker started.",
+        "speculative_acceptance_rate",
+    ),
+    (
+        "mlxw_speculative_tokens_per_step",
+        GaugeMetricFamily,
+        "Tokens a drafting sequence got per verify step (1 + its accepted drafts, on average).",
+        "speculative_tokens_per_step",
     ),
 )
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from mlx_redis_protocol.codec_job import MAX_DRAFT_TOKENS, SPECULATIVE_METHODS
 from mlx_redis_protocol.connection import SENTINEL_SCHEME, TOPOLOGIES, parse_sentinel_url
 from mlx_redis_protocol.constants import DEFAULT_PREFIX, DEFAULT_REDIS_URL
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id
@@ -117,6 +118,9 @@ class WorkerSettings:
     log_format: str = "json"
     log_level: str = "INFO"
     metrics_port: int | None = None
+    # Speculative decoding for jobs that do not ask for it or against it: "off", or
+    # METHOD[:DRAFT_TOKENS] ("prompt_lookup:4"); see parse_speculative.
+    speculative: str = "off"
 
     def __post_init__(self) -> None:
         positive = (
@@ -158,6 +162,7 @@ class WorkerSettings:
             raise ValueError(f"default_model must be {ID_RULE}, got {self.default_model!r}")
         if self.memory_limit_mb is not None and self.memory_limit_mb <= 0:
             raise ValueError("memory_limit_mb must be > 0")
+        parse_speculative(self.speculative)
 
     @property
     def models(self) -> tuple[ServedModel, ...]:
@@ -184,6 +189,29 @@ class WorkerSettings:
     @property
     def cache_path(self) -> Path:
         return Path(self.cache_dir).expanduser()
+
+
+DEFAULT_DRAFT_TOKENS = 4
+
+
+def parse_speculative(value: str) -> tuple[str, int] | None:
+    """``off`` -> None; ``METHOD[:DRAFT_TOKENS]`` -> (method, draft tokens, 4 by default)."""
+    method, colon, count = value.strip().partition(":")
+    if method == "off" and not colon:
+        return None
+    methods = [m for m in SPECULATIVE_METHODS if m != "off"]
+    if method not in methods:
+        raise ValueError(
+            f"speculative must be off or METHOD[:DRAFT_TOKENS] with METHOD one of "
+            f"{', '.join(methods)}, got {value!r}"
+        )
+    if not colon:
+        return method, DEFAULT_DRAFT_TOKENS
+    if not count.isdigit() or not 1 <= int(count) <= MAX_DRAFT_TOKENS:
+        raise ValueError(
+            f"speculative draft tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {count!r}"
+        )
+    return method, int(count)
 
 
 def load_settings(

@@ -26,14 +26,14 @@ from mlx_redis_worker.daemon.control import ControlListener
 from mlx_redis_worker.daemon.eviction import check_eviction_policy
 from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
 from mlx_redis_worker.daemon.job_queue import JobQueue
-from mlx_redis_worker.daemon.jobs import JobRunner
+from mlx_redis_worker.daemon.jobs import JobRunner, speculative_params
 from mlx_redis_worker.daemon.lane import ModelLane
 from mlx_redis_worker.daemon.memory_fit import check_fit
 from mlx_redis_worker.daemon.metrics import Metrics
 from mlx_redis_worker.daemon.permissions import check_permissions
 from mlx_redis_worker.daemon.publisher import EventPublisher
 from mlx_redis_worker.daemon.serving import Serving
-from mlx_redis_worker.daemon.settings import WorkerSettings
+from mlx_redis_worker.daemon.settings import WorkerSettings, parse_speculative
 from mlx_redis_worker.engine import EngineConfig, EngineCore, SchedulerConfig
 from mlx_redis_worker.engine.config import GrammarLimits
 from mlx_redis_worker.models import load_model
@@ -287,6 +287,7 @@ class Worker:
             limits=DEFAULT_LIMITS,
             max_deliveries=settings.max_deliveries,
             default_stream_interval=settings.stream_interval,
+            default_speculative=speculative_params(parse_speculative(settings.speculative)),
             worker_id=settings.worker_id,
             model=name,
         )

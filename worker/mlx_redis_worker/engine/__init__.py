@@ -14,6 +14,7 @@ from mlx_redis_worker.engine.request import (
     RequestStatus,
     ResponseFormat,
     SamplingParams,
+    SpeculativeParams,
     TokenLogprob,
 )
 from mlx_redis_worker.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
@@ -40,6 +41,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "SpeculativeParams",
     "TokenLogprob",
     "get_registry",
 ]

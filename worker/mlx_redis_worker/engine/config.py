@@ -60,6 +60,9 @@ class SchedulerConfig:
     prefix_cache_max_entries: int = 64
     prefix_cache_max_bytes: int = 2 << 30
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+    # Speculative decoding drafts only while the decode batch has at most this many sequences
+    # (a larger batch is compute-bound: verifying drafts would cost more than it gains).
+    speculative_max_batch: int = 8
 
     def __post_init__(self) -> None:
         for name in (
@@ -69,6 +72,7 @@ class SchedulerConfig:
             "max_prompt_tokens",
             "prefix_cache_max_entries",
             "prefix_cache_max_bytes",
+            "speculative_max_batch",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")

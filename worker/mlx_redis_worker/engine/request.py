@@ -9,7 +9,9 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, ClassVar, Final, Literal
+
+from mlx_redis_protocol.codec_job import MAX_DRAFT_TOKENS
 
 # (generated token ids so far as an mx.array, logits) -> logits; runs on the engine thread.
 LogitsProcessor = Callable[[Any, Any], Any]
@@ -52,6 +54,35 @@ class ResponseFormat:
             default=str,
         )
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+SpeculativeMethod = Literal["prompt_lookup"]
+SPECULATIVE_METHODS: Final[tuple[SpeculativeMethod, ...]] = ("prompt_lookup",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeParams:
+    """Speculative decoding for one request: ``method`` drafts up to ``num_draft_tokens``
+    tokens per step (``prompt_lookup``: from n-gram matches against the prompt and the output
+    so far) and the model checks them all in one forward pass. The output is the one the
+    request would get without it: greedy token for token, sampled in distribution."""
+
+    method: SpeculativeMethod = "prompt_lookup"
+    num_draft_tokens: int = 4
+
+    MAX_DRAFT_TOKENS: ClassVar[int] = MAX_DRAFT_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}")
+        if (
+            not isinstance(self.num_draft_tokens, int)
+            or isinstance(self.num_draft_tokens, bool)
+            or not 1 <= self.num_draft_tokens <= self.MAX_DRAFT_TOKENS
+        ):
+            raise ValueError(
+                f"speculative num_draft_tokens must be an integer in [1, {self.MAX_DRAFT_TOKENS}]"
+            )
 
 
 class RequestStatus(enum.Enum):
@@ -103,6 +134,8 @@ class SamplingParams:
     logits_processors: list[LogitsProcessor] | None = None
     # The output must match it (JSON schema, regex, Lark grammar), enforced token by token.
     response_format: ResponseFormat | None = None
+    # Draft and verify several tokens per step; same output (engine/speculative_batch.py).
+    speculative: SpeculativeParams | None = None
 
     MAX_LOGPROBS = 20
 
@@ -155,6 +188,8 @@ class SamplingParams:
             self.response_format, ResponseFormat
         ):
             raise bad("response_format", "must be a ResponseFormat or None")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeParams):
+            raise bad("speculative", "must be a SpeculativeParams or None")
 
     @property
     def is_greedy(self) -> bool:

@@ -21,30 +21,52 @@ Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
-def build_sampler(params: SamplingParams) -> Sampler | None:
+def build_sampler(params: SamplingParams) -> CategoricalSampler | None:
     """A sampler for one sequence, or None for greedy decoding."""
     if params.is_greedy:
         return None
-    filters: list[Callable[[mx.array], mx.array]] = []
-    if 0.0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p > 0.0:
-        filters.append(lambda x: apply_min_p(x, params.min_p, 1))
-    if params.top_k > 0:
-        # k at or above the vocabulary keeps every token, i.e. no filter (mlx-lm refuses it).
-        filters.append(lambda x: apply_top_k(x, params.top_k) if params.top_k < x.shape[-1] else x)
-    seed = params.seed if params.seed is not None else secrets.randbits(63)
-    inverse_temperature = 1.0 / params.temperature
-    key = mx.random.key(seed)
+    return CategoricalSampler(params)
 
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, step_key = mx.random.split(key)
-        for apply_filter in filters:
+
+class CategoricalSampler:
+    """Samples from the request's filtered, tempered distribution with its own PRNG key.
+
+    Speculative verification (engine/speculative_batch.py) reads the same distribution
+    (``logits``) and draws from the same key (``next_key``), so a speculating request keeps
+    exactly the distribution it would sample from without speculation.
+    """
+
+    __slots__ = ("_filters", "_inverse_temperature", "_key")
+
+    def __init__(self, params: SamplingParams) -> None:
+        filters: list[Callable[[mx.array], mx.array]] = []
+        if 0.0 < params.top_p < 1.0:
+            filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p > 0.0:
+            filters.append(lambda x: apply_min_p(x, params.min_p, 1))
+        if params.top_k > 0:
+            # k at or above the vocabulary keeps every token, i.e. no filter (mlx-lm refuses it).
+            filters.append(
+                lambda x: apply_top_k(x, params.top_k) if params.top_k < x.shape[-1] else x
+            )
+        self._filters = filters
+        self._inverse_temperature = 1.0 / params.temperature
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._key = mx.random.key(seed)
+
+    def next_key(self) -> mx.array:
+        self._key, step_key = mx.random.split(self._key)
+        return step_key
+
+    def logits(self, logprobs: mx.array) -> mx.array:
+        """The logits whose softmax is the distribution this sampler draws from."""
+        for apply_filter in self._filters:
             logprobs = apply_filter(logprobs)
-        return mx.random.categorical(logprobs * inverse_temperature, key=step_key)
+        return logprobs * self._inverse_temperature
 
-    return sample
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        step_key = self.next_key()
+        return mx.random.categorical(self.logits(logprobs), key=step_key)
 
 
 def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:

@@ -33,6 +33,8 @@ from mlx_redis_worker.engine.prefix_cache import SHARED_PREFIX, Admission, Prefi
 from mlx_redis_worker.engine.prompt import model_vocab_size
 from mlx_redis_worker.engine.request import Request, RequestOutput, RequestStatus
 from mlx_redis_worker.engine.sampling import (
+    CategoricalSampler,
+    Sampler,
     build_logits_processors,
     build_sampler,
     build_stop_sequences,
@@ -40,7 +42,17 @@ from mlx_redis_worker.engine.sampling import (
     guard_sampler,
 )
 from mlx_redis_worker.engine.sequence import Sequence, token_logprob
-from mlx_redis_worker.engine.stats import PrefixCacheStats, RequestProgress, SchedulerStats
+from mlx_redis_worker.engine.speculative_batch import (
+    SpeculationCounters,
+    SpeculativeBatchGenerator,
+    SpeculativeSequence,
+)
+from mlx_redis_worker.engine.stats import (
+    PrefixCacheStats,
+    RequestProgress,
+    SchedulerStats,
+    SpeculationStats,
+)
 from mlx_redis_worker.engine.structured import GrammarCompiler
 from mlx_redis_worker.engine.text_stream import TextStream
 from mlx_redis_worker.engine.token_bytes import TokenBytes
@@ -67,7 +79,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self._requests: dict[str, Sequence] = {}
-        self._generator: PhasedBatchGenerator | None = None
+        self._generator: SpeculativeBatchGenerator | None = None
         self._stream: Any = None
         self._finished: SchedulerOutput = SchedulerOutput()
         self.prefix_cache = (
@@ -91,6 +103,7 @@ class Scheduler:
         # Wall time inside the generator's phases (model, sampling, waiting on the device): the
         # rest of a step's time is the engine's own host work.
         self.model_seconds = 0.0
+        self.speculation = SpeculationCounters()
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -226,7 +239,7 @@ class Scheduler:
         )
         request.cached_tokens = admission.cached_tokens
         sequence.prefix_pending = admission.stores_prefix
-        sampler = build_sampler(params)
+        sampler: Sampler | None = build_sampler(params)
         processors = build_logits_processors(params) + list(params.logits_processors or ())
         if request.grammar is not None:
             # Last: the mask applies to the logits every other processor has shaped.
@@ -234,7 +247,8 @@ class Scheduler:
             sequence.grammar.on_limit = sequence.fail
             processors.append(sequence.grammar)
             sampler = sequence.grammar.sampler(sampler)
-        (uid,) = self._ensure_generator().insert_segments(
+        generator = self._ensure_generator()
+        (uid,) = generator.insert_segments(
             [admission.segments],
             max_tokens=[params.max_tokens],
             caches=[admission.cache],
@@ -244,6 +258,16 @@ class Scheduler:
             stop_sequences=[build_stop_sequences(self.eos_token_ids, params)],
         )
         sequence.uid = uid
+        speculative = params.speculative
+        # Logits processors (penalties, a grammar) see one position per step: no drafts.
+        if (
+            speculative is not None
+            and not processors
+            and (sampler is None or isinstance(sampler, CategoricalSampler))
+        ):
+            generator.speculate(
+                uid, SpeculativeSequence(speculative.num_draft_tokens, sampler, sequence.fail)
+            )
         request.status = RequestStatus.RUNNING
         self.running[uid] = sequence
 
@@ -303,7 +327,9 @@ class Scheduler:
             self._finish(sequence, reason, in_generator=False)
         elif stopped_by_text:
             self._finish(sequence, "stop")
-        elif sequence.stream_state.should_send(len(request.transcript.token_ids), False):
+        elif not getattr(response, "more", False) and sequence.stream_state.should_send(
+            len(request.transcript.token_ids), False
+        ):
             self._emit(sequence)
 
     # -- finishing ---------------------------------------------------------------------------
@@ -374,10 +400,12 @@ class Scheduler:
         finished, self._finished = self._finished, SchedulerOutput()
         return finished
 
-    def _ensure_generator(self) -> PhasedBatchGenerator:
+    def _ensure_generator(self) -> SpeculativeBatchGenerator:
         if self._generator is None:
-            self._generator = PhasedBatchGenerator(
+            self._generator = SpeculativeBatchGenerator(
                 self.model,
+                counters=self.speculation,
+                max_batch=self.config.speculative_max_batch,
                 completion_batch_size=self.config.max_num_seqs,
                 prefill_batch_size=self.config.prefill_batch_size,
                 prefill_step_size=self.config.prefill_step_size,
@@ -404,6 +432,7 @@ class Scheduler:
             total_completion_tokens=self.total_completion_tokens,
             batch_failures=self.batch_failures,
             model_seconds=self.model_seconds,
+            speculation=SpeculationStats.of(self.speculation),
         )
 
     def open_requests(self) -> tuple[RequestProgress, ...]:

@@ -51,6 +51,40 @@ class SchedulerStats:
     batch_failures: int
     # Wall time inside mlx-lm's BatchGenerator.next (model, sampling, waiting on the device).
     model_seconds: float
+    speculation: SpeculationStats
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationStats:
+    """Speculative decoding since the engine was made: verify steps, the sequence rows in
+    them that drafted, draft tokens fed and accepted, backoffs (a sequence pausing its drafts
+    for low acceptance; a step drafting nothing because the batch was too large).
+    ``acceptance_rate``: accepted / drafted; ``tokens_per_step``: tokens a drafting sequence
+    got per verify step (1 + its accepted drafts, on average)."""
+
+    steps: int
+    rows: int
+    draft_tokens: int
+    accepted_tokens: int
+    backoffs: int
+    batch_backoffs: int
+    acceptance_rate: float
+    tokens_per_step: float
+
+    @classmethod
+    def of(cls, counters: Any) -> SpeculationStats:
+        """From the engine's live counters (any thread: plain ints, read as they stand)."""
+        rows, drafted, accepted = counters.rows, counters.drafted, counters.accepted
+        return cls(
+            steps=counters.steps,
+            rows=rows,
+            draft_tokens=drafted,
+            accepted_tokens=accepted,
+            backoffs=counters.backoffs,
+            batch_backoffs=counters.batch_backoffs,
+            acceptance_rate=accepted / drafted if drafted else 0.0,
+            tokens_per_step=(rows + accepted) / rows if rows else 0.0,
+        )
 
 
 @dataclass(frozen=True, slots=True)

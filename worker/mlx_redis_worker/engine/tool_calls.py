@@ -238,7 +238,7 @@ def _call_schema(syntax: ToolSyntax, tools: Sequence[Tool]) -> dict[str, Any]:
             "type": "object",
             "properties": {
                 "name": {"const": tool.name},
-                syntax.arguments_key: dict(tool.parameters or {"type": "object"}),
+                syntax.arguments_key: closed(dict(tool.parameters or {"type": "object"})),
             },
             "required": ["name", syntax.arguments_key],
             "additionalProperties": False,
@@ -246,6 +246,24 @@ def _call_schema(syntax: ToolSyntax, tools: Sequence[Tool]) -> dict[str, Any]:
         for tool in tools
     ]
     return variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with every object that lists its properties and says nothing of others
+    closed to them (``additionalProperties: false``), as OpenAI's strict mode has it: a model
+    left free to add keys of its own writes on until ``max_tokens``, and each call made this
+    way still validates against the schema as given."""
+    if isinstance(schema, list):
+        return [closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result = {
+        key: closed(value) if key not in ("const", "enum", "default", "examples") else value
+        for key, value in schema.items()
+    }
+    if "properties" in schema and "additionalProperties" not in schema:
+        result["additionalProperties"] = False
+    return result
 
 
 def _regex_escape(text: str) -> str:

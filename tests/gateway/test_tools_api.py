@@ -1,0 +1,269 @@
+"""Tool calls and reasoning through the gateway, as OpenAI's own client sees them: a real
+gateway in front of a real worker (the tiny random model, and the same model under a
+Qwen3-style template that thinks) and a real redis-server.
+
+The tiny model's template knows no tools, so it gets the fallback prompt; whatever it
+samples, the grammar makes every call parse and validate against its function's schema."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import instructor
+import jsonschema
+import openai
+import pytest
+from langchain_openai import ChatOpenAI
+from openai.types.chat import ChatCompletion
+from pydantic import BaseModel, SecretStr
+
+from mlx_redis_worker.local_redis import RedisServer
+from tests.gateway.conftest import Fleet
+from tests.support.gateway import GatewayFactory, GatewayProcess
+from tests.support.processes import WorkerFactory
+from tests.support.tool_models import with_template
+
+MODEL = "tiny"
+THINKER = "tiny-think"
+LIGHT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"room": {"enum": ["kitchen", "hall"]}, "on": {"type": "boolean"}},
+    "required": ["room", "on"],
+    "additionalProperties": False,
+}
+HEAT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 5}},
+    "required": ["level"],
+    "additionalProperties": False,
+}
+SCHEMAS = {"set_light": LIGHT, "set_heat": HEAT}
+TOOLS: Any = [
+    {"type": "function", "function": {"name": name, "description": name, "parameters": schema}}
+    for name, schema in SCHEMAS.items()
+]
+ASK: Any = [{"role": "user", "content": "Turn the kitchen light on."}]
+SAMPLED: Any = {"temperature": 0.7, "max_tokens": 96}
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
+) -> Iterator[Fleet]:
+    """One worker serving ``tiny`` and ``tiny-think`` (its weights under a template that
+    thinks and renders tools natively)."""
+    directory = tmp_path_factory.mktemp("tools-fleet")
+    thinker = with_template(tiny_model_path, directory / THINKER)
+    prefix = f"g{uuid.uuid4().hex[:12]}"
+    factory = WorkerFactory(directory, redis_server.url, prefix)
+    try:
+        worker = factory.start("gw-worker", model=f"{MODEL},{THINKER}={thinker}", max_concurrency=8)
+        yield Fleet(redis_server.url, prefix, worker)
+    finally:
+        factory.kill_all()
+        print(factory.report())
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    factory = GatewayFactory(tmp_path_factory.mktemp("gateway"), fleet.redis_url, fleet.prefix)
+    try:
+        yield factory.start()
+    finally:
+        factory.stop_all()
+        print(factory.report())
+
+
+@pytest.fixture(scope="module")
+def client(gateway: GatewayProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=gateway.base_url, api_key="none", max_retries=0, timeout=300
+    ) as client:
+        yield client
+
+
+def _valid(calls: Any) -> list[tuple[str, dict[str, Any]]]:
+    """Each call's name and parsed arguments, each checked against its function's schema."""
+    checked = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        checked.append((call.function.name, arguments))
+    return checked
+
+
+@pytest.mark.timeout(600)
+def test_required_and_named_calls_validate_and_end_with_tool_calls(client: openai.OpenAI) -> None:
+    """``required``: calls only, ``finish_reason: "tool_calls"``, content null; a named
+    function is the only one called; ``parallel_tool_calls`` false makes exactly one."""
+    required = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", seed=1, **SAMPLED
+    )
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None and _valid(choice.message.tool_calls)
+    named = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "set_heat"}},
+        parallel_tool_calls=False,
+        seed=2,
+        **SAMPLED,
+    )
+    calls = _valid(named.choices[0].message.tool_calls)
+    assert [name for name, _ in calls] == ["set_heat"]
+
+
+@pytest.mark.timeout(600)
+def test_streamed_argument_fragments_join_to_the_calls(client: openai.OpenAI) -> None:
+    """The stream's ``delta.tool_calls``: a call's first fragment has its index, id, type
+    and name, the next ones argument text; joined per index they are valid arguments, and
+    the same request unstreamed makes the same calls (same seed)."""
+    request: Any = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,  # one call: the answer ends with it, never cut
+    }
+    calls: dict[int, dict[str, Any]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, seed=5, **request, **SAMPLED):
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        assert not choice.delta.content
+        for piece in choice.delta.tool_calls or ():
+            if piece.id is not None:
+                assert piece.index not in calls and piece.type == "function"
+                assert piece.function is not None and piece.function.name
+                calls[piece.index] = {"id": piece.id, "name": piece.function.name, "args": ""}
+            assert piece.function is not None
+            calls[piece.index]["args"] += piece.function.arguments or ""
+    assert finish == "tool_calls" and sorted(calls) == [0]
+    for call in calls.values():
+        jsonschema.validate(json.loads(call["args"]), SCHEMAS[call["name"]])
+    whole = client.chat.completions.create(seed=5, **request, **SAMPLED)
+    assert [
+        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or ()
+    ] == [(call["name"], call["args"]) for call in calls.values()]
+
+
+@pytest.mark.timeout(600)
+def test_auto_calls_validate_and_histories_with_tool_turns_are_accepted(
+    client: openai.OpenAI,
+) -> None:
+    """``auto`` at 0.7: any call made validates and the finish reason says whether one was
+    made; a chat holding an assistant turn's calls and the tool's answer runs."""
+    for seed in range(2):
+        answer = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, seed=seed, **SAMPLED
+        )
+        choice = answer.choices[0]
+        _valid(choice.message.tool_calls or ())
+        expected = "tool_calls" if choice.message.tool_calls else choice.finish_reason
+        assert choice.finish_reason == expected
+    history: Any = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "set_light",
+                        "arguments": '{"room": "kitchen", "on": true}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"ok": true}'},
+    ]
+    after = client.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="required", seed=3, **SAMPLED
+    )
+    assert _valid(after.choices[0].message.tool_calls)
+    plain = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4)
+    assert isinstance(plain, ChatCompletion) and plain.choices[0].message.content is not None
+
+
+def test_tool_requests_the_gateway_refuses(client: openai.OpenAI) -> None:
+    """400s naming the parameter: a tool that is no function, a choice naming no tool, a
+    tool message without its call's id, tools beside a response_format."""
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
+        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+    ]
+    for extra, param in bad:
+        body: Any = {"model": MODEL, "messages": ASK, "max_tokens": 4, **extra}
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**body)
+        assert caught.value.param == param, (extra, caught.value.body)
+
+
+@pytest.mark.timeout(600)
+def test_a_thinking_model_answers_with_reasoning_content_apart(client: openai.OpenAI) -> None:
+    """``tiny-think`` opens ``<think>``: its output (12 tokens, the thought never closed) is
+    ``reasoning_content``, streamed as such too; ``enable_thinking`` false leaves none."""
+    request: Any = {"model": THINKER, "messages": ASK, "max_tokens": 12, "temperature": 0.0}
+    whole = client.chat.completions.create(**request)
+    message: Any = whole.choices[0].message
+    assert message.reasoning_content and message.content == ""
+    streamed = "".join(
+        getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+        for chunk in client.chat.completions.create(stream=True, **request)
+    )
+    assert streamed == message.reasoning_content
+    off = client.chat.completions.create(
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **request
+    )
+    assert off.choices[0].message.content
+    assert getattr(off.choices[0].message, "reasoning_content", None) is None
+
+
+class Light(BaseModel):
+    """Switch a light."""
+
+    room: Literal["kitchen", "hall"]
+    on: bool
+
+
+@pytest.mark.timeout(600)
+def test_instructor_tools_mode_gets_a_valid_model(gateway: GatewayProcess) -> None:
+    """instructor's default ``Mode.TOOLS`` (a named function from a pydantic model) parses
+    the gateway's call into the model on its first try."""
+    with openai.OpenAI(base_url=gateway.base_url, api_key="none", max_retries=0) as raw:
+        client = instructor.from_openai(raw, mode=instructor.Mode.TOOLS)
+        light = client.chat.completions.create(
+            model=MODEL, messages=ASK, response_model=Light, max_retries=0, **SAMPLED
+        )
+    assert isinstance(light, Light)
+
+
+@pytest.mark.timeout(600)
+def test_langchain_bind_tools_and_structured_output(gateway: GatewayProcess) -> None:
+    """langchain-openai's ``bind_tools`` answers with ``tool_calls`` whose args validate, and
+    ``with_structured_output(method="function_calling")`` returns the model."""
+    chat = ChatOpenAI(
+        base_url=gateway.base_url, api_key=SecretStr("none"), model=MODEL, max_retries=0, **SAMPLED
+    )
+    message = chat.bind_tools(TOOLS, tool_choice="required").invoke("Turn the kitchen light on.")
+    assert message.tool_calls
+    for call in message.tool_calls:
+        jsonschema.validate(call["args"], SCHEMAS[call["name"]])
+    structured = chat.with_structured_output(Light, method="function_calling", include_raw=True)
+    answer = structured.invoke("Turn the kitchen light on.")
+    assert isinstance(answer, dict)
+    assert isinstance(answer["parsed"], Light), answer["raw"].response_metadata

@@ -1,0 +1,177 @@
+"""``mlx-worker bench tools``: do the model's tool calls parse and validate, every time?
+
+Each schema of the seeded suite (:mod:`mlx_redis_worker.bench.schema_suite`) becomes a
+function; each function is offered alone in a chat that asks for it, rendered and constrained
+exactly as the worker does a job (:func:`mlx_redis_worker.daemon.job_prompt.job_prompt`), its
+output split by the same parser, sampled (0.7 by default). Two passes:
+
+- ``required``: every answer must hold at least one call, and every call must parse and
+  validate against its function's schema (jsonschema, draft 2020-12);
+- ``auto``: how often the model chooses to call, and every call it makes must validate.
+
+An answer cut by ``--max-tokens`` is counted apart (a cut call is no call). The exit status is
+1 when any call fails to validate or a ``required`` answer that ended holds no call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+
+from mlx_redis_protocol.messages import ChatMessage, Job, Tool, ToolChoice
+from mlx_redis_worker.bench.schema_suite import SuiteSchema, build_suite, llguidance_accepts
+from mlx_redis_worker.daemon.job_prompt import JobPrompt, job_prompt
+from mlx_redis_worker.engine import EngineConfig, EngineCore, SamplingParams, SchedulerConfig
+from mlx_redis_worker.models import load_model
+
+PASSES = ("required", "auto")
+
+
+@dataclass(slots=True)
+class PassResult:
+    name: str
+    answers: int = 0
+    cut: int = 0  # ended by max_tokens
+    with_calls: int = 0
+    calls: int = 0
+    invalid: list[str] = field(default_factory=list)  # "schema i: why"
+    required_without_call: list[int] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def function_of(item: SuiteSchema) -> Tool:
+    topic = item.description.split()[2]  # "Describe a TOPIC as ..."
+    return Tool(
+        name=f"record_{topic}_{item.index}", description=item.description, parameters=item.schema
+    )
+
+
+def job_of(item: SuiteSchema, mode: str) -> Job:
+    tool = function_of(item)
+    ask = f"{item.description} Use the function {tool.name} to record it."
+    return Job(
+        request_id=f"{mode}-{item.index}",
+        messages=(ChatMessage("user", ask),),
+        tools=(tool,),
+        tool_choice=ToolChoice("required") if mode == "required" else None,
+    )
+
+
+def call_error(item: SuiteSchema, name: str, arguments: str) -> str:
+    if name != function_of(item).name:
+        return f"called {name!r}"
+    try:
+        instance = json.loads(arguments)
+    except json.JSONDecodeError as exc:
+        return f"arguments not JSON: {exc}"
+    error = jsonschema.exceptions.best_match(
+        jsonschema.Draft202012Validator(item.schema).iter_errors(instance)
+    )
+    return "" if error is None else f"{error.message} at {list(error.absolute_path)}"
+
+
+async def run_pass(
+    engine: EngineCore,
+    tokenizer: Any,
+    args: argparse.Namespace,
+    items: list[SuiteSchema],
+    mode: str,
+) -> PassResult:
+    result = PassResult(mode)
+    slots = asyncio.Semaphore(args.batch)
+
+    async def one(item: SuiteSchema) -> None:
+        prompt: JobPrompt = job_prompt(job_of(item, mode), tokenizer)
+        assert prompt.parser is not None
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=item.index,
+            response_format=prompt.response_format,
+        )
+        async with slots:
+            rid = await engine.add_request(prompt.prompt, params)
+            final = None
+            async for output in engine.stream_outputs(rid):
+                prompt.parser.feed(output.new_text)
+                final = output
+        assert final is not None
+        prompt.parser.finish()
+        result.answers += 1
+        result.tokens += final.completion_tokens
+        if final.finish_reason == "length":
+            result.cut += 1
+        calls = prompt.parser.calls
+        result.calls += len(calls)
+        result.with_calls += bool(calls)
+        for call in calls:
+            error = call_error(item, call.name, call.arguments)
+            if error:
+                result.invalid.append(f"schema {item.index}: {error}")
+        if mode == "required" and not calls and final.finish_reason != "length":
+            result.required_without_call.append(item.index)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(item) for item in items))
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def run_tools_bench(args: argparse.Namespace) -> int:
+    model, tokenizer = load_model(args.model)
+    suite = build_suite(args.schemas, llguidance_accepts, seed=args.seed)
+    config = SchedulerConfig(max_num_seqs=args.batch, enable_prefix_cache=False)
+    engine = EngineCore(
+        model, tokenizer, EngineConfig(model_name=args.model, scheduler_config=config)
+    )
+    print(
+        f"model {args.model}, {len(suite.schemas)} function schemas (seed {args.seed}), batch "
+        f"{args.batch}, max_tokens {args.max_tokens}, temperature {args.temperature}",
+        flush=True,
+    )
+    results: list[PassResult] = []
+
+    async def scenario() -> None:
+        await engine.start()
+        try:
+            for mode in PASSES:
+                results.append(await run_pass(engine, tokenizer, args, suite.schemas, mode))
+                print(f"{mode} pass: {results[-1].seconds:.0f} s", flush=True)
+        finally:
+            await engine.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.close()
+    report, ok = format_report(results)
+    print(report)
+    return 0 if ok else 1
+
+
+def format_report(results: list[PassResult]) -> tuple[str, bool]:
+    lines = ["", "pass      answers  with calls  calls  valid calls  cut by max_tokens  tok"]
+    ok = True
+    for result in results:
+        valid = result.calls - len(result.invalid)
+        share = 100 * valid / result.calls if result.calls else 100.0
+        rate = 100 * result.with_calls / result.answers if result.answers else 0.0
+        lines.append(
+            f"{result.name:<9} {result.answers:>7}  {result.with_calls:>4} ({rate:5.1f}%)"
+            f"  {result.calls:>5}  {valid:>5} ({share:5.1f}%)  {result.cut:>17}  {result.tokens}"
+        )
+        ok = ok and not result.invalid and not result.required_without_call
+    for result in results:
+        for problem in result.invalid[:10]:
+            lines.append(f"INVALID ({result.name}) {problem}")
+        if result.required_without_call:
+            lines.append(f"NO CALL (required): schemas {result.required_without_call[:20]}")
+    lines.append("every call valid: " + ("yes" if ok else "NO"))
+    return "\n".join(lines), ok

@@ -1,0 +1,368 @@
+"""Speculative decoding inside mlx-lm's continuous batch.
+
+A speculating sequence drafts up to k tokens (engine/prompt_lookup.py) and the whole batch is
+verified in one forward pass of the model: each row feeds its pending token and its drafts
+(rows with fewer drafts are padded; padding is never accepted). Position j's logits are the
+model's distribution after the j-th draft, so one pass checks every draft and also yields the
+token after the last accepted one:
+
+- greedy: a draft is accepted while it equals the argmax at its position;
+- sampled: a draft d is accepted with probability p(d) (the draft is one token, q(d) = 1) and
+  on rejection the token is drawn from p with d removed, renormalised; the standard rule, so
+  the output keeps the distribution of the request's own sampler (same filters, temperature and
+  PRNG key; the key is split differently, so a seed gives other, equally likely, tokens);
+- a row without drafts (speculation off, logits processors, a grammar) is sampled from
+  position 0 exactly as the plain step does.
+
+Rows accept different numbers of drafts while the batch's KV cache (``BatchKVCache``) keeps
+one length for all: the tail of the rejected drafts is trimmed for all rows, and a row that
+accepted fewer is shifted right by the difference, its rejected entries becoming left padding
+(mlx-lm's own ``prepare(right_padding)`` / ``finalize``, used for ragged prompts).
+
+A step without any draft is mlx-lm's own (pipelined) step, untouched.
+
+Backing off where drafting does not pay: a decode batch of more than ``max_batch`` rows drafts
+nothing (the verify pass multiplies the batch's compute by the draft width, and a large batch
+is compute-bound already), and a sequence whose drafts keep being rejected (its acceptance,
+a moving average, under ``MIN_ACCEPTANCE``) pauses drafting for a number of steps that doubles
+each time it happens again, then tries anew. Engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
+from mlx_lm.models.cache import BatchKVCache
+
+from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator
+from mlx_redis_worker.engine.prompt_lookup import PromptLookup
+from mlx_redis_worker.engine.sampling import CategoricalSampler
+
+# Acceptance (accepted / drafted, averaged over recent verify steps) under which a sequence
+# pauses drafting: a verify row then yields about 1.4 tokens for up to 5 positions of compute.
+MIN_ACCEPTANCE = 0.3
+# Weight of the latest step in the moving average.
+ACCEPTANCE_WEIGHT = 0.3
+# Steps a sequence pauses at its first backoff; doubled at each further one, up to the cap.
+FIRST_PAUSE = 4
+MAX_PAUSE = 128
+
+
+@dataclass(slots=True)
+class SpeculativeSequence:
+    """A sequence's drafting state beside mlx-lm's: its draft length, its sampler (None for
+    greedy), its n-gram index and its backoff."""
+
+    num_draft_tokens: int
+    sampler: CategoricalSampler | None
+    on_error: Callable[[BaseException], None]
+    lookup: PromptLookup = field(default_factory=PromptLookup)
+    # Optimistic at first: a sequence drafts until its own drafts say otherwise.
+    acceptance: float = 1.0
+    paused_until: int = 0
+    pause: int = FIRST_PAUSE
+
+    def observe(self, accepted: int, drafted: int, step: int) -> bool:
+        """Fold one verify step in; True when the sequence backs off now."""
+        self.acceptance += ACCEPTANCE_WEIGHT * (accepted / drafted - self.acceptance)
+        if self.acceptance >= MIN_ACCEPTANCE:
+            if self.acceptance >= 2 * MIN_ACCEPTANCE:
+                self.pause = FIRST_PAUSE
+            return False
+        self.paused_until = step + self.pause
+        self.pause = min(2 * self.pause, MAX_PAUSE)
+        # Back at the threshold: one bad step after the pause backs off again, a good one not.
+        self.acceptance = MIN_ACCEPTANCE
+        return True
+
+
+# Decode batches of more rows than this draft nothing (SchedulerConfig.speculative_max_batch).
+DEFAULT_MAX_BATCH = 8
+
+
+@dataclass(slots=True)
+class SpeculationCounters:
+    """Since the scheduler was made: verify steps, the rows in them, drafts fed and accepted,
+    and the tokens those steps emitted."""
+
+    steps: int = 0
+    rows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    # Sequences that paused drafting (low acceptance), and steps that drafted nothing because
+    # the decode batch was over max_batch.
+    backoffs: int = 0
+    batch_backoffs: int = 0
+
+
+@dataclass
+class SpeculativeResponse(GenerationBatch.Response):  # type: ignore[misc]
+    """mlx-lm's response; ``more``: another token of the same sequence follows in this step."""
+
+    more: bool = False
+
+
+@dataclass(slots=True)
+class _Verdict:
+    accepted: int
+    next_token: int
+    next_logprobs: mx.array
+
+
+class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
+    Response = SpeculativeResponse
+    # mlx-lm's: the token each row feeds next (sampled, not yet in the cache) and its logprobs.
+    _next_tokens: mx.array
+    _next_logprobs: list[mx.array]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.speculating: dict[int, SpeculativeSequence] = {}
+        self.counters = SpeculationCounters()
+        self.max_batch = DEFAULT_MAX_BATCH
+        self.step_count = 0
+        super().__init__(*args, **kwargs)
+
+    def next(self) -> list[Any]:
+        self.step_count += 1
+        drafts = self._drafts() if self.uids else None
+        if drafts is None:
+            return list(super().next())
+        return self._verify(*drafts)
+
+    def filter(self, keep: list[int]) -> None:
+        kept = {self.uids[i] for i in keep}
+        gone = [uid for uid in self.uids if uid not in kept]
+        super().filter(keep)
+        for uid in gone:
+            self.speculating.pop(uid, None)
+
+    # -- drafting ----------------------------------------------------------------------------
+
+    def _drafts(self) -> tuple[list[int], list[list[int]]] | None:
+        """Each row's pending token and drafts; None when no row drafts (a plain step)."""
+        speculating = self.speculating
+        entries = [speculating.get(uid) for uid in self.uids]
+        if not any(entries) or not all(type(c) is BatchKVCache for c in self.prompt_cache):
+            return None
+        if len(entries) > self.max_batch:
+            self.counters.batch_backoffs += 1
+            return None
+        mx.eval(self._next_tokens)
+        pending = cast(list[int], self._next_tokens.tolist())
+        drafts: list[list[int]] = []
+        for i, entry in enumerate(entries):
+            if entry is None or entry.paused_until > self.step_count:
+                drafts.append([])
+                continue
+            # The pending token is emitted too: drafts past max_tokens would be thrown away.
+            room = self.max_tokens[i] - self._num_tokens[i] - 1
+            entry.lookup.sync(self.tokens[i])
+            drafts.append(entry.lookup.draft(pending[i], min(entry.num_draft_tokens, room)))
+        if not any(drafts):
+            return None
+        return pending, drafts
+
+    # -- verifying ---------------------------------------------------------------------------
+
+    def _verify(self, pending: list[int], drafts: list[list[int]]) -> list[Any]:
+        width = max(len(d) for d in drafts)
+        inputs = mx.array(
+            [
+                [token, *d] + [0] * (width - len(d))
+                for token, d in zip(pending, drafts, strict=True)
+            ],
+            dtype=mx.uint32,
+        )
+        logits = self.model(inputs, cache=self.prompt_cache)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        greedy = mx.argmax(logprobs, axis=-1)
+        decide = [self._decision(e, inputs, logits, logprobs, d) for e, d in enumerate(drafts)]
+        mx.eval(logprobs, greedy, [lazy for _, lazy in decide])
+        greedy_rows = cast(list[list[int]], greedy.tolist())
+        verdicts = [
+            settle(greedy_rows[e], drafts[e], lazy) for e, (settle, lazy) in enumerate(decide)
+        ]
+        self._fix_cache(width, [v.accepted for v in verdicts])
+        return self._emit(pending, drafts, logprobs, verdicts)
+
+    def _decision(
+        self, e: int, inputs: mx.array, logits: mx.array, logprobs: mx.array, draft: list[int]
+    ) -> tuple[Callable[[list[int], list[int], Any], _Verdict], Any]:
+        """Row ``e``'s lazy arrays to evaluate and how to turn them (with the row's argmax)
+        into a verdict, so that the whole batch is evaluated once."""
+        entry = self.speculating.get(self.uids[e])
+        if not draft:
+            row = self._plain_row(e, inputs, logits)
+            sampler = self.samplers[e] if self.samplers else self.fallback_sampler
+            token = sampler(row)
+            return (lambda _g, _d, t: _Verdict(0, int(t.item()), row[0])), token
+        assert entry is not None
+        if entry.sampler is None:
+            return (lambda g, d, _t: _greedy_verdict(g, d, logprobs[e])), None
+        try:
+            lazy = _rejection_arrays(entry.sampler, logprobs[e, : len(draft) + 1], draft)
+        except Exception as exc:
+            entry.on_error(exc)
+            return (lambda g, _d, _t: _Verdict(0, g[0], logprobs[e, 0])), None
+        return (lambda _g, d, arrays: _sampled_verdict(d, arrays, logprobs[e])), lazy
+
+    def _plain_row(self, e: int, inputs: mx.array, logits: mx.array) -> mx.array:
+        """Position 0 of row ``e`` through its logits processors, as mlx-lm's step does."""
+        row = logits[e : e + 1, 0]
+        processors = self.logits_processors[e] if self.logits_processors else ()
+        if processors:
+            context = self._token_context[e].update_and_fetch(inputs[e : e + 1, 0])
+            for processor in processors:
+                row = processor(context, row)
+        return row - mx.logsumexp(row, axis=-1, keepdims=True)
+
+    def _fix_cache(self, width: int, accepted: list[int]) -> None:
+        """Keep each row's pending token and accepted drafts in the KV cache, nothing after."""
+        most = max(accepted)
+        if width > most:
+            for cache in self.prompt_cache:
+                cache.trim(width - most)
+        shifts = [most - a for a in accepted]
+        if any(shifts):
+            for cache in self.prompt_cache:
+                cache.prepare(right_padding=shifts)
+                cache.finalize()
+
+    def _emit(
+        self,
+        pending: list[int],
+        drafts: list[list[int]],
+        logprobs: mx.array,
+        verdicts: list[_Verdict],
+    ) -> list[Any]:
+        counters = self.counters
+        counters.steps += 1
+        responses: list[Any] = []
+        keep: list[int] = []
+        for e, verdict in enumerate(verdicts):
+            a = verdict.accepted
+            emitted = [pending[e], *drafts[e][:a]]
+            rows: list[mx.array] = [self._next_logprobs[e]]
+            rows += (logprobs[e, j] for j in range(a))
+            if drafts[e]:
+                counters.rows += 1
+                counters.drafted += len(drafts[e])
+                counters.accepted += a
+                entry = self.speculating.get(self.uids[e])
+                if entry is not None and entry.observe(a, len(drafts[e]), self.step_count):
+                    counters.backoffs += 1
+            self.tokens[e].extend(emitted)
+            finish_reason = None
+            count = 0
+            for token in emitted:
+                count += 1
+                self._num_tokens[e] += 1
+                if self._num_tokens[e] >= self.max_tokens[e]:
+                    finish_reason = "length"
+                if self._matchers[e].advance(token):
+                    finish_reason = "stop"
+                if finish_reason is not None:
+                    break
+            counters.emitted += count
+            uid = self.uids[e]
+            cache = all_tokens = None
+            if finish_reason is None:
+                keep.append(e)
+            else:
+                surplus = len(emitted) - count
+                cache = self._extract_trimmed(e, surplus)
+                all_tokens = self.tokens[e][: len(self.tokens[e]) - surplus]
+            for j in range(count):
+                last = j == count - 1
+                responses.append(
+                    SpeculativeResponse(
+                        uid=uid,
+                        token=emitted[j],
+                        logprobs=rows[j],
+                        finish_reason=finish_reason if last else None,
+                        prompt_cache=cache if last else None,
+                        all_tokens=all_tokens if last else None,
+                        more=not last,
+                    )
+                )
+        self._current_tokens = mx.array(pending, dtype=mx.uint32)
+        self._next_tokens = mx.array([v.next_token for v in verdicts], dtype=mx.uint32)
+        self._next_logprobs = [v.next_logprobs for v in verdicts]
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+    def _extract_trimmed(self, e: int, surplus: int) -> list[Any]:
+        """Row ``e``'s cache without the ``surplus`` accepted tokens after its finish."""
+        caches = self.extract_cache(e)
+        if surplus:
+            for cache in caches:
+                cache.offset -= surplus
+                cache.keys = cache.keys[..., : cache.offset, :]
+                cache.values = cache.values[..., : cache.offset, :]
+        return list(caches)
+
+
+def _greedy_verdict(targets: list[int], draft: list[int], logprobs: mx.array) -> _Verdict:
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == targets[accepted]:
+        accepted += 1
+    return _Verdict(accepted, targets[accepted], logprobs[accepted])
+
+
+def _rejection_arrays(
+    sampler: CategoricalSampler, logprobs: mx.array, draft: list[int]
+) -> tuple[mx.array, mx.array]:
+    """Lazy: for each draft whether it is accepted (u < p(d)), and for each position the token
+    drawn on rejection there (p without the draft; after the last draft, p itself)."""
+    k = len(draft)
+    logits = sampler.logits(logprobs)  # (k + 1, vocab): the sampler's own distribution
+    probs = mx.softmax(logits, axis=-1)
+    drafted = mx.array(draft, dtype=mx.uint32)
+    p_draft = mx.take_along_axis(probs[:k], drafted[:, None], axis=-1)[:, 0]
+    accept = mx.random.uniform(shape=(k,), key=sampler.next_key()) < p_draft
+    is_draft = mx.arange(logits.shape[-1])[None, :] == drafted[:, None]
+    residual = mx.where(is_draft, -mx.inf, logits[:k])
+    redraw = mx.random.categorical(
+        mx.concatenate([residual, logits[k:]], axis=0), key=sampler.next_key()
+    )
+    return accept, redraw
+
+
+def _sampled_verdict(
+    draft: list[int], arrays: tuple[mx.array, mx.array], logprobs: mx.array
+) -> _Verdict:
+    accept = cast(list[bool], arrays[0].tolist())
+    redraw = cast(list[int], arrays[1].tolist())
+    accepted = 0
+    while accepted < len(draft) and accept[accepted]:
+        accepted += 1
+    return _Verdict(accepted, redraw[accepted], logprobs[accepted])
+
+
+class SpeculativeBatchGenerator(PhasedBatchGenerator):
+    """mlx-lm's BatchGenerator whose decode batch speculates for the sequences registered with
+    ``speculate``; the others decode exactly as before."""
+
+    def __init__(
+        self, model: Any, *, counters: SpeculationCounters, max_batch: int, **kwargs: Any
+    ) -> None:
+        super().__init__(model, **kwargs)
+        batch = SpeculativeGenerationBatch.empty(self.model, self.sampler)
+        batch.counters = counters
+        batch.max_batch = max_batch
+        self.speculating = batch.speculating
+        self._generation_batch = batch
+
+    def speculate(self, uid: int, sequence: SpeculativeSequence) -> None:
+        self.speculating[uid] = sequence
+
+    def remove(self, uids: list[int], return_prompt_caches: bool = False) -> Any:
+        for uid in uids:
+            self.speculating.pop(uid, None)
+        return super().remove(uids, return_prompt_caches=return_prompt_caches)
