@@ -69,3 +69,26 @@ def test_bench_runs_at_tiny_scale_and_prints_its_tables(
         assert re.search(rf"^\| {path} \| 1 \| \d+ \| \d+ \| [0-9.]+ \(", out, re.M), out
     assert "constrained / unconstrained decode tok/s = " in out
     assert "correctness checks: all held" in out
+
+
+@pytest.mark.timeout(300)
+def test_hostile_bench_runs_at_tiny_scale_and_prints_its_ratios(
+    tiny_model_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One rotation of every mode; under a 4 KiB schema limit every hostile request is refused
+    by size, before it compiles, and counted as such."""
+    command = (
+        "bench structured --hostile --model tiny --kind long_enum --repeat 1 --max-tokens 8 "
+        "--fresh 2 --head-start 0.2 --max-schema-bytes 4096"
+    )
+    args = build_parser().parse_args(command.split())
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "limits: max_schema_bytes 4096, max_grammar_compile_ms 2000" in out
+    for mode in ("plain", "fresh", "cached"):
+        assert re.search(rf"^{mode} +[0-9.]+ \([0-9.]+\.\.[0-9.]+\) +\d+, \d+, ", out, re.M), out
+    fresh = re.search(r"^fresh .* (\d+), (\d+), \{'max_schema_bytes': (\d+)\}$", out, re.M)
+    assert fresh, out
+    started, finished, refused = map(int, fresh.groups())
+    assert finished == 0 and refused >= 1 and started >= refused
+    assert "matchers built 0" in out  # nothing over the limit was compiled

@@ -17,6 +17,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from mlx_redis_protocol.connection import RedisClient, as_text
+from mlx_redis_protocol.fair_share import TenantShare, tenant_shares
 from mlx_redis_protocol.heartbeat import Heartbeat, decode_heartbeat
 from mlx_redis_protocol.identifiers import is_valid_id
 from mlx_redis_protocol.keys import JobStream, Keys
@@ -100,6 +101,9 @@ class ModelStatus:
     free_slots: int  # summed over those workers
     max_concurrency: int  # summed over those workers
     queue: QueueStatus
+    # Fair share by tenant (waiting for a pick, tokens served in 10 minutes); empty when the
+    # model's workers never had fair share on.
+    tenants: tuple[TenantShare, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -108,6 +112,7 @@ class ModelStatus:
             "free_slots": self.free_slots,
             "max_concurrency": self.max_concurrency,
             **self.queue.as_dict(),
+            "tenants": [share.as_dict() for share in self.tenants],
         }
 
 
@@ -162,11 +167,14 @@ async def fleet_models(redis: RedisClient, keys: Keys) -> Fleet:
     names.update(stream.model for stream in await model_streams(redis, keys) if stream.model)
     streams = [keys.default_stream, *(keys.model_stream(name) for name in sorted(names))]
     queues = await queue_statuses(redis, streams)
-    models = tuple(
-        _model_status(stream.model, [beat for beat in beats if beat.serves(stream.model)], queue)
-        for stream, queue in zip(streams[1:], queues[1:], strict=True)
-        if stream.model is not None
-    )
+    statuses = []
+    for stream, queue in zip(streams[1:], queues[1:], strict=True):
+        if stream.model is None:
+            continue
+        serving = [beat for beat in beats if beat.serves(stream.model)]
+        shares = tuple(await tenant_shares(redis, keys.fair(stream.model)))
+        statuses.append(_model_status(stream.model, serving, queue, shares))
+    models = tuple(statuses)
     current = [beat for beat in beats if beat.models]
     default = DefaultStreamStatus(
         queue=queues[0],
@@ -177,7 +185,9 @@ async def fleet_models(redis: RedisClient, keys: Keys) -> Fleet:
     return Fleet(models=models, default=default, heartbeats=tuple(beats))
 
 
-def _model_status(model: str, serving: list[Heartbeat], queue: QueueStatus) -> ModelStatus:
+def _model_status(
+    model: str, serving: list[Heartbeat], queue: QueueStatus, tenants: tuple[TenantShare, ...]
+) -> ModelStatus:
     served = [beat.models[model] for beat in serving]
     return ModelStatus(
         model=model,
@@ -185,6 +195,7 @@ def _model_status(model: str, serving: list[Heartbeat], queue: QueueStatus) -> M
         free_slots=sum(entry.free_slots for entry in served),
         max_concurrency=sum(entry.max_concurrency for entry in served),
         queue=queue,
+        tenants=tenants,
     )
 
 

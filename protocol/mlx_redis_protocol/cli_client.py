@@ -93,6 +93,18 @@ def add_commands(subparsers: Any) -> None:
         ),
     )
     submit.add_argument(
+        "--tenant",
+        default=None,
+        metavar="NAME",
+        help="the tenant the job is run for (fair share between tenants; default: default)",
+    )
+    submit.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="-100 to 100, lower runs first among the tenant's jobs (default 0)",
+    )
+    submit.add_argument(
         "--no-worker-check",
         action="store_true",
         help=(
@@ -223,6 +235,8 @@ def _job(args: argparse.Namespace) -> Job:
         "seed": args.seed,
         "stop": args.stop,
         "model": args.model,
+        "tenant": args.tenant,
+        "priority": args.priority,
     }
     options: Any = {name: value for name, value in sampling.items() if value is not None}
     if (response_format := _response_format(args)) is not None:

@@ -9,7 +9,13 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from mlx_redis_protocol.catalogue import DefaultStreamStatus, Fleet, QueueStatus, fleet_models
+from mlx_redis_protocol.catalogue import (
+    DefaultStreamStatus,
+    Fleet,
+    ModelStatus,
+    QueueStatus,
+    fleet_models,
+)
 from mlx_redis_protocol.cli_output import ExitCode, admin_connection, aligned, duration, json_line
 from mlx_redis_protocol.keys import Keys
 
@@ -80,10 +86,27 @@ def describe_fleet(fleet: Fleet) -> list[str]:
             for model in fleet.models
         ]
         lines += aligned(rows, "lrrrrrrr")
+        lines += [_tenants_line(model) for model in fleet.models if model.tenants]
     else:
         lines.append("no live worker serves a model, and no model has a job stream")
     lines.append(_default_line(fleet.default))
     return lines + _warnings(fleet.default)
+
+
+# Tenants named per model on the fair-share line (the JSON lines carry them all).
+TENANTS_SHOWN = 5
+
+
+def _tenants_line(model: ModelStatus) -> str:
+    """Fair share of a model: each tenant's jobs waiting and tokens served in 10 minutes."""
+    shown = [
+        f"{share.tenant} {share.queued} queued, {share.served_tokens} tokens"
+        for share in model.tenants[:TENANTS_SHOWN]
+    ]
+    more = len(model.tenants) - TENANTS_SHOWN
+    if more > 0:
+        shown.append(f"{more} more")
+    return f"{model.model} tenants (last 10 min): " + "; ".join(shown)
 
 
 def _queue_cells(queue: QueueStatus) -> tuple[str, ...]:

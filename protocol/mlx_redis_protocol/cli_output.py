@@ -145,9 +145,33 @@ def _model_rows(stats: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, st
         ("tokens", _tokens_line(engine)),
         ("cache", _cache_line(stats["prefix_cache"]) if "prefix_cache" in stats else ""),
         ("queue", _queue_line(_section(stats, "group"))),
+        ("tenants", _tenants_line(stats.get("tenants"))),
         ("health", _health_problem(health)),
     ]
     return header, rows
+
+
+# Tenants named on the fair-share line of ``ctl stats`` (its JSON carries them all).
+_TENANTS_SHOWN = 5
+
+
+def _tenants_line(tenants: Any) -> str:
+    """Fair share by tenant: waiting (fleet-wide), running on this worker, tokens served in
+    the last 10 minutes (fleet-wide). Empty without fair share."""
+    if isinstance(tenants, Mapping) and "error" in tenants:
+        return f"unreadable: {tenants['error']}"
+    if not isinstance(tenants, list):
+        return ""
+    parts = []
+    for share in tenants[:_TENANTS_SHOWN]:
+        if isinstance(share, Mapping) and isinstance(share.get("tenant"), str):
+            parts.append(
+                f"{share['tenant']} {share.get('queued', 0)} queued, "
+                f"{share.get('running', 0)} running, {share.get('served_tokens', 0)} tokens"
+            )
+    if len(tenants) > _TENANTS_SHOWN:
+        parts.append(f"{len(tenants) - _TENANTS_SHOWN} more")
+    return "; ".join(parts)
 
 
 def aligned(rows: Sequence[Sequence[str]], align: str) -> list[str]:

@@ -31,6 +31,9 @@ PROMPT_FIELDS: Final = ("prompt", "prompt_token_ids", "messages")
 MAX_ROLE_LEN: Final = 64
 # Seeds feed a 64-bit PRNG key.
 MAX_SEED: Final = 2**64 - 1
+# A job's priority (lower runs first); the fair pick script reads the same range.
+MIN_PRIORITY: Final = -100
+MAX_PRIORITY: Final = 100
 # A job's ``speculative.method``: how drafts are made, or "off" (not even the worker default).
 SPECULATIVE_METHODS: Final = ("prompt_lookup", "off")
 MAX_DRAFT_TOKENS: Final = 16
@@ -119,6 +122,8 @@ def _decode_job(data: object, limits: Limits) -> Job:
         metadata=reader.metadata("metadata"),
         model=_model(reader),
         response_format=_response_format(reader),
+        tenant=_tenant(reader),
+        priority=_priority(reader),
         tools=tools,
         tool_choice=read_tool_choice(reader, tools),
         parallel_tool_calls=reader.boolean("parallel_tool_calls"),
@@ -140,6 +145,20 @@ def _model(reader: FieldReader) -> str | None:
     value = reader.string("model")
     if value is not None and not is_valid_id(value):
         raise reader.error("invalid_field", "model", f"must be {ID_RULE}")
+    return value
+
+
+def _tenant(reader: FieldReader) -> str | None:
+    value = reader.string("tenant")
+    if value is not None and not is_valid_id(value):
+        raise reader.error("invalid_field", "tenant", f"must be {ID_RULE}")
+    return value
+
+
+def _priority(reader: FieldReader) -> int | None:
+    value = reader.integer("priority", minimum=MIN_PRIORITY)
+    if value is not None and value > MAX_PRIORITY:
+        raise reader.error("invalid_field", "priority", f"must be <= {MAX_PRIORITY}")
     return value
 
 

@@ -36,6 +36,47 @@ class JobStream:
 
 
 @dataclass(frozen=True, slots=True)
+class FairKeys:
+    """One model's fair-share state (see protocol/README.md, Fair share), every key tagged
+    with the model's name: in its job stream's slot, so one script reads and moves them all.
+    A tenant's queues are ``queue_base + "q:" + tenant`` and ``queue_base + "age:" + tenant``."""
+
+    queue_base: str
+
+    @property
+    def backlogged(self) -> str:
+        """Tenants with jobs waiting, scored by the start tag of their next job."""
+        return f"{self.queue_base}backlogged"
+
+    @property
+    def idle(self) -> str:
+        """Tenants with none waiting, scored by their last finish tag (while it is ahead)."""
+        return f"{self.queue_base}idle"
+
+    @property
+    def state(self) -> str:
+        """The model's virtual time (``vtime``)."""
+        return f"{self.queue_base}state"
+
+    @property
+    def weights(self) -> str:
+        """The fleet's tenant weights, copied into this slot by the workers."""
+        return f"{self.queue_base}weights"
+
+    def served(self, bucket: int) -> str:
+        """Tokens served per tenant in the minute that starts at ``bucket`` (epoch seconds)."""
+        return f"{self.queue_base}served:{bucket}"
+
+    def queue(self, tenant: str) -> str:
+        """A tenant's waiting jobs by priority (lower first)."""
+        return f"{self.queue_base}q:{_checked(tenant, 'tenant')}"
+
+    def ages(self, tenant: str) -> str:
+        """A tenant's waiting jobs by arrival (ms)."""
+        return f"{self.queue_base}age:{_checked(tenant, 'tenant')}"
+
+
+@dataclass(frozen=True, slots=True)
 class Keys:
     """Key and channel names under one prefix."""
 
@@ -80,6 +121,15 @@ class Keys:
         stream (in that stream's slot, so one script checks it and appends)."""
         return f"{self.prefix}:forwarded:{{{_checked(model, 'model name')}}}:{entry_id}"
 
+    def fair(self, model: str) -> FairKeys:
+        """The fair-share state of one model's stream (in its slot)."""
+        return FairKeys(f"{self.prefix}:fair:{{{_checked(model, 'model name')}}}:")
+
+    @property
+    def tenant_weights(self) -> str:
+        """The fleet's tenant weights (a hash: tenant -> weight), set by operators."""
+        return f"{self.prefix}:tenant_weights"
+
     @property
     def model_stream_pattern(self) -> str:
         """A SCAN MATCH pattern for every model's job stream (braces are literal in a glob)."""
@@ -104,6 +154,11 @@ class Keys:
     def attempt(self, request_id: str) -> str:
         """The request's current attempt number: the fence against a stale worker's events."""
         return f"{self.prefix}:attempt:{{{_checked(request_id, 'request id')}}}"
+
+    def finished(self, request_id: str) -> str:
+        """The marker that a request finished: kept for the idempotency window, longer than
+        its log, so a job queued again under the id does not run again."""
+        return f"{self.prefix}:done:{{{_checked(request_id, 'request id')}}}"
 
     def abort(self, request_id: str) -> str:
         """The marker that stops a request from starting (or continuing)."""

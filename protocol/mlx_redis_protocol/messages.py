@@ -68,6 +68,8 @@ class JobOptions(TypedDict, total=False):
     metadata: Mapping[str, Any]
     model: str
     response_format: Mapping[str, Any]
+    tenant: str
+    priority: int
     tools: list[Tool] | tuple[Tool, ...]
     # A ToolChoice, "auto" / "none" / "required", or {"name": FUNCTION}.
     tool_choice: ToolChoice | str | Mapping[str, str]
@@ -167,6 +169,11 @@ class Job:
     # What the output must match: {"type": "json_object"} | {"type": "json_schema", "schema":
     # {...}} | {"type": "regex", "pattern": "..."} | {"type": "grammar", "lark": "..."}.
     response_format: Mapping[str, Any] | None = None
+    # Who the job is run for: workers share each model's slots fairly between tenants. None:
+    # the default tenant (``DEFAULT_TENANT``).
+    tenant: str | None = None
+    # Lower runs first, among one tenant's jobs (MIN_PRIORITY..MAX_PRIORITY); None: 0.
+    priority: int | None = None
     # Functions the model may call, and how (None: "auto" when there are tools).
     tools: tuple[Tool, ...] | None = None
     tool_choice: ToolChoice | None = None

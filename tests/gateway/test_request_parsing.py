@@ -170,6 +170,13 @@ def test_user_and_the_api_key_go_into_the_job_metadata() -> None:
     assert parse("text", text(), user_key="team-a").job.metadata == {"api_key": "team-a"}
 
 
+def test_the_api_keys_name_is_the_jobs_tenant() -> None:
+    assert parse("chat", chat(), user_key="team-a").job.tenant == "team-a"
+    assert parse("text", text(), user_key="team-b").job.tenant == "team-b"
+    # Without keys (an open gateway) the job names none: the default tenant.
+    assert parse("chat", chat()).job.tenant is None
+
+
 def test_developer_is_the_system_role() -> None:
     messages = [
         {"role": "developer", "content": "be brief"},

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_redis_worker.daemon.sd_notify import Notifier
+from mlx_redis_protocol.sd_notify import Notifier
 
 
 @pytest.fixture

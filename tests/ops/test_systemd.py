@@ -197,3 +197,7 @@ def test_gateway_unit_runs_the_gateway_with_keys() -> None:
     assert one(unit, "Service", "ExecStart").endswith("mlx-worker --log-format json gateway")
     assert environment(unit)["MLXW_API_KEYS"].endswith("api-keys.toml")
     assert one(unit, "Service", "MemoryDenyWriteExecute") == "yes"  # no MLX in the gateway
+    # Ready once it listens, and restarted when its event loop stops pinging.
+    assert one(unit, "Service", "Type") == "notify"
+    assert one(unit, "Service", "NotifyAccess") == "main"
+    assert int(one(unit, "Service", "WatchdogSec")) > 0

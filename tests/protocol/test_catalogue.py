@@ -246,6 +246,7 @@ def test_models_command_json(
         "lag": 3,
         "pending": 2,
         "dead_letters": 1,
+        "tenants": [],  # fair share never on
     }
     assert isinstance(a["oldest_pending_seconds"], float)
     assert objects[1]["oldest_pending_seconds"] is None and objects[1]["lag"] is None

@@ -16,12 +16,19 @@ PASSWORD = "acl-test-pw"
 MakeUser = Callable[[list[str]], tuple[str, str]]
 
 
-def documented_minimum_acl(prefix: str, *, gateway: bool = False) -> list[str]:
+def documented_minimum_acl(
+    prefix: str, *, gateway: bool = False, fair_share: bool = False
+) -> list[str]:
     """The documented minimum ACL line for ``prefix``, as ACL SETUSER rules (after the name);
-    with ``gateway``, the rules its gateway line adds as well."""
+    with ``gateway`` (``fair_share``), the rules its gateway (fair share) line adds as well."""
     rules = _rules(lambda line: line.startswith("user mlxw on >PASSWORD") and "-@all" in line)
+    fair_line = "ACL SETUSER mlxw +xread "
     if gateway:
-        rules += _rules(lambda line: line.startswith("ACL SETUSER mlxw +"))
+        rules += _rules(
+            lambda line: line.startswith("ACL SETUSER mlxw +") and not line.startswith(fair_line)
+        )
+    if fair_share:
+        rules += _rules(lambda line: line.startswith(fair_line))
     return [
         rule.replace(">PASSWORD", f">{PASSWORD}")
         .replace("~mlxw:*", f"~{prefix}:*")

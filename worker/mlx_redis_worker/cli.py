@@ -128,6 +128,38 @@ def _add_bench_commands(commands: Any) -> None:
     gateway.add_argument("--redis-url", default=None, help="default: a private redis-server")
     gateway.set_defaults(func=_lazy("mlx_redis_worker.bench.gateway_bench", "run_gateway_bench"))
 
+    fairness = benches.add_parser(
+        "fairness", help="three tenants on one worker: fair share vs FIFO, TTFT and tok/s"
+    )
+    fairness.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
+    fairness.add_argument("--slots", type=int, default=2, help="the worker's max_concurrency")
+    fairness.add_argument("--prompt-tokens", type=int, default=16)
+    fairness.add_argument("--bulk-jobs", type=int, default=24, help="queued at once")
+    fairness.add_argument("--bulk-tokens", type=int, default=96)
+    fairness.add_argument("--steady-jobs", type=int, default=10)
+    fairness.add_argument("--steady-tokens", type=int, default=32)
+    fairness.add_argument("--steady-every", type=float, default=1.5, help="seconds")
+    fairness.add_argument("--interactive-jobs", type=int, default=8)
+    fairness.add_argument("--interactive-tokens", type=int, default=8)
+    fairness.add_argument("--interactive-every", type=float, default=2.0, help="seconds")
+    fairness.add_argument("--repeat", type=int, default=2, help="rotations of both modes")
+    fairness.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    fairness.set_defaults(func=_lazy("mlx_redis_worker.bench.fairness_bench", "run_fairness_bench"))
+
+    isolation = benches.add_parser(
+        "isolation",
+        help="a victim tenant's tok/s, TTFT and /health beside each abusive HTTP client",
+    )
+    isolation.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
+    isolation.add_argument("--concurrency", type=int, default=8, help="the victim's streams")
+    isolation.add_argument("--max-tokens", type=int, default=48)
+    isolation.add_argument("--idle-sockets", type=int, default=1000)
+    isolation.add_argument("--repeat", type=int, default=1, help="rotations of all attackers")
+    isolation.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    isolation.set_defaults(
+        func=_lazy("mlx_redis_worker.bench.isolation_bench", "run_isolation_bench")
+    )
+
     scheduler = benches.add_parser(
         "scheduler", help="the engine's own host work per token, model replayed"
     )
@@ -149,6 +181,20 @@ def _add_bench_commands(commands: Any) -> None:
     structured.add_argument("--max-tokens", type=int, default=256)
     structured.add_argument("--temperature", type=float, default=0.7)
     structured.add_argument("--repeat", type=int, default=4, help="rotations of both paths")
+    hostile = structured.add_argument_group(
+        "--hostile", "a victim's tok/s beside a hostile-schema attacker (bench/hostile_bench.py)"
+    )
+    hostile.add_argument("--hostile", action="store_true", help="run this bench instead")
+    hostile.add_argument(
+        "--kind", default="mixed", help="deep_anyof | long_enum | bounded_repeat | mixed"
+    )
+    hostile.add_argument("--attackers", type=int, default=2, help="attacker requests in flight")
+    hostile.add_argument("--attacker-tokens", type=int, default=16, help="max_tokens of each")
+    hostile.add_argument("--fresh", type=int, default=8, help="new schemas per fresh run")
+    hostile.add_argument("--head-start", type=float, default=1.0, help="seconds of attack first")
+    hostile.add_argument("--max-schema-bytes", type=int, default=None, help="default: the worker's")
+    hostile.add_argument("--max-grammar-compile-ms", type=int, default=None)
+    hostile.add_argument("--max-mask-us", type=int, default=None)
     structured.set_defaults(
         func=_lazy("mlx_redis_worker.bench.structured_bench", "run_structured_bench")
     )
@@ -239,9 +285,19 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "max_mask_us": (int, "one token's mask of a job's response_format (default 10000)"),
     "cache_dir": (str, "where cache_save/cache_load keep prefix caches"),
     "lease_seconds": (float, "idle time after which another worker reclaims a job"),
+    "fair_share": (bool, "start waiting jobs by fair share between tenants, not in order"),
+    "priority_age_seconds": (
+        float,
+        "with fair share: a job waiting this long goes before its tenant's urgent ones",
+    ),
     "max_deliveries": (int, "deliveries before a job is dead-lettered"),
     "dead_letter_maxlen": (int, "dead letters kept (about; the oldest go first)"),
     "drain_timeout": (float, "seconds in-flight jobs get to finish on SIGTERM"),
+    "idempotency_seconds": (
+        int,
+        "how long a finished request id is remembered: a job queued again under it does not "
+        "run again (default 86400)",
+    ),
     "heartbeat_interval": (float, "seconds between heartbeats"),
     "activity_interval": (float, "seconds between writes of the activity key (status page)"),
     "metrics_port": (int, "serve Prometheus metrics on 127.0.0.1:PORT"),

@@ -90,12 +90,11 @@ def add_gateway_commands(commands: Any) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from mlx_redis_gateway.api_keys import KeyFileError
     from mlx_redis_gateway.app import GatewaySettings, build_app
-    from mlx_redis_gateway.http_limits import HttpLimits, guarded_protocol
+    from mlx_redis_gateway.http_limits import HttpLimits
     from mlx_redis_gateway.permissions import check_gateway_permissions
+    from mlx_redis_gateway.server import serve
     from mlx_redis_protocol.connection import REFUSED, redact
     from mlx_redis_protocol.keys import Keys
     from mlx_redis_protocol.logs import one_line
@@ -148,20 +147,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         return _fail(f"Redis refused us at {redact(settings.redis_url)}: {one_line(exc)}")
     except MissingPermission as exc:
         return _fail(str(exc))
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_config=None,  # structlog already owns the output
-        access_log=False,
-        http=guarded_protocol(settings.http),
-        server_header=False,  # no banner naming the server and its version
-        lifespan="on",
-        timeout_graceful_shutdown=30,
-        # Longer than a load balancer's idle timeout (60 s is common), so the balancer, not
-        # the gateway, closes an idle connection: no request races a closing socket.
-        timeout_keep_alive=75,
-    )
+    serve(app, host, port, settings.http)
     return 0
 
 

@@ -149,6 +149,8 @@ def _parse(
         "logprobs": top if logprobs else None,
         "metadata": _metadata(reader, user_key),
         "response_format": _response_format(reader),
+        # The API key's name is the tenant whose fair share of the fleet the job draws on.
+        "tenant": user_key,
     }
     if kind == "chat":
         options |= _tool_options(reader)

@@ -101,7 +101,7 @@ def render_fragment(status: FleetStatus) -> str:
     return (
         f'<div class="fragment" data-at="{status.at:.3f}">'
         f"{_summary(status)}{_workers(status)}{_queues(status)}{_throughput(status)}"
-        f"{_running(status)}{_dead_letters(status)}</div>"
+        f"{_tenants(status)}{_running(status)}{_dead_letters(status)}</div>"
     )
 
 
@@ -180,6 +180,22 @@ def _queue_cells(queue: QueueStatus) -> str:
         f'<td class="num oldest">{_duration(queue.oldest_pending_seconds)}</td>'
         f'<td class="num dead">{dead}</td>'
     )
+
+
+def _tenants(status: FleetStatus) -> str:
+    """Fair share by model and tenant; no section at all while no model has fair share."""
+    rows = [
+        f'<tr class="tenant" data-model="{_e(model.model)}" data-tenant="{_e(share.tenant)}">'
+        f"<td><code>{_e(model.model)}</code></td><td><code>{_e(share.tenant)}</code></td>"
+        f'<td class="num queued">{share.queued}</td>'
+        f'<td class="num served">{share.served_tokens}</td></tr>'
+        for model in status.fleet.models
+        for share in model.tenants
+    ]
+    if not rows:
+        return ""
+    head = ("model", "tenant", "#queued", "#tokens served (10 min)")
+    return _section("tenants", "Fair share by tenant", head, rows, "")
 
 
 def _running(status: FleetStatus) -> str:

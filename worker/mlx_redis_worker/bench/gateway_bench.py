@@ -101,8 +101,10 @@ class _Connections:
     """Keep-alive HTTP/1.1 connections to the gateway, one per concurrent stream, as an
     OpenAI SDK's connection pool holds them: a request does not pay a TCP connect."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, headers: str = "") -> None:
+        """``headers``: lines (each ending CRLF) every request carries, a key's, say."""
         self.port = port
+        self.headers = headers
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     @contextlib.asynccontextmanager
@@ -110,7 +112,7 @@ class _Connections:
         """Send one request; the reader, past a 200's headers. The connection goes back to
         the pool only when the caller read the whole answer without failing."""
         request = (
-            f"{head} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+            f"{head} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n{self.headers}"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
             + body
         )

@@ -231,6 +231,10 @@ def second_pass(engine: EngineCore, results: Results) -> None:
 
 
 def run_structured_bench(args: argparse.Namespace) -> int:
+    if args.hostile:
+        from mlx_redis_worker.bench.hostile_bench import run_hostile_bench
+
+        return run_hostile_bench(args)
     model, tokenizer = load_model(args.model)
     suite = build_suite(args.schemas, llguidance_accepts, seed=args.seed)
     prompts = [chat_prompt(tokenizer, item) for item in suite.schemas]

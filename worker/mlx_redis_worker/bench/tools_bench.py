@@ -144,6 +144,7 @@ def run_tools_bench(args: argparse.Namespace) -> int:
             for mode in PASSES:
                 results.append(await run_pass(engine, tokenizer, args, suite.schemas, mode))
                 print(f"{mode} pass: {results[-1].seconds:.0f} s", flush=True)
+                print(format_report(results[-1:])[0], flush=True)  # what a cut-short run has
         finally:
             await engine.stop()
 

@@ -61,6 +61,32 @@ return 1
 """
 
 
+# KEYS[1] job stream; ARGV[1] group, ARGV[2] consumer, ARGV[3] lease (min idle ms), ARGV[4]
+# count, ARGV[5] a consumer whose entries are not orphans (the fair queue's: they wait for a
+# pick, idle by design). XAUTOCLAIM cannot leave one consumer out; this visits each other
+# consumer's idle entries instead (bounded: consumers x count) and claims them as it would.
+RECLAIM_EXCEPT = """
+local out = {}
+local budget = tonumber(ARGV[4])
+for _, row in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local info = {}
+  for i = 1, #row, 2 do info[row[i]] = row[i + 1] end
+  if budget > 0 and info['name'] ~= ARGV[5] and tonumber(info['pending']) > 0 then
+    local idle = redis.call(
+      'XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], '-', '+', budget, info['name'])
+    for _, pending in ipairs(idle) do
+      local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], pending[1])
+      for _, entry in ipairs(claimed) do
+        table.insert(out, entry)
+        budget = budget - 1
+      end
+    end
+  end
+end
+return out
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class Delivery:
     """One job stream entry handed to this worker."""
@@ -131,6 +157,20 @@ class JobQueue:
         cursor, entries = reply[0], reply[1]
         self._reclaim_cursor = as_text(cursor)
         return await self._with_delivery_counts(entries)
+
+    async def reclaim_except(self, waiting_consumer: str, count: int) -> list[Delivery]:
+        """``reclaim``, leaving alone the entries of ``waiting_consumer`` (jobs waiting in the
+        fair queue, which are idle by design, not orphaned)."""
+        entries: Any = await run_script(
+            self.redis,
+            RECLAIM_EXCEPT,
+            [self.stream.stream],
+            [self.stream.group, self.consumer, self.lease_ms, count, waiting_consumer],
+        )
+        # A script returns an entry's fields as a flat list, and consumer by consumer: in the
+        # stream's order, as the delivery counts are read by id range.
+        as_read = [(entry_id, _pairs(fields)) for entry_id, fields in entries]
+        return await self._with_delivery_counts(sorted(as_read, key=lambda e: _order(e[0])))
 
     async def extend_leases(self, entry_ids: list[str]) -> list[str]:
         """Refresh the lease of entries we still own; return those another worker took."""
@@ -241,3 +281,12 @@ class JobQueue:
                 )
             )
         return deliveries
+
+
+def _pairs(fields: list[Any]) -> dict[Any, Any]:
+    return {fields[i]: fields[i + 1] for i in range(0, len(fields) - 1, 2)}
+
+
+def _order(entry_id: bytes | str) -> tuple[int, int]:
+    millis, _, sequence = as_text(entry_id).partition("-")
+    return int(millis), int(sequence or 0)

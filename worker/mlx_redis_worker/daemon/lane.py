@@ -9,6 +9,7 @@ them. Lanes share the worker's Redis connection, publisher, heartbeat and contro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -18,6 +19,12 @@ import structlog
 from mlx_redis_protocol.codec_job import readable_request_id
 from mlx_redis_protocol.heartbeat import ServedModel
 from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe, retry_until_done
+from mlx_redis_worker.daemon.fair_queue import (
+    FAIR_CONSUMER,
+    INTAKE_WHILE_BUSY,
+    Charge,
+    FairQueue,
+)
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner
 from mlx_redis_worker.engine import EngineCore
@@ -37,9 +44,11 @@ class ModelLane:
         read_block_ms: int,
         backlog: list[Delivery],
         stop: asyncio.Event,
+        fair: FairQueue | None = None,
     ) -> None:
         """``backlog``: jobs already delivered to this consumer (a restart under the same id),
-        run before new ones; ``stop``: set when the worker stops reading."""
+        run before new ones; ``stop``: set when the worker stops reading; ``fair``: new jobs
+        come from the fair pick (fair share between tenants) instead of the stream's order."""
         self.name = name
         self.engine = engine
         self.queue = queue
@@ -48,6 +57,8 @@ class ModelLane:
         self.read_block_ms = read_block_ms
         self.backlog = backlog
         self._stop = stop
+        self.fair = fair
+        self._charges: dict[str, Charge] = {}  # picked, not started yet: by entry id
         self._slot_freed = asyncio.Event()
         self.jobs: dict[str, asyncio.Task[None]] = {}  # entry id -> task
 
@@ -58,14 +69,14 @@ class ModelLane:
             free = self.max_concurrency - len(self.jobs)
             if free <= 0:
                 self._slot_freed.clear()
-                await self._slot_freed.wait()
+                await self._wait_for_a_slot()
                 continue
             if self.backlog:
                 batch, self.backlog = self.backlog[:free], self.backlog[free:]
                 self.start(batch)
                 continue
             deliveries = await retry_until_done(
-                functools.partial(self.queue.read_new, free, self.read_block_ms),
+                functools.partial(self._read_new, free),
                 f"read jobs of {self.name}",
                 on_failure=self.queue.recreate_group_if_lost,
             )
@@ -76,6 +87,33 @@ class ModelLane:
                 return
             self.start(deliveries)
 
+    async def _wait_for_a_slot(self) -> None:
+        """Until a slot frees. With fair share, new jobs are filed in their tenants' queues
+        meanwhile (every read_block_ms), and finished jobs' tokens settled, so the next pick
+        sees every tenant that waits."""
+        if self.fair is None:
+            await self._slot_freed.wait()
+            return
+        fair = self.fair
+        while not self._slot_freed.is_set() and not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._slot_freed.wait(), self.read_block_ms / 1000)
+                return
+            await retry_until_done(
+                functools.partial(fair.pick, 0, intake=INTAKE_WHILE_BUSY),
+                f"file new jobs of {self.name}",
+                on_failure=self.queue.recreate_group_if_lost,
+            )
+
+    async def _read_new(self, free: int) -> list[Delivery]:
+        if self.fair is None:
+            return await self.queue.read_new(free, self.read_block_ms)
+        picked = await self.fair.pick(free)
+        if not picked.deliveries:
+            await self.fair.wait_for_new(picked.last_id, self.read_block_ms)
+        self._charges.update(picked.charges)
+        return picked.deliveries
+
     async def reclaim(self) -> None:
         """Take over jobs whose worker died (or gave the attempt up). Also while every slot is
         busy: what does not fit waits in the backlog, leases kept, and the consumer serves the
@@ -83,8 +121,13 @@ class ModelLane:
         instead of waiting until the stream runs dry."""
         self.start(await self.runner.unpark())
         room = self.max_concurrency - len(self.backlog)
+        if self.fair is not None:
+            await self.fair.refresh_weights()
         if room > 0:
-            claimed = await self.queue.reclaim(room)
+            if self.fair is None:
+                claimed = await self.queue.reclaim(room)
+            else:  # jobs waiting for a fair pick are idle by design, not orphaned
+                claimed = await self.queue.reclaim_except(FAIR_CONSUMER, room)
             if claimed:
                 log.info("jobs_reclaimed", model=self.name, count=len(claimed))
             self.start(claimed)
@@ -95,6 +138,8 @@ class ModelLane:
         if lost:
             log.warning("leases_lost", model=self.name, entries=lost)
             self.backlog = [d for d in self.backlog if d.entry_id not in lost]
+            for entry_id in lost:
+                self._charges.pop(entry_id, None)
             self.runner.lose_entries(lost)
 
     def start(self, deliveries: list[Delivery], *, now: bool = False) -> None:
@@ -110,12 +155,16 @@ class ModelLane:
                 if all(d.entry_id != delivery.entry_id for d in self.backlog):
                     self.backlog.append(delivery)
                 continue
+            if self.fair is not None:
+                self.fair.started(delivery, self._charges.pop(delivery.entry_id, None))
             task = asyncio.create_task(self.runner.run(delivery))
             self.jobs[delivery.entry_id] = task
             task.add_done_callback(functools.partial(self._job_done, delivery.entry_id))
 
     def _job_done(self, entry_id: str, task: asyncio.Task[None]) -> None:
         self.jobs.pop(entry_id, None)
+        if self.fair is not None:
+            self.fair.ended(entry_id)
         self._slot_freed.set()
         if not task.cancelled() and (failure := task.exception()) is not None:
             log.error("job_task_failed", entry_id=entry_id, error=describe(failure))
@@ -164,10 +213,22 @@ class ModelLane:
         except REDIS_FAILURES as exc:
             group = {"error": describe(exc)}
         cache = self.engine.cache_stats()
-        return {
+        stats: dict[str, Any] = {
             "engine": self.engine.stats().as_dict(),
             "prefix_cache": cache.as_dict() if cache is not None else None,
             "jobs": dataclasses.asdict(self.runner.stats()),
             "group": group,
             "stream": self.queue.stream.stream,
         }
+        if self.fair is not None:
+            stats["tenants"] = await self.tenant_shares()
+        return stats
+
+    async def tenant_shares(self) -> list[dict[str, Any]] | dict[str, str]:
+        """Fair share by tenant (waiting, running here, tokens served), or the error that
+        kept Redis from telling."""
+        assert self.fair is not None
+        try:
+            return await self.fair.shares()
+        except REDIS_FAILURES as exc:
+            return {"error": describe(exc)}

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from mlx_redis_protocol.messages import Usage
 from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe
+from mlx_redis_worker.daemon.fair_queue import FairQueue
 from mlx_redis_worker.daemon.job_queue import JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner
 from mlx_redis_worker.daemon.publisher import EventPublisher
@@ -64,6 +65,8 @@ class ModelSnapshot:
     group_pending: int | None = None
     # None when the engine runs without a prefix cache.
     prefix_cache_hit_rate: float | None = None
+    # With fair share on: per tenant, (waiting, running here, tokens served in 10 minutes).
+    tenants: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
     speculative_steps: int = 0
     speculative_draft_tokens: int = 0
     speculative_accepted_tokens: int = 0
@@ -89,6 +92,7 @@ class MetricSources:
     engine: EngineCore
     runner: JobRunner
     queue: JobQueue
+    fair: FairQueue | None = None
 
 
 class Metrics:
@@ -154,6 +158,17 @@ async def _model_snapshot(source: MetricSources) -> ModelSnapshot:
     except REDIS_FAILURES as exc:
         # The other counters matter most exactly when Redis is down: publish them anyway.
         log.debug("metrics_group_info_failed", error=describe(exc))
+    tenants: dict[str, tuple[int, int, int]] = {}
+    if source.fair is not None:
+        try:
+            for share in await source.fair.shares():
+                tenants[share["tenant"]] = (
+                    share["queued"],
+                    share["running"],
+                    share["served_tokens"],
+                )
+        except REDIS_FAILURES as exc:
+            log.debug("metrics_tenant_shares_failed", error=describe(exc))
     engine = source.engine.stats()
     cache = source.engine.cache_stats()
     speculation = engine.scheduler.speculation
@@ -170,6 +185,7 @@ async def _model_snapshot(source: MetricSources) -> ModelSnapshot:
         group_lag=lag,
         group_pending=pending,
         prefix_cache_hit_rate=cache.hit_rate if cache is not None else None,
+        tenants=tenants,
         speculative_steps=speculation.steps,
         speculative_draft_tokens=speculation.draft_tokens,
         speculative_accepted_tokens=speculation.accepted_tokens,
@@ -297,6 +313,7 @@ def _families(snapshot: Snapshot) -> Iterator[Metric]:
         for outcome, count in sorted(model.outcomes.items()):
             jobs.add_metric([model.model, outcome], count)
     yield jobs
+    yield from _tenant_families(snapshot)
     yield CounterMetricFamily(
         "mlxw_redis_round_trips",
         "Pipelines the event publisher sent to Redis (one per engine step at most).",
@@ -307,6 +324,27 @@ def _families(snapshot: Snapshot) -> Iterator[Metric]:
         "When these values were taken; stalls when the worker's event loop does.",
         value=snapshot.taken_at,
     )
+
+
+# Per-tenant series (fair share on): (name, help, index in ModelSnapshot.tenants' tuples).
+_TENANT_SERIES = (
+    ("mlxw_tenant_queued", "Jobs of the tenant waiting for a fair pick (fleet-wide).", 0),
+    ("mlxw_tenant_running", "Jobs of the tenant running on this worker.", 1),
+    (
+        "mlxw_tenant_served_tokens",
+        "Tokens generated for the tenant over the last 10 minutes (fleet-wide).",
+        2,
+    ),
+)
+
+
+def _tenant_families(snapshot: Snapshot) -> Iterator[Metric]:
+    for name, documentation, index in _TENANT_SERIES:
+        family = GaugeMetricFamily(name, documentation, labels=["model", "tenant"])
+        for model in snapshot.models:
+            for tenant, figures in sorted(model.tenants.items()):
+                family.add_metric([model.model, tenant], figures[index])
+        yield family
 
 
 def _int_or_none(value: Any) -> int | None:

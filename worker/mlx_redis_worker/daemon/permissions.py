@@ -16,6 +16,8 @@ rely on that (``XADD … 0-0`` is always refused as an ID, never appended).
 from __future__ import annotations
 
 import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from mlx_redis_protocol.connection import RedisClient
 from mlx_redis_protocol.keys import Keys
@@ -39,10 +41,62 @@ _NEVER_IDLE_MS = 2**62
 
 
 async def check_permissions(
-    redis: RedisClient, keys: Keys, consumer: str, user: str, dead_letter_maxlen: int
+    redis: RedisClient,
+    keys: Keys,
+    consumer: str,
+    user: str,
+    dead_letter_maxlen: int,
+    fair_models: tuple[str, ...] = (),
 ) -> None:
-    """Send the worker's probes; MissingPermission for the first one Redis refuses."""
-    await check_probes(probes(redis, keys, consumer, dead_letter_maxlen), user, keys)
+    """Send the worker's probes (with those of fair share for ``fair_models``, the models it
+    serves with fair share on); MissingPermission for the first one Redis refuses."""
+    every = probes(redis, keys, consumer, dead_letter_maxlen)
+    for model in fair_models:
+        every += fair_share_probes(redis, keys, model)
+    await check_probes(every, user, keys)
+
+
+def fair_share_probes(redis: RedisClient, keys: Keys, model: str) -> list[Probe]:
+    """The commands of the fair pick script and of the weights' copy, on keys of the model's
+    fair-share state that nobody uses (a probe tenant's queue), in the stream's slot. Each
+    one that would write is undone in the same round trip."""
+    fair = keys.fair(model)
+    stream = keys.model_stream(model).stream
+    queue = fair.queue(f"permission-probe-{secrets.token_hex(6)}")
+    needed = "pick jobs by fair share"
+
+    def undone(command: Callable[[Any], object]) -> Callable[[], Awaitable[object]]:
+        return in_one_round_trip(redis, command, lambda pipe: pipe.delete(queue))
+
+    return [
+        Probe(
+            "XREAD",
+            "wait for new jobs (fair share)",
+            stream,
+            lambda: redis.xread({stream: _FAR_FUTURE_ID}, count=1),
+        ),
+        Probe(
+            "XINFO CONSUMERS",
+            "reclaim jobs of workers that died, not those waiting for a pick",
+            stream,
+            lambda: redis.xinfo_consumers(stream, keys.group),
+        ),
+        Probe("ZADD", needed, queue, undone(lambda pipe: pipe.zadd(queue, {"probe": 0}))),
+        Probe("ZINCRBY", needed, queue, undone(lambda pipe: pipe.zincrby(queue, 1, "probe"))),
+        Probe("ZRANGE", needed, queue, lambda: redis.zrange(queue, 0, 0)),
+        Probe("ZSCORE", needed, queue, lambda: redis.zscore(queue, "probe")),
+        Probe("ZREM", needed, queue, lambda: redis.zrem(queue, "probe")),
+        Probe("ZCARD", "report tenants' waiting jobs", queue, lambda: redis.zcard(queue)),
+        Probe("ZREMRANGEBYSCORE", needed, queue, lambda: redis.zremrangebyscore(queue, 0, -1)),
+        Probe("HGET", needed, queue, lambda: redis.hget(queue, "probe")),
+        Probe("HGETALL", "read tenant weights", queue, lambda: redis.hgetall(queue)),
+        Probe("HKEYS", "copy tenant weights", queue, lambda: redis.hkeys(queue)),
+        Probe("HDEL", "copy tenant weights", queue, lambda: redis.hdel(queue, "probe")),
+        Probe("HSET", "copy tenant weights", queue, undone(lambda pipe: pipe.hset(queue, "p", 1))),
+        Probe(
+            "HINCRBY", "count tokens served", queue, undone(lambda pipe: pipe.hincrby(queue, "p"))
+        ),
+    ]
 
 
 def probes(redis: RedisClient, keys: Keys, consumer: str, dead_letter_maxlen: int) -> list[Probe]:

@@ -155,6 +155,9 @@ class EventPublisher:
         self.keys = keys
         self.log_ttl = log_ttl
         self.on_done = on_done
+        # Observes each request's completion tokens when its publishing ends (finished,
+        # abandoned or lost): what fair share charges its tenant.
+        self.on_closed: Callable[[str, int], None] | None = None
         self.token_history = TokenHistory()
         self._streams: dict[str, _Stream] = {}
         self._drafts: list[_Draft] = []
@@ -246,6 +249,7 @@ class EventPublisher:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
+        self._closed(stream)
         self._drafts = [d for d in self._drafts if d.stream is not stream]
         self._unsent_delta.pop(request_id, None)
         if stream.written.done():
@@ -283,7 +287,9 @@ class EventPublisher:
     # -- sending -----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Flush forever; cancel to stop (``drain`` first to send what is pending)."""
+        """Flush forever; cancel to stop (``drain`` first to send what is pending). Restartable:
+        a run that failed left its events pending, and the next one sends them first."""
+        self._wake.set()
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -374,8 +380,16 @@ class EventPublisher:
     def _finish(self, stream: _Stream) -> None:
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
+            self._closed(stream)
         if not stream.written.done():
             stream.written.set_result(None)
+
+    def _closed(self, stream: _Stream) -> None:
+        if self.on_closed is not None:
+            try:
+                self.on_closed(stream.request_id, stream.tokens)
+            except Exception:
+                log.exception("on_closed_observer_failed")
 
     def _add_delta(self, output: RequestOutput, split: Split) -> None:
         pending = self._unsent_delta.get(output.request_id)

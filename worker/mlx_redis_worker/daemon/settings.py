@@ -16,7 +16,11 @@ from urllib.parse import urlsplit
 
 from mlx_redis_protocol.codec_job import MAX_DRAFT_TOKENS, SPECULATIVE_METHODS
 from mlx_redis_protocol.connection import SENTINEL_SCHEME, TOPOLOGIES, parse_sentinel_url
-from mlx_redis_protocol.constants import DEFAULT_PREFIX, DEFAULT_REDIS_URL
+from mlx_redis_protocol.constants import (
+    DEFAULT_IDEMPOTENCY_SECONDS,
+    DEFAULT_PREFIX,
+    DEFAULT_REDIS_URL,
+)
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id
 from mlx_redis_worker.daemon.job_queue import DEFAULT_DEAD_LETTER_MAXLEN
 
@@ -100,6 +104,12 @@ class WorkerSettings:
     # A job idle (not refreshed) this long is presumed orphaned and reclaimed by another worker.
     lease_seconds: float = 60.0
     reclaim_interval: float = 10.0
+    # Start each model's waiting jobs by fair share between tenants (every worker of a model
+    # should agree), not in the order they came; see docs/fairness.md.
+    fair_share: bool = False
+    # With fair share: the age bound of priorities (a job waiting this long goes first among
+    # its tenant's jobs, whatever their priority), so a low priority never starves.
+    priority_age_seconds: float = 30.0
     max_deliveries: int = 3
     # Dead letters kept (approximately: Redis trims whole stream nodes of ~100 entries), so a
     # flood of bad jobs cannot fill Redis; the oldest go first.
@@ -113,6 +123,9 @@ class WorkerSettings:
     # How fresh the status page's running requests and token counts are.
     activity_interval: float = 1.0
     log_ttl: int = 600
+    # How long a finished request id is remembered (mlxw:done:{id}): a job queued again under
+    # it within this window is acknowledged without running, even after its log expired.
+    idempotency_seconds: int = DEFAULT_IDEMPOTENCY_SECONDS
     reply_ttl: int = 60
     stream_interval: int = 1
     log_format: str = "json"
@@ -127,6 +140,7 @@ class WorkerSettings:
             "max_concurrency",
             "lease_seconds",
             "reclaim_interval",
+            "priority_age_seconds",
             "max_deliveries",
             "dead_letter_maxlen",
             "read_block_ms",
@@ -135,6 +149,7 @@ class WorkerSettings:
             "heartbeat_ttl",
             "activity_interval",
             "log_ttl",
+            "idempotency_seconds",
             "reply_ttl",
             "stream_interval",
             "max_schema_bytes",

@@ -24,6 +24,7 @@ from mlx_redis_protocol.permissions import redis_user
 from mlx_redis_protocol.redis_retry import retry_until_done
 from mlx_redis_worker.daemon.control import ControlListener
 from mlx_redis_worker.daemon.eviction import check_eviction_policy
+from mlx_redis_worker.daemon.fair_queue import FairQueue
 from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
 from mlx_redis_worker.daemon.job_queue import JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner, speculative_params
@@ -181,6 +182,7 @@ class Worker:
                 settings.worker_id,
                 redis_user(settings.redis_url),
                 settings.dead_letter_maxlen,
+                tuple(m.name for m in settings.models) if settings.fair_share else (),
             ),
             "check permissions",
         )
@@ -221,7 +223,9 @@ class Worker:
         default = settings.default_model_name
         names = sorted(engines, key=lambda name: name != default)
         try:
-            lanes = []
+            lanes: list[ModelLane] = []
+            # What fair share charges a tenant: the tokens its jobs generated, whichever lane's.
+            publisher.on_closed = lambda request_id, tokens: self._closed(lanes, request_id, tokens)
             for name in names:
                 engine, queue = engines[name], queues[name]
                 engine.set_step_listener(publisher.on_step)
@@ -290,10 +294,22 @@ class Worker:
             default_speculative=speculative_params(parse_speculative(settings.speculative)),
             worker_id=settings.worker_id,
             model=name,
+            idempotency_seconds=settings.idempotency_seconds,
         )
         backlog = await retry_until_done(
             lambda: queue.read_own_pending(BACKLOG_READ_LIMIT), "read own pending"
         )
+        fair = None
+        if settings.fair_share:
+            fair = FairQueue(
+                redis=redis,
+                stream=queue.stream,
+                keys=self.keys.fair(name),
+                consumer=settings.worker_id,
+                tenant_weights_key=self.keys.tenant_weights,
+                age_bound_seconds=settings.priority_age_seconds,
+            )
+            await retry_until_done(fair.refresh_weights, "read tenant weights")
         return ModelLane(
             name=name,
             engine=engine,
@@ -303,7 +319,14 @@ class Worker:
             read_block_ms=settings.read_block_ms,
             backlog=backlog,
             stop=self._stop,
+            fair=fair,
         )
+
+    @staticmethod
+    def _closed(lanes: list[ModelLane], request_id: str, tokens: int) -> None:
+        for lane in lanes:
+            if lane.fair is not None:
+                lane.fair.closed(request_id, tokens)
 
     def _became_ready(self) -> None:
         self.ready.set()

@@ -188,6 +188,8 @@ class GrammarCompiler:
             return waiting.result()
         finally:
             job.cancel()  # one still queued never runs: nobody waits for it any more
+            # One left running (past its limit, or its caller cancelled) ends unobserved.
+            waiting.add_done_callback(_observe)
 
     def compile(self, response_format: ResponseFormat) -> CompiledGrammar:
         """The checked grammar of ``response_format`` with its start-state matcher;
@@ -367,6 +369,12 @@ def _format_bytes(response_format: ResponseFormat) -> int:
     if response_format.type == "json_schema":
         return len(json.dumps(response_format.schema, separators=(",", ":"), default=str).encode())
     return len((response_format.pattern or response_format.lark or "").encode())
+
+
+def _observe(future: asyncio.Future[CompiledGrammar]) -> None:
+    """Retrieve an abandoned compile's outcome, so asyncio does not log it as never read."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _lower_priority() -> None:

@@ -3,19 +3,22 @@
 One datagram per message to the AF_UNIX socket named in ``$NOTIFY_SOCKET``, written with the
 standard library so running under systemd adds no dependency. Outside systemd (no
 ``$NOTIFY_SOCKET``: launchd, a terminal, tests) every method does nothing. A failed send is
-logged and swallowed: losing a notification must never take the worker down.
+logged and swallowed: losing a notification must never take the service down.
+
+It lives in the protocol package because the worker and the gateway (which installs without
+the worker) both run under systemd this way; like the rest of the package it logs through the
+standard library's ``logging``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 from collections.abc import Callable, Mapping
 
-import structlog
-
-log = structlog.get_logger(__name__)
+log = logging.getLogger(__name__)
 
 # A blocked send would stall the event loop; systemd drains its socket at once, so a second is
 # generous and still bounds the damage when something else sits on the other end.
@@ -67,7 +70,7 @@ class Notifier:
                 self.watchdog()
                 withheld = False
             elif not withheld:
-                log.error("watchdog_ping_withheld", reason="worker unhealthy")
+                log.error("watchdog_ping_withheld", extra={"reason": "unhealthy"})
                 withheld = True
             await asyncio.sleep(interval)
 
@@ -84,7 +87,10 @@ class Notifier:
                 sock.settimeout(SEND_TIMEOUT)
                 sock.sendto(message.encode(), self.address)
         except OSError as exc:
-            log.warning("sd_notify_failed", message=message.split("\n", 1)[0], error=str(exc))
+            log.warning(
+                "sd_notify_failed",
+                extra={"notification": message.split("\n", 1)[0], "error": str(exc)},
+            )
 
 
 def _socket_address(raw: str) -> str | bytes | None:
@@ -97,7 +103,7 @@ def _socket_address(raw: str) -> str | bytes | None:
     if raw.startswith("/"):
         return raw
     # systemd also knows vsock:... addresses (VMs); they are not for a service on the host.
-    log.warning("sd_notify_unsupported_socket", notify_socket=raw)
+    log.warning("sd_notify_unsupported_socket", extra={"notify_socket": raw})
     return None
 
 
