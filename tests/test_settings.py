@@ -156,6 +156,16 @@ def test_several_models_from_every_source(tmp_path: Path) -> None:
     assert result.returncode == 2 and "model names must differ" in result.stderr
 
 
+def test_idempotency_window_defaults_to_a_day_and_outlives_the_log() -> None:
+    settings = WorkerSettings()
+    assert settings.idempotency_seconds >= 86400 > settings.log_ttl
+    flags = {"idempotency_seconds": 7 * 86400}
+    assert load_settings(flags, {}).idempotency_seconds == 7 * 86400
+    assert load_settings({}, {"MLXW_IDEMPOTENCY_SECONDS": "3600"}).idempotency_seconds == 3600
+    with pytest.raises(ValueError, match="idempotency_seconds must be > 0"):
+        load_settings({"idempotency_seconds": 0}, {})
+
+
 def test_grammar_limits_from_settings_default_to_the_engines() -> None:
     from mlx_redis_worker.engine.config import GrammarLimits
 

@@ -15,6 +15,9 @@ DEFAULT_REDIS_URL: Final = "redis://localhost:6379/0"
 DEFAULT_LOG_TTL_SECONDS: Final = 600
 # An abort marker must outlive a job's wait in the queue, which can be longer than the log TTL.
 DEFAULT_ABORT_TTL_SECONDS: Final = 3600
+# How long a finished request id is remembered (``mlxw:done:{id}``), so a job queued again
+# under it does not run again after its log expired; a day, as payment APIs keep theirs.
+DEFAULT_IDEMPOTENCY_SECONDS: Final = 86400
 # A control reply list only has to survive until the client's BLPOP picks it up.
 DEFAULT_REPLY_TTL_SECONDS: Final = 60
 DEFAULT_CONTROL_TIMEOUT_SECONDS: Final = 2.0

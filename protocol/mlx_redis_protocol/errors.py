@@ -20,6 +20,10 @@ ERROR_CODES: Final[dict[str, str]] = {
     "engine_error": "the inference engine failed while running the request",
     "internal": "an unexpected worker failure",
     "unknown_model": "no live worker serves the model the job names",
+    "already_finished": (
+        "the request id finished earlier (within the idempotency window) and its log expired:"
+        " the job queued again under it was not run"
+    ),
     # Sent by workers in control replies.
     "unknown_command": "the worker does not implement this control command",
     "not_found": "the named thing (a saved cache, a request) does not exist",

@@ -155,6 +155,11 @@ class Keys:
         """The request's current attempt number: the fence against a stale worker's events."""
         return f"{self.prefix}:attempt:{{{_checked(request_id, 'request id')}}}"
 
+    def finished(self, request_id: str) -> str:
+        """The marker that a request finished: kept for the idempotency window, longer than
+        its log, so a job queued again under the id does not run again."""
+        return f"{self.prefix}:done:{{{_checked(request_id, 'request id')}}}"
+
     def abort(self, request_id: str) -> str:
         """The marker that stops a request from starting (or continuing)."""
         return f"{self.prefix}:abort:{{{_checked(request_id, 'request id')}}}"

@@ -123,31 +123,35 @@ return results
 """
 )
 
-# KEYS[1] log, KEYS[2] attempt key; ARGV[1] attempt, ARGV[2] TTL seconds, ARGV[3] the run's
-# token (unique per run of an attempt; "WORKER/ENTRY/TOKEN" names the job stream entry that the
-# run serves). A worker calls it before publishing anything for an attempt: from then on only
-# this run writes the request's events, and the seq it returns (the log's last) is final, since
-# no other run can append after it. Returns -2 when the log's newest event is terminal (the job
-# is finished: nothing may follow it, whatever queued markers a re-submission appended); -3
-# when the fence names another job entry of the same request (a producer queued it twice, or a
-# forward was repeated): that entry's run owns the request, whatever the attempt numbers say,
-# since delivery counts of two entries are unrelated, and taking over would splice two runs
-# into one attempt; -1 when a newer attempt has already begun (this delivery is stale), or
-# with ARGV[4] = "IFFREE" when any attempt has begun: a worker ending a request that still
-# waits (an abort) must not take it from the worker that started it; or, with ARGV[4] =
-# "IFFENCE", when the fence is not exactly ARGV[5]: the abort of a job whose worker died takes
-# over from that run only, never from one that began meanwhile. The checks and the fence are
-# one atomic step, so an older attempt's last event cannot land between "not finished yet"
-# and "fenced". Safe to repeat with the same token: it sets the same fence and returns the same
-# seq. The fence has no TTL while the request runs (a long prefill publishes nothing for a
-# while); the terminal event gives it the log's. It renews the log's TTL, so a log that waited
-# almost its TTL in the queue does not expire between here and the first event.
+# KEYS[1] log, KEYS[2] attempt key, KEYS[3] (optional) the finished marker; ARGV[1] attempt, ARGV[2]
+# TTL seconds, ARGV[3] the run's token (unique per run of an attempt; "WORKER/ENTRY/TOKEN" names the
+# job stream entry that the run serves). A worker calls it before publishing anything for an
+# attempt: from then on only this run writes the request's events, and the seq it returns (the log's
+# last) is final, since no other run can append after it. Returns -2 when the log's newest event is
+# terminal (the job is finished: nothing may follow it, whatever queued markers a re-submission
+# appended); -4 when the log does not end but the finished marker exists (the request finished, its
+# log expired since, and a producer queued it again: it must not run again); -3 when the fence names
+# another job entry of the same request (a producer queued it twice, or a forward was repeated):
+# that entry's run owns the request, whatever the attempt numbers say, since delivery counts of two
+# entries are unrelated, and taking over would splice two runs into one attempt; -1 when a newer
+# attempt has already begun (this delivery is stale), or with ARGV[4] = "IFFREE" when any attempt
+# has begun: a worker ending a request that still waits (an abort) must not take it from the worker
+# that started it; or, with ARGV[4] = "IFFENCE", when the fence is not exactly ARGV[5]: the abort of
+# a job whose worker died takes over from that run only, never from one that began meanwhile. The
+# checks and the fence are one atomic step, so an older attempt's last event cannot land between
+# "not finished yet" and "fenced". Safe to repeat with the same token: it sets the same fence and
+# returns the same seq. The fence has no TTL while the request runs (a long prefill publishes
+# nothing for a while); the terminal event gives it the log's. It renews the log's TTL, so a log
+# that waited almost its TTL in the queue does not expire between here and the first event.
 BEGIN_ATTEMPT: Final = (
     NEWEST_EVENT
     + """
 local seq, ended = newest_event(KEYS[1])
 if ended then
   return -2
+end
+if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then
+  return -4
 end
 local fence = redis.call('GET', KEYS[2])
 local entry = string.match(ARGV[3], '^[^/]*/([^/]+)/')
@@ -176,6 +180,7 @@ return math.max(seq, 0)
 STALE_ATTEMPT: Final = -1
 FINISHED: Final = -2
 DUPLICATE: Final = -3
+REMEMBERED: Final = -4
 # The run of the producer's queued marker (attempt 0), which no attempt fences.
 NO_RUN: Final = "-"
 
@@ -312,6 +317,7 @@ async def begin_attempt(
 ) -> int:
     """Fence the request for this run of ``attempt`` (a ``new_run()`` token) and return the
     log's last seq to continue from; or ``FINISHED`` when the log's newest event is terminal,
+    ``REMEMBERED`` when it is not but the request's finished marker exists (its log expired),
     ``DUPLICATE`` when the fence names another job entry of the request (``new_run``'s
     ``entry_id``), or ``STALE_ATTEMPT`` when a newer attempt has already begun (with
     ``if_free``: when any attempt has; with ``if_fence``: when the fence is not exactly that
@@ -319,13 +325,17 @@ async def begin_attempt(
     if not run or run == NO_RUN or any(c.isspace() for c in run):
         raise ValueError(f"a run token must be a word, got {run!r}")
     log_key, fence_key = keys.log(request_id), keys.attempt(request_id)
+    finished_key = keys.finished(request_id)
     mode: tuple[str | bytes, ...] = ()
     if if_fence is not None:
         mode = ("IFFENCE", if_fence)
     elif if_free:
         mode = ("IFFREE",)
     last: int = await run_script(
-        redis, BEGIN_ATTEMPT, [log_key, fence_key], [attempt, ttl_seconds, run, *mode]
+        redis,
+        BEGIN_ATTEMPT,
+        [log_key, fence_key, finished_key],
+        [attempt, ttl_seconds, run, *mode],
     )
     return last
 

@@ -15,6 +15,7 @@ from mlx_redis_protocol.replay_log import (
     DUPLICATE,
     FINISHED,
     PUBLISH_EVENTS,
+    REMEMBERED,
     STALE_ATTEMPT,
     Fence,
     Outcome,
@@ -396,3 +397,28 @@ def test_begin_refuses_a_second_entry_of_a_request_whatever_its_attempt(
     assert run(scenario()) == (0, DUPLICATE, DUPLICATE, 0, FINISHED)
     parsed = parse_fence(b"3 w-1/1712-0/abc")
     assert parsed == Fence(b"3 w-1/1712-0/abc", 3, "w-1", "1712-0")
+
+
+def test_begin_refuses_a_request_remembered_as_finished_after_its_log_expired(
+    redis_url: str, keys: Keys
+) -> None:
+    """The finished marker outlives the log: a request queued again after its log expired
+    (only the new queued marker in the log) is REMEMBERED, not run; an ending in the log
+    still answers FINISHED first; without the marker the request is new."""
+
+    async def scenario() -> tuple[int, int, int]:
+        redis = Redis.from_url(redis_url)
+        try:
+            await emit(redis, keys, queued("again"), queued("ended"), queued("fresh"))
+            await redis.set(keys.finished("again"), b"1", ex=86400)
+            await emit(redis, keys, *text_events("ended", ["z"]))
+            await redis.set(keys.finished("ended"), b"1", ex=86400)
+            again = await begin_attempt(redis, keys, "again", 1, 600, new_run("w", "1-0"))
+            ended = await begin_attempt(redis, keys, "ended", 1, 600, new_run("w", "2-0"))
+            fresh = await begin_attempt(redis, keys, "fresh", 1, 600, new_run("w", "3-0"))
+            assert await redis.get(keys.attempt("again")) is None  # nothing fenced
+            return again, ended, fresh
+        finally:
+            await redis.aclose()
+
+    assert run(scenario()) == (REMEMBERED, FINISHED, 0)

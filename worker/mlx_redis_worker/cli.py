@@ -293,6 +293,11 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "max_deliveries": (int, "deliveries before a job is dead-lettered"),
     "dead_letter_maxlen": (int, "dead letters kept (about; the oldest go first)"),
     "drain_timeout": (float, "seconds in-flight jobs get to finish on SIGTERM"),
+    "idempotency_seconds": (
+        int,
+        "how long a finished request id is remembered: a job queued again under it does not "
+        "run again (default 86400)",
+    ),
     "heartbeat_interval": (float, "seconds between heartbeats"),
     "activity_interval": (float, "seconds between writes of the activity key (status page)"),
     "metrics_port": (int, "serve Prometheus metrics on 127.0.0.1:PORT"),

@@ -71,6 +71,7 @@ from mlx_redis_protocol.errors import (
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
 from mlx_redis_protocol.messages import Event, Job
 from mlx_redis_protocol.redis_retry import describe
+from mlx_redis_protocol.supervisor import supervise
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -150,7 +151,11 @@ class Gateway:
         self._quotas = Quotas(
             self.client.command_slot, self.client.keys, self.settings.quota_lease_seconds
         )
-        leases = asyncio.create_task(self.quotas.keep_leases(), name="quota leases")
+        # Supervised: a lease keeper that died would let every in-flight request's lease
+        # lapse, and the quotas count them free while they still run.
+        leases = asyncio.create_task(
+            supervise("quota leases", self.quotas.keep_leases), name="quota leases"
+        )
         log.info(
             "gateway_ready",
             auth=self.keys is not None,

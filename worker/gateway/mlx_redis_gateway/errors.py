@@ -8,6 +8,7 @@ from typing import Any
 # Protocol error codes of a request's terminal `error` event → HTTP status and OpenAI type.
 _EVENT_ERRORS: dict[str, tuple[int, str]] = {
     "unknown_model": (404, "invalid_request_error"),
+    "already_finished": (409, "invalid_request_error"),
     "invalid_job": (400, "invalid_request_error"),
     "dead_lettered": (500, "server_error"),
     "engine_error": (500, "server_error"),

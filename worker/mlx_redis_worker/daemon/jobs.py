@@ -18,20 +18,23 @@ from structlog.contextvars import bound_contextvars
 
 from mlx_redis_protocol.codec_job import decode_job
 from mlx_redis_protocol.connection import RedisClient
+from mlx_redis_protocol.constants import DEFAULT_IDEMPOTENCY_SECONDS
 from mlx_redis_protocol.errors import ProtocolError
 from mlx_redis_protocol.identifiers import stream_id_time
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.limits import Limits
-from mlx_redis_protocol.messages import Job
+from mlx_redis_protocol.messages import ErrorEvent, Job
 from mlx_redis_protocol.redis_retry import retry_until_done
 from mlx_redis_protocol.replay_log import (
     DUPLICATE,
     FINISHED,
+    REMEMBERED,
     STALE_ATTEMPT,
     Outcome,
     begin_attempt,
     new_run,
     parse_fence,
+    publish_events,
 )
 from mlx_redis_worker.daemon.job_prompt import job_prompt
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
@@ -87,9 +90,12 @@ class JobRunner:
         default_stream_interval: int,
         worker_id: str,
         model: str,
+        idempotency_seconds: int = DEFAULT_IDEMPOTENCY_SECONDS,
         default_speculative: SpeculativeParams | None = None,
     ) -> None:
-        """``model``: the fleet's name of the engine's model; the queue is its stream."""
+        """``model``: the fleet's name of the engine's model; the queue is its stream;
+        ``idempotency_seconds``: how long a finished request id is remembered."""
+        self.idempotency_seconds = idempotency_seconds
         self.engine = engine
         self.model = model
         self.worker_id = worker_id
@@ -131,6 +137,7 @@ class JobRunner:
             await self._end_early(delivery, rid, written, early)
             return
         if await self._written(rid, written):
+            await self._remember(rid)
             await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
             self._count("completed")
             log.info("job_finished", seconds=round(time.monotonic() - started, 3))
@@ -147,7 +154,10 @@ class JobRunner:
             self._park(delivery, rid)
             return None
         self.parked.pop(delivery.entry_id, None)
-        if last_seq == FINISHED:  # its log already ends: a redelivery of a finished job
+        if last_seq == REMEMBERED:  # finished long ago (its log expired), queued again
+            await self._tell_remembered(rid)
+        if last_seq in (FINISHED, REMEMBERED):  # a redelivery (or re-submission) of a finished job
+            await self._remember(rid)  # again: its worker may have died before it could
             await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
             self._count("already_done")
             log.info("job_already_done")
@@ -279,7 +289,7 @@ class JobRunner:
         last_seq = await self._begin_attempt(
             request_id, attempt, run, if_free=if_free, if_fence=if_fence
         )
-        if last_seq == FINISHED:
+        if last_seq in (FINISHED, REMEMBERED):
             return "finished"
         if last_seq == STALE_ATTEMPT:
             return "elsewhere"
@@ -289,6 +299,7 @@ class JobRunner:
             await written
         except AttemptLost:
             return "elsewhere"  # a worker began it meanwhile, and its fence refused our event
+        await self._remember(request_id)
         return "queued"
 
     def _park(self, delivery: Delivery, rid: str) -> None:
@@ -430,6 +441,8 @@ class JobRunner:
             except AttemptLost as lost:  # another attempt owns the request: not ours to settle
                 self._count_lost(lost)
                 return
+            if rid is not None:
+                await self._remember(rid)
         if end.dead is not None:
             code, message = end.dead
             moved = await retry_until_done(
@@ -441,6 +454,33 @@ class JobRunner:
             await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
         self._count(end.outcome)
         log.info("job_finished_early", outcome=end.outcome)
+
+    async def _remember(self, rid: str) -> None:
+        """Mark the request finished for the idempotency window (its terminal event is in the
+        log): a job queued again under its id, even after the log expired, does not run."""
+        await retry_until_done(
+            lambda: self.redis.set(self.keys.finished(rid), b"1", ex=self.idempotency_seconds),
+            "remember a finished request",
+        )
+
+    async def _tell_remembered(self, rid: str) -> None:
+        """The request finished within the idempotency window but its log is gone: end the
+        re-submission's stream (its producer's queued marker) at once, as a producer ends a
+        request it did not queue (attempt 0), instead of leaving its subscribers waiting."""
+        message = (
+            f"request {rid!r} finished earlier (request ids are remembered for "
+            f"{self.idempotency_seconds} s) and its log has expired: not run again"
+        )
+        event = ErrorEvent(
+            request_id=rid, seq=1, attempt=0, code="already_finished", message=message
+        )
+        await retry_until_done(
+            lambda: publish_events(
+                self.redis, self.keys, [event], ttl_seconds=self.publisher.log_ttl
+            ),
+            "end a re-submitted request",
+        )
+        log.info("job_already_done_long_ago")
 
     def _count_lost(self, lost: AttemptLost) -> None:
         outcome = "log_gap" if lost.outcome is Outcome.LOG_GAP else "lost_lease"

@@ -287,7 +287,9 @@ class EventPublisher:
     # -- sending -----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Flush forever; cancel to stop (``drain`` first to send what is pending)."""
+        """Flush forever; cancel to stop (``drain`` first to send what is pending). Restartable:
+        a run that failed left its events pending, and the next one sends them first."""
+        self._wake.set()
         while True:
             await self._wake.wait()
             self._wake.clear()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from collections import Counter
@@ -36,6 +37,7 @@ from mlx_redis_protocol.redis_retry import (
     describe,
 )
 from mlx_redis_protocol.sd_notify import Notifier
+from mlx_redis_protocol.supervisor import supervise
 from mlx_redis_worker.daemon.control import CommandRefused, ControlListener
 from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
 from mlx_redis_worker.daemon.job_queue import JobQueue
@@ -80,6 +82,8 @@ class Serving:
         self.notifier = Notifier()
         self._stop = stop
         self.started_at = started_at
+        # Supervised tasks down now (failed, waiting to restart): see ``supervise``.
+        self.down: set[str] = set()
 
     @property
     def in_flight(self) -> int:
@@ -98,15 +102,19 @@ class Serving:
         """Serve until the stop event; ``on_ready`` is called once every task runs."""
         settings = self.settings
         background = [
-            asyncio.create_task(self.publisher.run(), name="publisher"),
-            asyncio.create_task(control.listen(), name="control"),
+            self._supervised("publisher", self.publisher.run),
+            self._supervised("control", control.listen),
             self._periodic(settings.heartbeat_interval, self._heartbeat),
             self._periodic(settings.activity_interval, self._activity),
             self._periodic(ABORT_POLL_SECONDS, self._stop_aborted),
-            asyncio.create_task(self.notifier.keep_alive(self._engines_running), name="watchdog"),
+            self._supervised(
+                "watchdog", functools.partial(self.notifier.keep_alive, self._engines_running)
+            ),
         ]
         background += [
-            self._periodic(settings.lease_refresh_interval, lane.extend_leases)
+            self._periodic(
+                settings.lease_refresh_interval, lane.extend_leases, f"leases {lane.name}"
+            )
             for lane in self.lanes
         ]
         if self.metrics is not None:
@@ -126,11 +134,15 @@ class Serving:
                 await metrics.refresh(sources, publisher)
 
             background.append(self._periodic(settings.heartbeat_interval, refresh_metrics))
-        readers = [asyncio.create_task(self.forwarder.consume(), name="forwarder")]
-        readers.append(self._periodic(settings.reclaim_interval, self.forwarder.reclaim))
+        readers = [self._supervised("forwarder", self.forwarder.consume)]
+        readers.append(
+            self._periodic(settings.reclaim_interval, self.forwarder.reclaim, "forwarder reclaim")
+        )
         for lane in self.lanes:
-            readers.append(asyncio.create_task(lane.consume(), name=f"consumer {lane.name}"))
-            readers.append(self._periodic(settings.reclaim_interval, lane.reclaim))
+            readers.append(self._supervised(_consumer(lane), lane.consume))
+            readers.append(
+                self._periodic(settings.reclaim_interval, lane.reclaim, f"reclaim {lane.name}")
+            )
         models = [lane.name for lane in self.lanes]
         log.info(
             "worker_ready",
@@ -204,12 +216,20 @@ class Serving:
 
     # -- periodic ----------------------------------------------------------------------------
 
+    def _supervised(self, name: str, start: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        """A task that never dies silently: an unexpected error (Redis refusing a command
+        after an ACL change, a bug) is logged at once and the task restarts with backoff;
+        while it is down, ``down`` names it (the heartbeat then offers no slot it feeds)."""
+        return asyncio.create_task(supervise(name, start, down=self.down), name=name)
+
     def _periodic(
-        self, seconds: float, action: Callable[[], Awaitable[None]]
+        self, seconds: float, action: Callable[[], Awaitable[None]], name: str | None = None
     ) -> asyncio.Task[None]:
-        """A task that runs ``action`` every ``seconds`` and waits out Redis failures."""
-        name = getattr(action, "__name__", "periodic").strip("_")
-        return asyncio.create_task(self._every(seconds, action, Outage(name)), name=name)
+        """A supervised task that runs ``action`` every ``seconds`` and waits out Redis
+        failures (a refusal restarts it)."""
+        name = name or getattr(action, "__name__", "periodic").strip("_")
+        outage = Outage(name)
+        return self._supervised(name, functools.partial(self._every, seconds, action, outage))
 
     async def _every(
         self, seconds: float, action: Callable[[], Awaitable[None]], outage: Outage
@@ -228,13 +248,21 @@ class Serving:
             await asyncio.sleep(seconds)
 
     def heartbeat(self) -> Heartbeat:
+        """What the heartbeat advertises: no free slot of a lane whose job reader is down
+        (restarting after a failure) or whose engine stopped, since nothing would fill it."""
+        models = {}
+        for lane in self.lanes:
+            served = lane.served()
+            if _consumer(lane) in self.down or not lane.engine.is_running():
+                served = dataclasses.replace(served, free_slots=0)
+            models[lane.name] = served
         return Heartbeat(
             worker_id=self.settings.worker_id,
             pid=os.getpid(),
             started_at=self.started_at,
             in_flight=self.in_flight,
             default_model=self.forwarder.default_model,
-            models={lane.name: lane.served() for lane in self.lanes},
+            models=models,
             version=WORKER_VERSION,
         )
 
@@ -306,6 +334,11 @@ class Serving:
                 mlx_peak_memory_bytes=mlx.peak_bytes,
             )
         return memory
+
+
+def _consumer(lane: ModelLane) -> str:
+    """The name of a lane's job reader task."""
+    return f"consumer {lane.name}"
 
 
 def _jobs_total(lanes: Iterable[dict[str, Any]]) -> dict[str, Any]:

@@ -16,7 +16,11 @@ from urllib.parse import urlsplit
 
 from mlx_redis_protocol.codec_job import MAX_DRAFT_TOKENS, SPECULATIVE_METHODS
 from mlx_redis_protocol.connection import SENTINEL_SCHEME, TOPOLOGIES, parse_sentinel_url
-from mlx_redis_protocol.constants import DEFAULT_PREFIX, DEFAULT_REDIS_URL
+from mlx_redis_protocol.constants import (
+    DEFAULT_IDEMPOTENCY_SECONDS,
+    DEFAULT_PREFIX,
+    DEFAULT_REDIS_URL,
+)
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id
 from mlx_redis_worker.daemon.job_queue import DEFAULT_DEAD_LETTER_MAXLEN
 
@@ -119,6 +123,9 @@ class WorkerSettings:
     # How fresh the status page's running requests and token counts are.
     activity_interval: float = 1.0
     log_ttl: int = 600
+    # How long a finished request id is remembered (mlxw:done:{id}): a job queued again under
+    # it within this window is acknowledged without running, even after its log expired.
+    idempotency_seconds: int = DEFAULT_IDEMPOTENCY_SECONDS
     reply_ttl: int = 60
     stream_interval: int = 1
     log_format: str = "json"
@@ -142,6 +149,7 @@ class WorkerSettings:
             "heartbeat_ttl",
             "activity_interval",
             "log_ttl",
+            "idempotency_seconds",
             "reply_ttl",
             "stream_interval",
             "max_schema_bytes",

@@ -294,6 +294,7 @@ class Worker:
             default_speculative=speculative_params(parse_speculative(settings.speculative)),
             worker_id=settings.worker_id,
             model=name,
+            idempotency_seconds=settings.idempotency_seconds,
         )
         backlog = await retry_until_done(
             lambda: queue.read_own_pending(BACKLOG_READ_LIMIT), "read own pending"
