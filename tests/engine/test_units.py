@@ -95,6 +95,10 @@ def test_configs_reject_bad_values() -> None:
         EngineConfig(gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_prefill_wait"):
+        SchedulerConfig(max_prefill_wait=float("nan"))
+    with pytest.raises(ValueError, match="max_consecutive_prefills"):
+        SchedulerConfig(max_consecutive_prefills=-1)
     defaults = EngineConfig()
     assert (defaults.model_name, defaults.scheduler_config) == ("", None)
     assert (defaults.step_interval, defaults.stream_interval) == (0.001, 1)

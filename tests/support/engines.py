@@ -48,7 +48,7 @@ def make_engine(model_and_tokenizer: tuple[Any, Any], **scheduler: Any) -> Engin
 
 
 def reference_tokens(
-    model_and_tokenizer: tuple[Any, Any], prompt: str, max_tokens: int
+    model_and_tokenizer: tuple[Any, Any], prompt: str | list[int], max_tokens: int
 ) -> list[int]:
     """Greedy tokens from mlx-lm's own single-sequence generator (EOS excluded)."""
     model, tokenizer = model_and_tokenizer

@@ -14,16 +14,20 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from mlx_redis_worker.bench.engine_bench import make_prompts
 from mlx_redis_worker.engine import Request, SamplingParams, Scheduler, SchedulerConfig
-from mlx_redis_worker.engine.speculative_batch import SpeculativeResponse
+from mlx_redis_worker.engine.speculative_batch import (
+    SpeculativeBatchGenerator,
+    SpeculativeResponse,
+)
 from mlx_redis_worker.models import load_model
 
 
 class ReplayGenerator:
-    """Answers ``next()`` like ``BatchGenerator`` with tokens decided in advance."""
+    """Answers the scheduler like ``PhasedBatchGenerator``, with tokens decided in advance:
+    no prompt to process, every sequence decoding from the first step."""
 
     def __init__(self, tokens: list[list[int]]) -> None:
         self._tokens = tokens
@@ -35,10 +39,22 @@ class ReplayGenerator:
         self._uids.append(uid)
         return [uid]
 
-    def next(self) -> tuple[list[Any], list[Any]]:
+    has_prefill_work = False
+
+    @property
+    def num_decoding(self) -> int:
+        return len(self._uids)
+
+    def prefill(self) -> list[Any]:
+        return []
+
+    def start_generation(self) -> list[Any]:
+        return []
+
+    def decode(self) -> list[Any]:
         step, self._step = self._step, self._step + 1
         reason = "length" if step == len(self._tokens[0]) - 1 else None
-        return [], [
+        return [
             SpeculativeResponse(uid, self._tokens[uid][step], None, reason, None, None)
             for uid in self._uids
         ]
@@ -52,7 +68,7 @@ def run_scheduler(tokenizer: Any, tokens: list[list[int]], stream_interval: int)
     scheduler = Scheduler(
         None, tokenizer, SchedulerConfig(max_num_seqs=len(tokens), enable_prefix_cache=False)
     )
-    scheduler._generator = ReplayGenerator(tokens)
+    scheduler._generator = cast(SpeculativeBatchGenerator, ReplayGenerator(tokens))
     params = SamplingParams(max_tokens=len(tokens[0]), temperature=0.0)
     start = time.perf_counter()
     for i in range(len(tokens)):

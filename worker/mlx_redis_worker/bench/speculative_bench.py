@@ -148,12 +148,12 @@ async def _bench(args: argparse.Namespace, engine: EngineCore, prompts: list[str
     equal = all(outputs[PLAIN][i] == outputs[SPECULATIVE][i] for i in outputs[PLAIN])
     for index in outputs[PLAIN]:
         same = "equal" if outputs[PLAIN][index] == outputs[SPECULATIVE][index] else "DIFFERENT"
-        print(f"  prompt {index}: {len(outputs[PLAIN][index])} tokens, outputs {same}")
+        print(f"  prompt {index}: {len(outputs[PLAIN][index])} tokens, outputs {same}", flush=True)
     print(
         f"batch 1: plain {rates[PLAIN]:.1f} tok/s, speculative {rates[SPECULATIVE]:.1f} tok/s "
         f"(decode, {args.repeat} rotations of {len(prompts)} prompts)"
     )
-    print(f"  speculation: {_describe(_since(before, after))}")
+    print(f"  speculation: {_describe(_since(before, after))}", flush=True)
 
     # Batch N: all requests at once, plain then speculative, then once more in reverse.
     batch = [prompts[i % len(prompts)] for i in range(args.batch)]

@@ -36,17 +36,23 @@ class SchedulerConfig:
     """How the scheduler batches work over mlx-lm's BatchGenerator.
 
     ``max_num_seqs`` is the decode batch (sequences generating at once); requests beyond it wait
-    in a FIFO queue capped at ``max_waiting_requests`` (a full queue is a clear error to the
-    caller, never unbounded memory). ``prefill_batch_size`` prompts are prefilled together in
-    chunks of ``prefill_step_size`` tokens. A request over ``max_prompt_tokens`` or asking for
-    more than ``max_logprobs`` top log-probabilities per token is refused (``ValueError``),
+    in a queue capped at ``max_waiting_requests`` (a full queue is a clear error to the caller,
+    never unbounded memory). Waiting requests are prefilled in groups of ``prefill_batch_size``,
+    in chunks of ``prefill_step_size`` tokens, shortest prompt first; one that has waited
+    ``max_prefill_wait`` seconds goes before any shorter one (oldest first), so none starves.
+    A request's first token leaves in the step its prefill ends. While prompts wait, up to
+    ``max_consecutive_prefills`` steps in a row prefill without decoding the running batch
+    (first tokens first; 0 decodes every step). A request over ``max_prompt_tokens`` or asking
+    for more than ``max_logprobs`` top log-probabilities per token is refused (``ValueError``),
     and so is a response_format over one of ``grammar_limits``.
     """
 
     max_num_seqs: int = 32
-    prefill_batch_size: int = 8
+    prefill_batch_size: int = 4
     prefill_step_size: int = 2048
     max_waiting_requests: int = 1024
+    max_prefill_wait: float = 1.0
+    max_consecutive_prefills: int = 8
     max_prompt_tokens: int = 32768
     max_logprobs: int = SamplingParams.MAX_LOGPROBS
     max_kv_size: int | None = None
@@ -72,6 +78,10 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting_requests < 0:
             raise ValueError("SchedulerConfig.max_waiting_requests must be >= 0")
+        if not self.max_prefill_wait >= 0:  # NaN too
+            raise ValueError("SchedulerConfig.max_prefill_wait must be >= 0")
+        if self.max_consecutive_prefills < 0:
+            raise ValueError("SchedulerConfig.max_consecutive_prefills must be >= 0")
         if not 0 <= self.max_logprobs <= SamplingParams.MAX_LOGPROBS:
             raise ValueError(
                 f"SchedulerConfig.max_logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}]"

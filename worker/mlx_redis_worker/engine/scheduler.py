@@ -1,11 +1,14 @@
-"""The scheduler: a FIFO waiting queue in front of mlx-lm's continuous-batching BatchGenerator.
+"""The scheduler: a waiting queue in front of mlx-lm's continuous-batching BatchGenerator.
 
-Engine thread only. Each ``step`` admits waiting requests while the decode batch has room
-(reusing prefix-cache hits), runs one ``BatchGenerator.next()`` (a decode step for running
-sequences plus a prefill chunk for new ones), and turns each sequence's token into text and,
-every ``stream_interval`` tokens, a ``RequestOutput``. A failure in one sequence's processing
-finishes that sequence with ``finish_reason="error"``; a failure of the batch step itself fails
-the sequences in the batch and starts a fresh generator, leaving waiting requests untouched.
+Engine thread only. Each ``step`` admits a group of waiting requests (shortest prompt first,
+with an age bound: ``admission``) once the previous group's prompts are processed, reusing
+prefix-cache hits; then runs the generator's phases (``phased_generator``): a decode step for
+running sequences (skipped while prompts wait, up to ``max_consecutive_prefills`` steps in a
+row), a prefill chunk, and the first token of every sequence whose prefill just ended. It turns
+each sequence's token into text and, every ``stream_interval`` tokens, a ``RequestOutput``. A
+failure in one sequence's processing finishes that sequence with ``finish_reason="error"``; a
+failure of the batch step itself fails the sequences in the batch and starts a fresh generator,
+leaving waiting requests untouched.
 
 Prefix cache: a request that declares a shared prefix (``prefix_boundary``) is prefilled in two
 segments, and the KV state at the end of the first is stored as the prefix's entry as soon as
@@ -21,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-from mlx_lm.generate import BatchGenerator
 
+from mlx_redis_worker.engine.admission import pick_prefill_group
 from mlx_redis_worker.engine.config import SchedulerConfig
 from mlx_redis_worker.engine.output_collector import RequestStreamState
+from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator
 from mlx_redis_worker.engine.prefix_cache import SHARED_PREFIX, Admission, PrefixCache
 from mlx_redis_worker.engine.prompt import model_vocab_size
 from mlx_redis_worker.engine.request import Request, RequestOutput, RequestStatus
@@ -75,7 +79,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
         self._requests: dict[str, Sequence] = {}
-        self._generator: BatchGenerator | None = None
+        self._generator: SpeculativeBatchGenerator | None = None
         self._stream: Any = None
         self._finished: SchedulerOutput = SchedulerOutput()
         self.prefix_cache = (
@@ -95,7 +99,8 @@ class Scheduler:
         self.total_prompt_tokens = 0
         self.total_completion_tokens = 0
         self.batch_failures = 0
-        # Wall time inside BatchGenerator.next (model, sampling, waiting on the device): the
+        self._prefills_since_decode = 0
+        # Wall time inside the generator's phases (model, sampling, waiting on the device): the
         # rest of a step's time is the engine's own host work.
         self.model_seconds = 0.0
         self.speculation = SpeculationCounters()
@@ -171,14 +176,15 @@ class Scheduler:
         if generator is not None and self.running:
             started = time.perf_counter()
             try:
-                prefill, responses = generator.next()
+                generated = generator.decode() if self._decode_due(generator) else []
+                self._store_prefixes(generator, generator.prefill())
+                generated += generator.start_generation()
             except Exception as exc:
                 self._fail_batch(exc)
                 return self._take_finished()
             finally:
                 self.model_seconds += time.perf_counter() - started
-            self._store_prefixes(generator, prefill)
-            for response in responses:
+            for response in generated:
                 sequence = self.running.get(response.uid)
                 if sequence is not None:
                     self._on_token(sequence, response)
@@ -186,16 +192,41 @@ class Scheduler:
                 self._finish(sequence, "error", error=_describe(sequence.failure))
         return self._take_finished()
 
+    def _decode_due(self, generator: PhasedBatchGenerator) -> bool:
+        """First tokens first: while prompts wait, prefill without decoding the running batch,
+        for at most ``max_consecutive_prefills`` steps in a row."""
+        if generator.num_decoding == 0:
+            self._prefills_since_decode = 0
+            return False
+        if (
+            generator.has_prefill_work
+            and self._prefills_since_decode < self.config.max_consecutive_prefills
+        ):
+            self._prefills_since_decode += 1
+            return False
+        self._prefills_since_decode = 0
+        return True
+
     def _admit(self) -> None:
-        room = self.config.max_num_seqs - len(self.running)
-        while room > 0 and self.waiting:
-            sequence = self.waiting.popleft()
+        """Take the next prefill group once the generator has processed the previous one's
+        prompts: choosing late lets a short prompt that arrived meanwhile go first."""
+        if self._generator is not None and self._generator.has_prefill_work:
+            return
+        room = min(self.config.max_num_seqs - len(self.running), self.config.prefill_batch_size)
+        group = pick_prefill_group(
+            self.waiting,
+            room,
+            time.monotonic(),
+            self.config.max_prefill_wait,
+            length=lambda s: s.request.num_prompt_tokens,
+            arrival=lambda s: s.request.arrival_time,
+        )
+        for sequence in group:
+            self.waiting.remove(sequence)
             try:
                 self._insert(sequence)
             except Exception as exc:
                 self._finish(sequence, "error", error=_describe(exc))
-                continue
-            room -= 1
 
     def _insert(self, sequence: Sequence) -> None:
         request = sequence.request
@@ -240,7 +271,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running[uid] = sequence
 
-    def _store_prefixes(self, generator: BatchGenerator, prefill: list[Any]) -> None:
+    def _store_prefixes(self, generator: PhasedBatchGenerator, prefill: list[Any]) -> None:
         """Store the KV state of each shared prefix that this step's prefill completed. The
         generator reports the end of a prompt segment without a token: nothing to stream."""
         uids = [
@@ -296,7 +327,7 @@ class Scheduler:
             self._finish(sequence, reason, in_generator=False)
         elif stopped_by_text:
             self._finish(sequence, "stop")
-        elif not response.more and sequence.stream_state.should_send(
+        elif not getattr(response, "more", False) and sequence.stream_state.should_send(
             len(request.transcript.token_ids), False
         ):
             self._emit(sequence)
@@ -369,7 +400,7 @@ class Scheduler:
         finished, self._finished = self._finished, SchedulerOutput()
         return finished
 
-    def _ensure_generator(self) -> BatchGenerator:
+    def _ensure_generator(self) -> SpeculativeBatchGenerator:
         if self._generator is None:
             self._generator = SpeculativeBatchGenerator(
                 self.model,

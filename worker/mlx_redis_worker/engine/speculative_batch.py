@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
+from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator
 from mlx_redis_worker.engine.prompt_lookup import PromptLookup
 from mlx_redis_worker.engine.sampling import CategoricalSampler
 
@@ -344,7 +345,7 @@ def _sampled_verdict(
     return _Verdict(accepted, redraw[accepted], logprobs[accepted])
 
 
-class SpeculativeBatchGenerator(BatchGenerator):  # type: ignore[misc]
+class SpeculativeBatchGenerator(PhasedBatchGenerator):
     """mlx-lm's BatchGenerator whose decode batch speculates for the sequences registered with
     ``speculate``; the others decode exactly as before."""
 

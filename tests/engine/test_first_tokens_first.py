@@ -1,0 +1,250 @@
+"""First tokens first: which requests are prefilled next, and when their first tokens leave.
+
+The admission policy is a pure function (property tests); the step sequence is the real
+scheduler over the tiny model, counted in steps rather than seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.generate import BatchGenerator
+
+from mlx_redis_worker.engine.admission import pick_prefill_group
+from mlx_redis_worker.engine.config import SchedulerConfig
+from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator
+from mlx_redis_worker.engine.request import Request, SamplingParams
+from mlx_redis_worker.engine.scheduler import Scheduler
+from tests.support.engines import MakeEngine, reference_tokens
+
+# -- the admission policy ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Waiting:
+    name: int
+    length: int
+    arrival: float
+
+
+def pick(waiting: list[Waiting], size: int, now: float, max_wait: float) -> list[Waiting]:
+    return pick_prefill_group(
+        waiting, size, now, max_wait, length=lambda w: w.length, arrival=lambda w: w.arrival
+    )
+
+
+queues = st.lists(
+    st.tuples(st.integers(1, 4096), st.floats(0.0, 10.0, allow_nan=False)), max_size=40
+).map(lambda items: [Waiting(i, length, arrival) for i, (length, arrival) in enumerate(items)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(queues, st.integers(0, 12), st.floats(0.0, 12.0), st.floats(0.0, 5.0))
+def test_overdue_requests_go_first_then_the_shortest(
+    waiting: list[Waiting], size: int, now: float, max_wait: float
+) -> None:
+    group = pick(waiting, size, now, max_wait)
+    assert len(group) == min(size, len(waiting))
+    assert len({w.name for w in group}) == len(group)
+
+    def overdue(w: Waiting) -> bool:
+        return now - w.arrival >= max_wait
+
+    chosen = {w.name for w in group}
+    left = [w for w in waiting if w.name not in chosen]
+    chosen_overdue = [w for w in group if overdue(w)]
+    # Overdue requests lead the group, oldest first, and none is passed over for a fresh one.
+    assert group[: len(chosen_overdue)] == chosen_overdue
+    assert [w.arrival for w in chosen_overdue] == sorted(w.arrival for w in chosen_overdue)
+    if group and any(overdue(w) for w in left):
+        assert all(overdue(w) for w in group)
+        assert max(w.arrival for w in group) <= min(w.arrival for w in left if overdue(w))
+    # The fresh ones chosen are the shortest of the fresh ones (ties: the earlier arrival).
+    fresh_chosen = group[len(chosen_overdue) :]
+    fresh_left = [w for w in left if not overdue(w)]
+    if fresh_chosen and fresh_left:
+        assert max(w.length for w in fresh_chosen) <= min(w.length for w in fresh_left)
+    order = {w.name: i for i, w in enumerate(waiting)}
+    assert [(w.length, order[w.name]) for w in fresh_chosen] == sorted(
+        (w.length, order[w.name]) for w in fresh_chosen
+    )
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones() -> None:
+    """Each round (one second apart) two short prompts arrive and two are prefilled: the long
+    one waits until it is overdue, then goes first."""
+    waiting = [Waiting(0, 4000, arrival=0.0)]
+    picked_at = None
+    for round_ in range(1, 20):
+        now = float(round_)
+        waiting += [Waiting(2 * round_ + i, 10, arrival=now - 0.5) for i in range(2)]
+        group = pick(waiting, 2, now, max_wait=5.0)
+        if any(w.name == 0 for w in group):
+            picked_at = now
+            break
+        waiting = [w for w in waiting if w not in group]
+    assert picked_at == 5.0  # the first round at which it had waited max_wait
+
+
+def test_arrival_order_breaks_ties_between_equal_lengths() -> None:
+    waiting = [Waiting(i, 8, arrival=float(i)) for i in range(6)]
+    assert [w.name for w in pick(waiting, 3, now=6.0, max_wait=100.0)] == [0, 1, 2]
+
+
+# -- the step sequence over the real model -----------------------------------------------------
+
+
+@pytest.fixture
+def on_a_stream() -> Iterator[Any]:
+    stream = mx.new_stream(mx.default_device())
+    with mx.stream(stream):
+        yield stream
+
+
+def prompts_of_lengths(tokenizer: Any, lengths: list[int]) -> list[list[int]]:
+    vocab = [t for t in range(100, 2000) if t not in set(tokenizer.eos_token_ids)]
+    return [[vocab[(7 * i + j) % len(vocab)] for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def run_scheduler(
+    tiny_model: Any, stream: Any, prompts: list[list[int]], max_tokens: int, **config: Any
+) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Step until done: per request, the step numbers of its token-carrying outputs, and its
+    tokens."""
+    model, tokenizer = tiny_model
+    # No request is overdue however slow a loaded machine steps: the order is by length alone
+    # (the age bound is the policy tests' subject).
+    config.setdefault("max_prefill_wait", 3600.0)
+    scheduler = Scheduler(model, tokenizer, SchedulerConfig(enable_prefix_cache=False, **config))
+    scheduler.attach_stream(stream)
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(
+            Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        )
+    steps: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    step = 0
+    while scheduler.has_requests():
+        step += 1
+        for output in scheduler.step().outputs:
+            if output.new_token_ids:
+                steps[output.request_id].extend([step] * len(output.new_token_ids))
+                tokens[output.request_id].extend(output.new_token_ids)
+        assert step < 500
+    scheduler.close()
+    return steps, tokens
+
+
+LENGTHS = [40, 9, 25, 3, 17, 31, 12, 6]  # shortest first: r3 r7 r1 r6 | r4 r2 r5 r0
+
+
+def test_groups_are_prefilled_shortest_first_and_each_first_token_leaves_with_its_prefill(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    prompts = prompts_of_lengths(tiny_model[1], LENGTHS)
+    steps, _ = run_scheduler(
+        tiny_model, on_a_stream, prompts, 4, max_num_seqs=8, prefill_batch_size=4
+    )
+    # Each group's prompts fit one prefill chunk: admitted and prefilled in one step, whose
+    # outputs carry the group's first tokens.
+    assert {r: s[0] for r, s in steps.items()} == {
+        **{r: 1 for r in ("r3", "r7", "r1", "r6")},
+        **{r: 2 for r in ("r4", "r2", "r5", "r0")},
+    }
+    # Prefill first: the first group's second token waits for the second group's prefill,
+    # and from then on every step decodes everyone.
+    assert steps["r3"] == [1, 3, 4, 5]
+    assert steps["r0"] == [2, 3, 4, 5]
+
+
+def test_without_prefill_priority_every_step_decodes(tiny_model: Any, on_a_stream: Any) -> None:
+    prompts = prompts_of_lengths(tiny_model[1], LENGTHS)
+    steps, _ = run_scheduler(
+        tiny_model,
+        on_a_stream,
+        prompts,
+        4,
+        max_num_seqs=8,
+        prefill_batch_size=4,
+        max_consecutive_prefills=0,
+    )
+    assert steps["r3"] == [1, 2, 3, 4]
+    assert steps["r0"] == [2, 3, 4, 5]
+
+
+def test_a_bounded_run_of_prefills_lets_the_running_batch_decode(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    prompts = prompts_of_lengths(tiny_model[1], LENGTHS)
+    steps, _ = run_scheduler(
+        tiny_model,
+        on_a_stream,
+        prompts,
+        4,
+        max_num_seqs=8,
+        prefill_batch_size=2,
+        max_consecutive_prefills=1,
+    )
+    # Groups of two, one prefilled per step; the running batch decodes every other step
+    # while prompts wait.
+    firsts = [steps[r][0] for r in ("r3", "r7", "r1", "r6", "r4", "r2", "r5", "r0")]
+    assert firsts == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert steps["r3"] == [1, 3, 5, 6]
+
+
+def test_greedy_tokens_are_those_of_mlx_lm_whatever_the_grouping(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    prompts = prompts_of_lengths(tiny_model[1], LENGTHS)
+    _, tokens = run_scheduler(
+        tiny_model, on_a_stream, prompts, 10, max_num_seqs=8, prefill_batch_size=3
+    )
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"] == reference_tokens(tiny_model, prompt, 10), i
+
+
+def test_the_phased_generator_returns_a_first_token_in_its_prefill_step(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """mlx-lm's own step returns a first token two calls after its prompt was processed."""
+    model, tokenizer = tiny_model
+    prompts = prompts_of_lengths(tokenizer, [12, 5])
+    phased = PhasedBatchGenerator(model, stream=on_a_stream)
+    uids = phased.insert(prompts, [3, 3])
+    progress = {r.uid: r.progress for r in phased.prefill()}
+    assert progress == {uids[0]: (11, 12), uids[1]: (4, 5)}  # all but the last token
+    first = {r.uid: r.token for r in phased.start_generation()}
+    assert first == {
+        uid: reference_tokens(tiny_model, p, 1)[0] for uid, p in zip(uids, prompts, strict=True)
+    }
+    assert not phased.has_prefill_work and phased.num_decoding == 2
+    phased.close()
+
+    plain = BatchGenerator(model, stream=on_a_stream)
+    plain.insert(prompts, [3, 3])
+    calls = 1
+    while not plain.next()[1]:
+        calls += 1
+    assert calls == 3
+    plain.close()
+
+
+def test_a_cache_hit_and_a_cold_prompt_share_a_prefill_group(
+    tiny_model: Any, make_engine: MakeEngine
+) -> None:
+    """A prompt found whole in the prefix cache has nothing left to prefill; in one group with
+    a prompt that has, each still gets mlx-lm's greedy tokens."""
+    engine = make_engine(tiny_model, max_num_seqs=4, prefill_batch_size=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    hot, cold = "the quick brown fox jumps over the lazy dog", "once upon a time there was"
+    engine.generate_batch_sync([hot], params)
+    outputs = engine.generate_batch_sync([hot, cold], params)
+    assert outputs[0].cached_tokens > 0 and outputs[1].cached_tokens == 0
+    for prompt, output in zip([hot, cold], outputs, strict=True):
+        assert output.output_token_ids == reference_tokens(tiny_model, prompt, 6)

@@ -1,0 +1,161 @@
+"""mlx-lm's BatchGenerator with its step split into three phases that the scheduler orders.
+
+mlx-lm's ``BatchGenerator.next()`` decodes the running batch, moves the sequences whose prompts
+were processed by the *previous* call into the decode batch (running their first forward pass),
+then processes the next prompt chunk, and returns everything at the end. A sequence's first
+token therefore leaves two calls after its prefill ended, behind another prefill chunk. Here:
+
+- ``prefill()`` processes one chunk of the prompt batch (taking queued sequences into it),
+- ``start_generation()`` moves every sequence whose prompt is now processed into the decode
+  batch and samples its first token at once (returned in the same step as its prefill),
+- ``decode()`` runs one decode step of the running batch; the scheduler may skip it while
+  prompts wait (prefill first, bounded by ``SchedulerConfig.max_consecutive_prefills``).
+
+Only the step is replaced: queueing, caches, removal and the batch classes are mlx-lm's. The
+phases read ``BatchGenerator``'s internal fields, so the mlx-lm version is pinned below 0.33 in
+``pyproject.toml``, and ``check_supported`` refuses a version whose fields moved.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+
+_FIELDS = (
+    "_unprocessed_sequences",
+    "_prompt_batch",
+    "_currently_processing",
+    "_generation_batch",
+    "_counters",
+    "_stream",
+)
+
+
+class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is untyped
+    def __init__(self, model: Any, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        # Per prompt-batch sequence: [segments left, tokens processed, prompt tokens].
+        self._currently_processing: list[list[Any]]
+        missing = [name for name in _FIELDS if not hasattr(self, name)]
+        if missing:
+            raise RuntimeError(
+                f"this mlx-lm's BatchGenerator lacks {missing}: the engine's phased step "
+                "supports mlx-lm 0.32.x"
+            )
+
+    @property
+    def has_prefill_work(self) -> bool:
+        """Sequences are queued or part-way through their prompts."""
+        return bool(self._unprocessed_sequences) or len(self._prompt_batch) > 0
+
+    @property
+    def num_decoding(self) -> int:
+        """Sequences in the decode batch."""
+        return len(self._generation_batch)
+
+    def decode(self) -> list[GenerationBatch.Response]:
+        """One decode step of the running batch: a token for each running sequence."""
+        batch = self._generation_batch
+        if len(batch) == 0:
+            return []
+        with mx.stream(self._stream):
+            started = time.perf_counter()
+            responses: list[GenerationBatch.Response] = batch.next()
+            counters = self._counters
+            counters.decode_time += time.perf_counter() - started
+            counters.generation_tokens += len(responses)
+            counters.generation_steps += 1
+            if counters.generation_steps % 512 == 0:
+                mx.clear_cache()  # as mlx-lm's own step does
+        return responses
+
+    def prefill(self) -> list[PromptProcessingBatch.Response]:
+        """Take queued sequences into the prompt batch (up to ``prefill_batch_size``, while the
+        decode batch has room) and process the next chunk of each prompt. Each response says
+        how far its prompt got and whether a segment (e.g. a shared prefix) ended here."""
+        with mx.stream(self._stream):
+            room = min(
+                self.prefill_batch_size - len(self._prompt_batch),
+                self.completion_batch_size - len(self._generation_batch),
+                len(self._unprocessed_sequences),
+            )
+            if room > 0:
+                self._prompt_batch.extend(self._make_batch(room))
+            responses: list[PromptProcessingBatch.Response] = []
+            chunks: list[list[int]] = []
+            for uid, progress in zip(
+                self._prompt_batch.uids, self._currently_processing, strict=True
+            ):
+                segments = progress[0]
+                if _only_last_token(segments):
+                    chunks.append([])  # prompt done: waits for start_generation
+                    continue
+                chunk = segments[0][: self.prefill_step_size]
+                segments[0] = segments[0][len(chunk) :]
+                end_of_segment = not segments[0]
+                if end_of_segment:
+                    segments.pop(0)
+                progress[1] += len(chunk)
+                chunks.append(chunk)
+                responses.append(
+                    PromptProcessingBatch.Response(
+                        uid, (progress[1], progress[2]), end_of_segment, False
+                    )
+                )
+            if any(chunks):
+                self._prompt(chunks)
+        return responses
+
+    def start_generation(self) -> list[GenerationBatch.Response]:
+        """Move every sequence whose prompt is processed (all but its last token) into the
+        decode batch and return its first token now."""
+        ready = [i for i, p in enumerate(self._currently_processing) if _only_last_token(p[0])]
+        if not ready:
+            return []
+        with mx.stream(self._stream):
+            last_tokens = [self._currently_processing[i][0][0] for i in ready]
+            self._currently_processing = [
+                p for i, p in enumerate(self._currently_processing) if i not in set(ready)
+            ]
+            # generate() runs the last prompt token and samples the first token (lazily);
+            # next() evaluates it and starts the second one, as a decode step would.
+            batch = self._prompt_batch.split(ready).generate(last_tokens)
+            started = time.perf_counter()
+            responses: list[GenerationBatch.Response] = batch.next()
+            self._counters.decode_time += time.perf_counter() - started
+            self._counters.generation_tokens += len(responses)
+            if len(batch) > 0:
+                self._generation_batch.extend(batch)
+        return responses
+
+    def _prompt(self, chunks: list[list[int]]) -> None:
+        """Process one chunk per prompt-batch sequence; a sequence with an empty chunk (its
+        prompt is done) is left out of the forward pass, its cache untouched."""
+        batch = self._prompt_batch
+        active = [i for i, chunk in enumerate(chunks) if chunk]
+        started = time.perf_counter()
+        if len(active) == len(chunks):
+            batch.prompt(chunks)
+        else:
+            part = batch.split(active)
+            part.prompt([chunks[i] for i in active])
+            batch.extend(part)
+            # extend() appends: put the processing records in the batch's new order.
+            order = [i for i in range(len(chunks)) if i not in set(active)] + active
+            self._currently_processing = [self._currently_processing[i] for i in order]
+        self._counters.prompt_tokens += sum(len(c) for c in chunks)
+        self._counters.prompt_time += time.perf_counter() - started
+
+    def _next(self) -> tuple[list[Any], list[Any]]:
+        """mlx-lm's ``next()`` in the phased order (decode, prefill, first tokens)."""
+        generated: list[Any] = self.decode()
+        prompt: list[Any] = self.prefill()
+        generated += self.start_generation()
+        return prompt, generated
+
+
+def _only_last_token(segments: list[list[int]]) -> bool:
+    return len(segments) == 1 and len(segments[0]) == 1
