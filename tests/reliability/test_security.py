@@ -28,14 +28,14 @@ from tests.support.references import tiny_reference
 
 PASSWORD = "s3cret-pw"
 ADMIN = ("--user", "admin", "on", ">admin-pw", "~*", "&*", "+@all")
-# The ACL lines the README documents: the simple one, and the minimal one (every command the
+# The ACL lines docs/redis.md documents: the simple one, and the minimal one (every command the
 # worker, the client and the CLI send, inside Lua scripts included, and nothing else).
 ACL_SIMPLE = ("~mlxw:*", "&mlxw:*", "+@all", "-@dangerous", "+info")
 MINIMAL_COMMANDS = (
     "hello ping info xadd xrange xrevrange xreadgroup xgroup|create xautoclaim xclaim xpending "
     "xack xdel xinfo|groups xinfo|consumers xgroup|delconsumer evalsha script|load "
     "publish subscribe unsubscribe spublish ssubscribe sunsubscribe get set del "
-    "exists expire pexpire rpush blpop scan xlen time"
+    "exists expire pexpire rpush blpop scan xlen time zrange zcard hgetall"
 )
 ACL_MINIMAL = ("~mlxw:*", "&mlxw:*", "-@all", *(f"+{name}" for name in MINIMAL_COMMANDS.split()))
 

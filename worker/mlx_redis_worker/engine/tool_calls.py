@@ -173,6 +173,9 @@ def tool_grammar(
     text or calls for ``auto``. ``thought`` (the model's think markers) lets a reasoning
     model think first (its opening marker already in the prompt when ``thought_open``)."""
     mode = choice.mode if choice is not None else "auto"
+    # A named function is called once (as vLLM's named tool choice does): forced to call it,
+    # a small model would otherwise repeat the call until max_tokens.
+    parallel = parallel and mode != "function"
     allowed = [t for t in tools if mode != "function" or t.name == (choice and choice.name)]
     schema = _call_schema(syntax, allowed)
     if syntax.array:
