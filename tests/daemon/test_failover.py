@@ -318,9 +318,11 @@ def test_worker_stalled_past_its_lease_is_fenced_off(
             rid = await client.submit(text, max_tokens=max_tokens, temperature=0.0)
             stream = asyncio.create_task(collect(client, rid))
             await until(lambda: _deltas_at_least(client, [rid], 5), 30, "first deltas")
-            await asyncio.to_thread(workers.start, "healthy", lease_seconds=2)
+            # Stopped before the second worker starts: a start takes seconds on a loaded
+            # machine, time in which the stalled worker could finish all 200 tokens.
             stalled.signal(signal.SIGSTOP)
             try:
+                await asyncio.to_thread(workers.start, "healthy", lease_seconds=2)
                 await until(lambda: _owned_by(client, "healthy"), 30, "the job reclaimed")
                 await asyncio.sleep(1.0)
             finally:
