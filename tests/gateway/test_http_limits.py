@@ -18,6 +18,7 @@ import redis
 
 from mlx_redis_protocol.keys import Keys
 from tests.protocol.test_client_models import heartbeat
+from tests.support.fleet import write_heartbeat_sync
 from tests.support.gateway import GatewayFactory, GatewayProcess
 from tests.support.waiting import wait_until
 
@@ -234,7 +235,7 @@ def test_the_body_deadline_ends_with_the_body_not_with_the_answer(
     gateway = lone_gateways.start("--body-timeout", "1", "--event-timeout", "4")
     keys = Keys(lone_gateways.prefix)
     with redis.Redis.from_url(lone_gateways.redis_url) as plain:
-        plain.set(keys.worker("stand-in"), heartbeat("stand-in", "tiny").encode(), ex=60)
+        write_heartbeat_sync(plain, keys, "stand-in", heartbeat("stand-in", "tiny").encode())
     body = json.dumps(
         {"model": "tiny", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     ).encode()
