@@ -50,6 +50,7 @@ from mlx_redis_protocol.messages import (
     ToolCall,
     ToolChoice,
 )
+from mlx_redis_protocol.registry import register_model
 from mlx_redis_protocol.replay_log import publish_events
 from mlx_redis_protocol.subscription import follow_events
 
@@ -256,6 +257,10 @@ class Client:
         async with self._commands:
             with _unavailable_as(f"job {job.request_id!r} was not queued"):
                 await publish_events(redis, self.keys, [queued], ttl_seconds=self.log_ttl)
+                if job.model is not None and not self.require_worker:
+                    # Unchecked, perhaps for a model no worker serves yet: the registry lists
+                    # it, so the catalogue (an autoscaler) sees its queue.
+                    await register_model(redis, self.keys, job.model)
             with _unavailable_as(f"job {job.request_id!r} may or may not have been queued"):
                 await redis.xadd(stream, {JOB_FIELD: data})
         return job.request_id

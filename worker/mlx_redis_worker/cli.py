@@ -72,7 +72,15 @@ def _add_bench_commands(commands: Any) -> None:
         default=32,
         help="skip the sequential baseline above this concurrency",
     )
-    engine.add_argument("--skip", default="", help="paths to skip: sequential,batch,sync,async")
+    engine.add_argument(
+        "--skip", default="", help="paths to skip: sequential,batch,sync,async,vllm-mlx"
+    )
+    engine.add_argument(
+        "--against",
+        choices=["vllm-mlx"],
+        default=None,
+        help="also run the async load through vllm-mlx's EngineCore (optional install)",
+    )
     engine.set_defaults(func=_lazy("mlx_redis_worker.bench.engine_bench", "run_bench"))
 
     e2e = benches.add_parser("e2e", help="Redis + worker + client vs engine alone")

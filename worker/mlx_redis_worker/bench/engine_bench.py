@@ -3,17 +3,23 @@
 For each concurrency N, N requests arrive together (t0) and each path generates the same greedy
 tokens: sequential ``mlx_lm.stream_generate`` (one request after another), raw mlx-lm
 ``BatchGenerator``, our ``generate_batch_sync``, and our async path (``add_request`` one after
-another, then ``stream_outputs``). Reported: generated tokens per second of wall time, and the
-average / p95 time to first token measured from t0, and for our paths the engine's own host
-time per token (engine-thread step time outside ``BatchGenerator.next``: scheduling,
-detokenizing, outputs), the part of a step raw mlx-lm does not pay. The prefix cache is off so no
-path reuses another's prompts.
+another, then ``stream_outputs``). With ``--against vllm-mlx`` the same async load also runs
+through vllm-mlx's ``EngineCore`` in a process of its own (the reference this engine replaces;
+an optional install, e.g. ``pip install --no-deps vllm-mlx==0.6.0``: the bench says so when it
+is missing). Reported:
+generated tokens per second of wall time, and the average / p95 / p99 time to first token
+measured from t0, and for our paths the engine's own host time per token (engine-thread step
+time outside the generator: scheduling, detokenizing, outputs), the part of a step raw mlx-lm
+does not pay. The prefix cache is off so no path reuses another's prompts.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import multiprocessing
+import multiprocessing.connection
 import random
 import statistics
 import time
@@ -60,8 +66,16 @@ class PathResult:
 
     @property
     def ttft_p95(self) -> float:
-        ordered = sorted(self.ttfts)
-        return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+        return _percentile(self.ttfts, 0.95)
+
+    @property
+    def ttft_p99(self) -> float:
+        return _percentile(self.ttfts, 0.99)
+
+
+def _percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
 def make_prompts(tokenizer: Any, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -151,37 +165,136 @@ def run_engine_sync(engine: EngineCore, prompts: list[list[int]], max_tokens: in
     )
 
 
+async def stream_burst(engine: Any, prompts: list[list[int]], params: Any) -> PathResult:
+    """Add every prompt one after another, then read every stream: tokens, each request's
+    first-token time from t0, and the wall time (path and host time are filled by the caller).
+    ``engine`` is ours or vllm-mlx's: both have ``add_request`` and ``stream_outputs``."""
+    start = time.perf_counter()
+    first_token: list[float] = []
+    tokens = 0
+
+    async def consume(request_id: str) -> None:
+        nonlocal tokens
+        first = True
+        async for output in engine.stream_outputs(request_id):
+            if first and output.new_token_ids:
+                first_token.append(time.perf_counter() - start)
+                first = False
+            tokens += len(output.new_token_ids)
+
+    ids = [await engine.add_request(list(p), params) for p in prompts]
+    await asyncio.gather(*(consume(rid) for rid in ids))
+    return PathResult("", len(prompts), tokens, time.perf_counter() - start, first_token)
+
+
 def run_engine_async(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> PathResult:
     async def scenario() -> PathResult:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         before = engine.stats()
-        start = time.perf_counter()
-        first_token: list[float] = []
-        tokens = 0
-
-        async def consume(request_id: str) -> None:
-            nonlocal tokens
-            first = True
-            async for output in engine.stream_outputs(request_id):
-                if first and output.new_token_ids:
-                    first_token.append(time.perf_counter() - start)
-                    first = False
-                tokens += len(output.new_token_ids)
-
-        ids = [await engine.add_request(list(p), params) for p in prompts]
-        await asyncio.gather(*(consume(rid) for rid in ids))
-        seconds = time.perf_counter() - start
-        await engine.stop()
-        return PathResult(
-            "engine add_request + stream_outputs",
-            len(prompts),
-            tokens,
-            seconds,
-            first_token,
-            engine_host_us(before, engine.stats()),
+        result = await stream_burst(
+            engine, prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0)
         )
+        await engine.stop()
+        result.path = "engine add_request + stream_outputs"
+        result.engine_host_us = engine_host_us(before, engine.stats())
+        return result
 
     return asyncio.run(scenario())
+
+
+VLLM_MLX_PATH = "vllm-mlx 0.6 EngineCore add_request + stream_outputs"
+
+
+class VllmMlxProcess:
+    """vllm-mlx's ``EngineCore`` (its defaults, prefix cache off as for ours) in a process of
+    its own, which loads the same model and runs each burst it is sent.
+
+    A process, not a thread beside ours: MLX streams belong to the thread that made them, and
+    the two engines sharing one process ended in "There is no Stream(cpu, N) in current
+    thread" at concurrency 32. The child waits on its pipe while the other paths run, so the
+    rotation still times every path on the same machine state."""
+
+    def __init__(self, model_name: str, max_tokens: int, max_num_seqs: int) -> None:
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no MLX state shared
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=_vllm_mlx_child,
+            args=(child_conn, model_name, max_tokens, max_num_seqs),
+            name="vllm-mlx-bench",
+            daemon=True,
+        )
+        self._process.start()
+        child_conn.close()
+        self.missing: str | None = self._receive()
+
+    def __call__(self, prompts: list[list[int]]) -> PathResult:
+        self._conn.send(prompts)
+        result: PathResult = self._receive()
+        return result
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send(None)
+            self._process.join(timeout=30)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+        self._conn.close()
+
+    def _receive(self) -> Any:
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"the vllm-mlx bench process ended (exit code {self._process.exitcode})"
+            ) from None
+        if kind == "error":
+            raise RuntimeError(f"vllm-mlx failed: {value}")
+        return value
+
+
+def _vllm_mlx_child(
+    conn: multiprocessing.connection.Connection,
+    model_name: str,
+    max_tokens: int,
+    max_num_seqs: int,
+) -> None:
+    """The child's loop: ("ready", None) or ("ready", why vllm-mlx is missing), then one
+    ("result", PathResult) per list of prompts received, until None."""
+    try:
+        from vllm_mlx.engine_core import EngineConfig as VllmEngineConfig
+        from vllm_mlx.engine_core import EngineCore as VllmEngineCore
+        from vllm_mlx.request import SamplingParams as VllmSamplingParams
+        from vllm_mlx.scheduler import SchedulerConfig as VllmSchedulerConfig
+    except ImportError as exc:
+        conn.send(("ready", str(exc)))
+        return
+    model, tokenizer = load_model(model_name)
+    conn.send(("ready", None))
+
+    async def scenario(prompts: list[list[int]]) -> PathResult:
+        config = VllmSchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            completion_batch_size=max_num_seqs,
+            enable_prefix_cache=False,
+        )
+        engine = VllmEngineCore(model, tokenizer, VllmEngineConfig(scheduler_config=config))
+        try:
+            await engine.start()
+            params = VllmSamplingParams(max_tokens=max_tokens, temperature=0.0)
+            result = await stream_burst(engine, prompts, params)
+            await engine.stop()
+        finally:
+            engine.close()
+        result.path = VLLM_MLX_PATH
+        return result
+
+    while (prompts := conn.recv()) is not None:
+        try:
+            conn.send(("result", asyncio.run(scenario(prompts))))
+        except Exception as exc:  # the parent reports it and stops the bench
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        mx.clear_cache()
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -197,6 +310,16 @@ def run_bench(args: argparse.Namespace) -> int:
         ("sync", lambda p: run_engine_sync(engine, p, args.max_tokens)),
         ("async", lambda p: run_engine_async(engine, p, args.max_tokens)),
     ]
+    vllm: VllmMlxProcess | None = None
+    if args.against == "vllm-mlx" and "vllm-mlx" not in (args.skip or "").split(","):
+        vllm = VllmMlxProcess(args.model, args.max_tokens, max(levels))
+        if vllm.missing is None:
+            paths.append(("vllm-mlx", vllm))
+        else:
+            print(
+                f"vllm-mlx is not installed ({vllm.missing}); `pip install --no-deps "
+                "vllm-mlx==0.6.0` for --against vllm-mlx: that path is skipped"
+            )
     skip = set(args.skip.split(",")) if args.skip else set()
     print(_describe(args, model))
     warmup = make_prompts(tokenizer, 2, args.prompt_tokens, seed=999)
@@ -220,6 +343,8 @@ def run_bench(args: argparse.Namespace) -> int:
             runs.extend(level_runs)
     finally:
         engine.close()
+        if vllm is not None:
+            vllm.close()
     print(format_table(runs))
     print(format_ratios(runs, levels))
     return 0
@@ -232,8 +357,8 @@ def _median(values: list[float]) -> float:
 def format_table(runs: list[list[PathResult]]) -> str:
     lines = [
         "| concurrency | path | tokens | tok/s (min–max) | decode tok/s | TTFT avg (ms) "
-        "| TTFT p95 (ms) | engine own host µs/token |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| TTFT p95 (ms) | TTFT p99 (ms) | engine own host µs/token |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for repeats in runs:
         first = repeats[0]
@@ -246,6 +371,7 @@ def format_table(runs: list[list[PathResult]]) -> str:
             f"{_median([r.decode_tokens_per_second for r in repeats]):.1f} | "
             f"{_median([r.ttft_avg for r in repeats]) * 1e3:.0f} | "
             f"{_median([r.ttft_p95 for r in repeats]) * 1e3:.0f} | "
+            f"{_median([r.ttft_p99 for r in repeats]) * 1e3:.0f} | "
             f"{f'{_median(host):.1f}' if host else '-'} |"
         )
     return "\n".join(lines)
@@ -276,6 +402,15 @@ def format_ratios(runs: list[list[PathResult]], levels: list[int]) -> str:
                     f"  concurrency {level}: {ours[0].path} / raw BatchGenerator tok/s = "
                     f"{ratio(ours, raw):.3f}"
                 )
+    for level in levels:
+        ours, vllm = find("engine add_request", level), find("vllm-mlx", level)
+        if ours and vllm:
+            lines.append(
+                f"  concurrency {level}: engine add_request / vllm-mlx EngineCore: "
+                f"TTFT avg {_ratio_of(ours, vllm, lambda r: r.ttft_avg):.2f}x, "
+                f"TTFT p99 {_ratio_of(ours, vllm, lambda r: r.ttft_p99):.2f}x, "
+                f"tok/s {ratio(ours, vllm):.2f}x"
+            )
     low, high = find("engine add_request", min(levels)), find("engine add_request", max(levels))
     if low and high and low is not high:
         lines.append(
@@ -283,6 +418,13 @@ def format_ratios(runs: list[list[PathResult]], levels: list[int]) -> str:
             f"{low[0].concurrency} = {ratio(high, low, decode=True):.2f}x"
         )
     return "\n".join(lines)
+
+
+def _ratio_of(
+    a: list[PathResult], b: list[PathResult], measure: Callable[[PathResult], float]
+) -> float:
+    """Median over rotations of ``measure(a) / measure(b)`` within each rotation."""
+    return _median([measure(x) / measure(y) for x, y in zip(a, b, strict=True)])
 
 
 def _describe(args: argparse.Namespace, model: Any) -> str:
