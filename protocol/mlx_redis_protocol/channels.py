@@ -38,8 +38,10 @@ MISSED: Final = None
 Inbox = asyncio.Queue[bytes | None]
 
 SUBSCRIBE_CONFIRM_TIMEOUT: Final = 10.0
-# How long one read waits before the reader looks at its bookkeeping again.
+# How long one read waits before the reader looks at its bookkeeping again (a Cluster node's
+# reader waits for its next message instead: see _next_message).
 _READ_WAIT: Final = 1.0
+_TORN_DOWN_PAUSE: Final = 0.05
 # A reader waits out a lost connection (redis-py's PubSub reconnects on the next read, and
 # subscribes its channels again) for as long as the hub is open.
 _READ_RETRY: Final = retry_forever((RedisError, OSError))
@@ -201,9 +203,20 @@ class ChannelHub:
             node = self._redis.get_node(node_name=node_name)
             if node is None or node_name not in pubsub.node_pubsub_mapping:
                 raise _NodeGone
+            # Unbounded: redis-py holds a node's I/O lock for the whole of a bounded poll, and
+            # SSUBSCRIBE / SUNSUBSCRIBE on that node wait for it, so a poll of a second made
+            # every join and leave wait up to a second, one after another (40 followers took
+            # 8 s to subscribe). An unbounded read takes no lock, as a plain PubSub's does not.
+            # (redis-py types the timeout as a float; None is its documented unbounded read.)
             message: dict[str, Any] | None = await pubsub.get_sharded_message(
-                target_node=node, timeout=_READ_WAIT
+                target_node=node,
+                timeout=None,  # type: ignore[arg-type]
             )
+            node_pubsub = pubsub.node_pubsub_mapping.get(node_name)
+            if message is None and (node_pubsub is None or node_pubsub.connection is None):
+                # Torn down under the read (redis-py returns at once then): look at the
+                # bookkeeping again after a pause, not in a spin.
+                await asyncio.sleep(_TORN_DOWN_PAUSE)
             return message
         assert pubsub is not None
         message = await pubsub.get_message(timeout=_READ_WAIT)
