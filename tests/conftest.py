@@ -96,6 +96,13 @@ def redis_cluster() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture
+def redis_cluster_replicas() -> Iterator[LocalCluster]:
+    """A fresh 3-master + 3-replica Cluster per test: a failover leaves the set changed."""
+    with LocalCluster(replicas=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture
 def redis_sentinel() -> Iterator[LocalSentinel]:
     """A fresh master + replica + Sentinel per test: a failover leaves the set changed."""
     with LocalSentinel() as sentinel:

@@ -38,6 +38,30 @@ def test_cluster_covers_every_slot_and_serves_keys_on_every_node(
             assert direct.get(key) == key.upper()
 
 
+def test_cluster_replica_takes_over_a_killed_master(
+    redis_cluster_replicas: LocalCluster,
+) -> None:
+    """3 masters + 3 replicas: a key written and replicated (WAIT) survives the SIGKILL of its
+    master; its replica serves the slot once every live node agrees on the promotion."""
+    cluster = redis_cluster_replicas
+    assert len(cluster.nodes) == 6
+    assert len(set(cluster.slot_owners().values())) == 3
+    key = "test-local-redis:failover"
+    old_port = cluster.primary_port(key)
+    with connect(old_port) as client:
+        client.set(key, "kept")
+        assert client.execute_command("WAIT", 1, 2000) == 1
+    assert cluster.kill_primary(key) == old_port
+    assert len(cluster.live_nodes) == 5
+    new_port = cluster.wait_promoted(key, old_port)
+    assert new_port != old_port
+    assert cluster.primary_port(key) == new_port
+    with connect(new_port) as client:
+        assert client.role()[0] == "master"
+        assert client.get(key) == "kept"
+        client.set(key, "written after")
+
+
 def test_sentinel_failover_keeps_replicated_writes(redis_sentinel: LocalSentinel) -> None:
     first_master = redis_sentinel.master_port()
     assert first_master == redis_sentinel.master.port

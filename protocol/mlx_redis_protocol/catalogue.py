@@ -1,10 +1,12 @@
 """The fleet's catalogue: which models live workers serve, and how each model's queue stands.
 
-Read from what the fleet already writes, nothing more: the workers' heartbeat keys (each
-advertises its models and their free slots, see `mlx_redis_protocol.heartbeat`) and the job streams
-(the default one, ``mlxw:jobs``, and one per model, ``mlxw:jobs:{MODEL}``). On a Redis Cluster
-the keys spread over the nodes: SCAN visits every master (redis-py's cluster ``scan_iter``
-does) and the reads go out as one pipeline, split by node.
+Read from what the fleet already writes, nothing more: the registry (workers and models, see
+`mlx_redis_protocol.registry`), the workers' heartbeat keys (each advertises its models and their
+free slots, see `mlx_redis_protocol.heartbeat`) and the job streams (the default one,
+``mlxw:jobs``, and one per model, ``mlxw:jobs:{MODEL}``). Nothing scans the keyspace: a read
+costs the same round trips with a million unrelated keys in Redis as with none. On a Redis
+Cluster the heartbeat keys spread over the nodes: their reads go out as one pipeline, split by
+node.
 """
 
 from __future__ import annotations
@@ -21,28 +23,40 @@ from mlx_redis_protocol.fair_share import TenantShare, tenant_shares
 from mlx_redis_protocol.heartbeat import Heartbeat, decode_heartbeat
 from mlx_redis_protocol.identifiers import is_valid_id
 from mlx_redis_protocol.keys import JobStream, Keys
-
-# Keys asked for per SCAN call: fewer round trips over a large keyspace (replay logs).
-_SCAN_COUNT = 1000
+from mlx_redis_protocol.registry import Registered, read_registry
 
 
-async def heartbeat_keys(redis: RedisClient, keys: Keys) -> list[str]:
-    """The key of every live worker's heartbeat (SCAN of every node), sorted."""
-    return sorted({as_text(key) async for key in redis.scan_iter(keys.worker_pattern, _SCAN_COUNT)})
-
-
-async def live_heartbeats(redis: RedisClient, keys: Keys) -> list[Heartbeat]:
-    """Every live worker's heartbeat, by worker id; values that do not decode are left out."""
-    names = await heartbeat_keys(redis, keys)
-    if not names:
+async def heartbeat_values(redis: RedisClient, keys: Keys, workers: Sequence[str]) -> list[Any]:
+    """The heartbeat key's value of each registered worker (None: no such key, the worker
+    died): one round trip (one per node on a Cluster, where the keys are on different slots).
+    A key of another type answers WRONGTYPE, as an error value: it is no heartbeat, and must
+    not fail the reads of the ones that are."""
+    if not workers:
         return []
-    # One round trip (one per node on a Cluster, where the keys are on different slots).
     async with redis.pipeline(transaction=False) as pipe:
-        for name in names:
-            pipe.get(name)
-        # A key of another type under the pattern (a stray XADD) answers WRONGTYPE: it is
-        # no heartbeat, and must not fail the reads of the ones that are.
-        values = await pipe.execute(raise_on_error=False)
+        for worker_id in workers:
+            pipe.get(keys.worker(worker_id))
+        values: list[Any] = await pipe.execute(raise_on_error=False)
+    for value in values:
+        if isinstance(value, BaseException) and "WRONGTYPE" not in str(value):
+            raise value
+    return values
+
+
+async def live_worker_ids(redis: RedisClient, keys: Keys) -> list[str]:
+    """The registered workers whose heartbeat key exists, sorted."""
+    workers = (await read_registry(redis, keys)).workers
+    values = await heartbeat_values(redis, keys, workers)
+    return sorted(w for w, value in zip(workers, values, strict=True) if value is not None)
+
+
+async def live_heartbeats(
+    redis: RedisClient, keys: Keys, registered: Registered | None = None
+) -> list[Heartbeat]:
+    """Every live worker's heartbeat, by worker id; values that do not decode are left out."""
+    if registered is None:
+        registered = await read_registry(redis, keys)
+    values = await heartbeat_values(redis, keys, registered.workers)
     beats = [decode_heartbeat(value) for value in values if isinstance(value, bytes | str)]
     return sorted((beat for beat in beats if beat is not None), key=lambda b: b.worker_id)
 
@@ -53,17 +67,14 @@ async def served_models(redis: RedisClient, keys: Keys) -> set[str]:
 
 
 async def model_streams(redis: RedisClient, keys: Keys) -> list[JobStream]:
-    """Every model's job stream that exists, by model name (SCAN of every node)."""
-    models: set[str] = set()
-    async for key in redis.scan_iter(keys.model_stream_pattern, _SCAN_COUNT, _type="stream"):
-        model = keys.model_of_stream(as_text(key))
-        if model is not None:
-            models.add(model)
+    """The job stream of every model in the registry, by model name (whether it exists or
+    not: a stream that does not reads as an empty queue)."""
+    models = (await read_registry(redis, keys)).models
     return [keys.model_stream(model) for model in sorted(models)]
 
 
 async def job_streams(redis: RedisClient, keys: Keys) -> list[JobStream]:
-    """The default job stream, then every model's that exists."""
+    """The default job stream, then every registered model's."""
     return [keys.default_stream, *await model_streams(redis, keys)]
 
 
@@ -158,19 +169,22 @@ class Fleet:
 
 
 async def fleet_models(redis: RedisClient, keys: Keys) -> Fleet:
-    """Every model that a live worker serves or that has a job stream, each with its
-    workers, slots and queue; plus the default stream. Missing streams or groups read as
-    empty, never as an error."""
-    beats = await live_heartbeats(redis, keys)
+    """Every model that a live worker serves or that is registered with a job stream, each
+    with its workers, slots and queue; plus the default stream. Missing streams or groups
+    read as empty, never as an error."""
+    registered = await read_registry(redis, keys)
+    beats = await live_heartbeats(redis, keys, registered)
     # A name that is not a valid model name has no stream (a confused writer): left out.
-    names = {model for beat in beats for model in beat.models if is_valid_id(model)}
-    names.update(stream.model for stream in await model_streams(redis, keys) if stream.model)
+    served = {model for beat in beats for model in beat.models if is_valid_id(model)}
+    names = served | set(registered.models)
     streams = [keys.default_stream, *(keys.model_stream(name) for name in sorted(names))]
     queues = await queue_statuses(redis, streams)
     statuses = []
     for stream, queue in zip(streams[1:], queues[1:], strict=True):
         if stream.model is None:
             continue
+        if stream.model not in served and not _exists(queue):
+            continue  # registered once, served by nobody now, and no queue: nothing to show
         serving = [beat for beat in beats if beat.serves(stream.model)]
         shares = tuple(await tenant_shares(redis, keys.fair(stream.model)))
         statuses.append(_model_status(stream.model, serving, queue, shares))
@@ -236,6 +250,11 @@ def _queue_status(stream: JobStream, replies: Sequence[Any], now_ms: int) -> Que
         dead_letters=_count(dead),
         group=bool(info),
     )
+
+
+def _exists(queue: QueueStatus) -> bool:
+    """Whether a queue has anything to show: a stream with a group, entries or dead letters."""
+    return queue.group or queue.length > 0 or queue.dead_letters > 0
 
 
 def _is_missing(error: ResponseError) -> bool:

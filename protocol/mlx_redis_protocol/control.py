@@ -13,7 +13,7 @@ from typing import Final
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from mlx_redis_protocol.catalogue import heartbeat_keys, live_heartbeats
+from mlx_redis_protocol.catalogue import live_heartbeats, live_worker_ids
 from mlx_redis_protocol.codec_control import decode_reply, encode_command
 from mlx_redis_protocol.connection import RedisClient, publish, raise_if_cancelled
 from mlx_redis_protocol.errors import ControlTimeout, ProtocolError
@@ -93,8 +93,8 @@ async def send_command(
 
 
 async def count_live_workers(redis: RedisClient, keys: Keys) -> int:
-    """How many workers have an unexpired heartbeat."""
-    return len(await heartbeat_keys(redis, keys))
+    """How many registered workers have an unexpired heartbeat."""
+    return len(await live_worker_ids(redis, keys))
 
 
 async def count_serving_workers(redis: RedisClient, keys: Keys, model: str) -> int:

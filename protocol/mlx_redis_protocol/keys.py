@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from mlx_redis_protocol.constants import DEFAULT_PREFIX
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id
 
-# Characters that would break a hash tag or widen the heartbeat SCAN pattern.
+# Characters that would break a hash tag or widen an operator's SCAN pattern.
 _FORBIDDEN_PREFIX_CHARACTERS = frozenset("{}*?[]\\ \t\r\n")
 
 
@@ -105,6 +105,19 @@ class Keys:
         return f"{self.prefix}:dead:{{{self.jobs}}}"
 
     @property
+    def workers(self) -> str:
+        """The registry of workers: a sorted set, worker id -> its heartbeat's expiry (ms of
+        Redis' clock), in the default job stream's slot."""
+        return f"{self.prefix}:workers:{{{self.jobs}}}"
+
+    @property
+    def models(self) -> str:
+        """The registry of the fleet's models: a sorted set, model name -> when a worker last
+        advertised it or a producer last queued for it unchecked (ms of Redis' clock), in the
+        default job stream's slot."""
+        return f"{self.prefix}:models:{{{self.jobs}}}"
+
+    @property
     def default_stream(self) -> JobStream:
         """Jobs that name no model; workers forward them to the default model's stream."""
         return JobStream(self.jobs, self.group, self.dead)
@@ -129,19 +142,6 @@ class Keys:
     def tenant_weights(self) -> str:
         """The fleet's tenant weights (a hash: tenant -> weight), set by operators."""
         return f"{self.prefix}:tenant_weights"
-
-    @property
-    def model_stream_pattern(self) -> str:
-        """A SCAN MATCH pattern for every model's job stream (braces are literal in a glob)."""
-        return f"{self.prefix}:jobs:{{*}}"
-
-    def model_of_stream(self, stream: str) -> str | None:
-        """The model whose job stream ``stream`` is; None for any other key."""
-        head = f"{self.prefix}:jobs:{{"
-        if not (stream.startswith(head) and stream.endswith("}")):
-            return None
-        model = stream[len(head) : -1]
-        return model if is_valid_id(model) else None
 
     def out(self, request_id: str) -> str:
         """The request's live pub/sub channel."""
@@ -194,11 +194,6 @@ class Keys:
     def quota_in_flight(self, key_name: str) -> str:
         """One gateway API key's in-flight requests, by lease expiry (a sorted set)."""
         return f"{self.prefix}:quota:{{{_checked(key_name, 'API key name')}}}:in_flight"
-
-    @property
-    def worker_pattern(self) -> str:
-        """A SCAN MATCH pattern for every heartbeat key."""
-        return f"{self.prefix}:worker:*"
 
     def reply(self, token: str) -> str:
         """The list a control command's replies are pushed to."""

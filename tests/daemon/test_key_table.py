@@ -46,7 +46,8 @@ def table_patterns(prefix: str) -> dict[str, re.Pattern[str]]:
         for name in re.findall(r"`([^`]+)`", row.split("|")[1]):
             if ":" not in name:
                 continue  # the consumer group's name, not a key
-            local = prefix + name.removeprefix("mlxw")
+            # Every occurrence: the registry's hash tag is the default stream's name.
+            local = re.sub(r"\bmlxw:", f"{prefix}:", name)
             pieces, at = [], 0
             for found in PLACEHOLDER.finditer(local):
                 pieces.append(re.escape(local[at : found.start()]))
@@ -62,6 +63,8 @@ def test_the_table_names_the_forwarded_and_finished_markers() -> None:
     assert patterns["mlxw:forwarded:{MODEL}:ID"].match("p:forwarded:{tiny}:1712-0")
     assert patterns["mlxw:done:{request_id}"].match("p:done:{r-1}")
     assert not patterns["mlxw:jobs:{MODEL}"].match("p:jobs:{a}:b")
+    assert patterns["mlxw:workers:{mlxw:jobs}"].match("p:workers:{p:jobs}")
+    assert patterns["mlxw:models:{mlxw:jobs}"].match("p:models:{p:jobs}")
 
 
 class Monitor:
@@ -125,6 +128,7 @@ def test_every_key_a_worker_and_its_clients_touch_is_in_the_spec_key_table(
     names = monitor.names
     assert any(":forwarded:" in name for name in names)  # the flow reached every kind
     assert any(":done:" in name for name in names)
+    assert any(":workers:" in name for name in names)
     unlisted = sorted(n for n in names if not any(p.match(n) for p in patterns.values()))
     assert not unlisted, f"keys or channels missing from the spec's key table: {unlisted}"
 

@@ -17,10 +17,11 @@ import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 
-import mlx_redis_gateway.app as gateway_app
+import mlx_redis_gateway.routes.status as status_routes
 from mlx_redis_gateway.app import Gateway, GatewaySettings, build_app
 from mlx_redis_protocol.keys import Keys
 from tests.gateway.conftest import Fleet
+from tests.support.fleet import write_heartbeat_sync
 
 FUZZ_WORKER = "fz-1"
 
@@ -169,7 +170,7 @@ class Driver:
 @pytest.fixture(scope="module")
 def driver(fleet: Fleet) -> Iterator[Driver]:
     patch = pytest.MonkeyPatch()
-    patch.setattr(gateway_app, "STATUS_CACHE_SECONDS", 0.0)  # each example read afresh
+    patch.setattr(status_routes, "STATUS_CACHE_SECONDS", 0.0)  # each example read afresh
     driver = Driver(fleet)
     try:
         yield driver
@@ -196,7 +197,7 @@ def test_no_record_a_producer_writes_makes_a_route_fail(
         *dead_streams,
     ]
     try:
-        admin.set(keys.worker(FUZZ_WORKER), planted["heartbeat"], ex=60)
+        write_heartbeat_sync(admin, keys, FUZZ_WORKER, planted["heartbeat"])
         admin.set(keys.activity(FUZZ_WORKER), planted["activity"], ex=60)
         if planted["stray_heartbeat_stream"]:
             admin.xadd(f"{fleet.prefix}:worker:stray", {"x": "1"})
@@ -225,3 +226,4 @@ def test_no_record_a_producer_writes_makes_a_route_fail(
         assert status == 200, body[:500]
     finally:
         admin.delete(*written)
+        admin.zrem(keys.workers, FUZZ_WORKER)

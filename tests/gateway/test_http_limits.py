@@ -1,22 +1,31 @@
 """HTTP limits before anything is parsed: oversized or too many headers (431), oversized bodies
-(413, never read whole), deep JSON (400), connections that send nothing (408, closed), a cap
-on open connections (503) and on requests per keep-alive connection; each refusal in
-OpenAI's error shape, and the gateway answering ``/health`` throughout. No worker is needed:
-every refusal happens before a job exists."""
+(413, never read whole), deep JSON (400), connections that send nothing (408, closed), bodies
+that do not arrive whole in time (408, closed), a cap on open connections (503) and on
+requests per keep-alive connection; each refusal in OpenAI's error shape, and the gateway
+answering ``/health`` throughout. No worker is needed: every refusal happens before a job
+exists (a hand-written heartbeat stands in where a model must look served)."""
 
 from __future__ import annotations
 
 import json
+import select
 import socket
+import time
 from typing import Any
 
 import pytest
+import redis
 
+from mlx_redis_protocol.keys import Keys
+from tests.protocol.test_client_models import heartbeat
+from tests.support.fleet import write_heartbeat_sync
 from tests.support.gateway import GatewayFactory, GatewayProcess
 from tests.support.waiting import wait_until
 
 MAX_BODY = 256 * 1024
 MAX_HEAD = 8 * 1024
+MAX_HEADERS = 40
+BODY_TIMEOUT = 2.0
 CHAT_HEAD = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
 
 
@@ -27,8 +36,12 @@ def gateway(lone_gateways: GatewayFactory) -> GatewayProcess:
         str(MAX_BODY),
         "--max-header-bytes",
         str(MAX_HEAD),
+        "--max-headers",
+        str(MAX_HEADERS),
         "--header-timeout",
         "1",
+        "--body-timeout",
+        str(BODY_TIMEOUT),
         "--max-requests-per-connection",
         "3",
     )
@@ -105,12 +118,18 @@ def test_an_oversized_header_is_a_431_and_the_gateway_keeps_serving(
     assert health(gateway) == 200
 
 
-def test_too_many_headers_is_a_431(gateway: GatewayProcess) -> None:
-    many = "".join(f"X-H{i}: 1\r\n" for i in range(150))
+@pytest.mark.parametrize(("count", "expected"), [(MAX_HEADERS, 200), (MAX_HEADERS + 1, 431)])
+def test_the_header_count_is_bounded_by_its_flag(
+    gateway: GatewayProcess, count: int, expected: int
+) -> None:
+    many = "".join(f"X-H{i}: 1\r\n" for i in range(count - 1))  # and Host
     with connect(gateway) as sock:
         sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n{many}\r\n".encode())
         status, _, body = read_answer(sock)
-        assert status == 431 and openai_error(body)["code"] == "too_many_headers"
+        assert status == expected
+        if expected == 431:
+            assert openai_error(body)["code"] == "too_many_headers"
+            assert str(MAX_HEADERS) in openai_error(body)["message"]
 
 
 def test_a_declared_oversized_body_is_a_413_before_a_byte_of_it_is_sent(
@@ -168,6 +187,71 @@ def test_a_connection_that_sends_nothing_is_a_408_and_closed(gateway: GatewayPro
             assert openai_error(body)["code"] == "request_timeout"
             assert closed(sock)
     assert health(gateway) == 200
+
+
+def assert_body_timed_out(sock: socket.socket, started: float) -> None:
+    status, headers, body = read_answer(sock)
+    assert status == 408 and headers["connection"] == "close"
+    error = openai_error(body)
+    assert error["code"] == "request_timeout" and f"{BODY_TIMEOUT:g} s" in error["message"]
+    assert BODY_TIMEOUT - 0.5 < time.monotonic() - started < BODY_TIMEOUT + 10
+    assert closed(sock)
+
+
+def test_a_body_that_stops_short_of_its_length_is_a_408_and_closed(
+    gateway: GatewayProcess,
+) -> None:
+    with connect(gateway) as sock:
+        started = time.monotonic()
+        sock.sendall(
+            f"{CHAT_HEAD}Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode()
+            + b'{"model": "tiny"'
+        )
+        assert_body_timed_out(sock, started)
+    assert health(gateway) == 200
+
+
+def test_a_body_dripped_in_small_chunks_is_a_408_at_its_deadline(gateway: GatewayProcess) -> None:
+    """The deadline is over the whole body: a chunk every 0.2 s never lets a gap between
+    reads reach it, and the client is still cut off."""
+    with connect(gateway) as sock:
+        started = time.monotonic()
+        sock.sendall(
+            f"{CHAT_HEAD}Content-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n".encode()
+        )
+        while not select.select([sock], [], [], 0.2)[0]:  # until the gateway answers
+            assert time.monotonic() - started < BODY_TIMEOUT + 10, "no answer to the drip"
+            sock.sendall(b"1\r\n \r\n")
+        assert_body_timed_out(sock, started)
+    assert health(gateway) == 200
+
+
+def test_the_body_deadline_ends_with_the_body_not_with_the_answer(
+    lone_gateways: GatewayFactory,
+) -> None:
+    """A stream whose request body came in time runs past the body deadline: it ends with
+    its own event timeout (no worker takes the job), not cut at the body's."""
+    gateway = lone_gateways.start("--body-timeout", "1", "--event-timeout", "4")
+    keys = Keys(lone_gateways.prefix)
+    with redis.Redis.from_url(lone_gateways.redis_url) as plain:
+        write_heartbeat_sync(plain, keys, "stand-in", heartbeat("stand-in", "tiny").encode())
+    body = json.dumps(
+        {"model": "tiny", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+    with connect(gateway) as sock:
+        started = time.monotonic()
+        sock.sendall(
+            f"{CHAT_HEAD}Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert time.monotonic() - started > 3.5
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert b'"code": "timeout"' in answer or b'"code":"timeout"' in answer
 
 
 def test_a_keep_alive_connection_serves_a_bounded_number_of_requests(

@@ -140,7 +140,7 @@ def gateway_refused(url: str, prefix: str, *flags: str) -> str:
 @pytest.mark.parametrize(
     ("rule", "command", "needed_to"),
     [
-        ("-scan", "SCAN", "find the models live workers serve"),
+        ("-zrange", "ZRANGE", "find the models live workers serve"),
         ("-xadd", "XADD", "queue jobs"),
         ("-subscribe", "SUBSCRIBE", "follow a request's events"),
         ("-blpop", "BLPOP", "hear the workers' answers to an abort"),

@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 from mlx_redis_protocol.codec_control import decode_command, encode_reply
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.messages import ControlCommand, ControlReply, ErrorInfo
+from tests.support.fleet import write_heartbeat
 
 
 class FakeResponder:
@@ -53,7 +54,7 @@ class FakeResponder:
         for _ in range(2):  # both subscriptions confirmed before anyone sends
             await pubsub.get_message(timeout=5)
         if self.heartbeat:
-            await self.redis.set(self.keys.worker(self.worker_id), b"1", ex=30)
+            await write_heartbeat(self.redis, self.keys, self.worker_id, b"1", ttl_ms=30_000)
         self._ready.set()
         try:
             while not self._stop.is_set():

@@ -22,7 +22,9 @@ from mlx_redis_protocol.cli import main
 from mlx_redis_protocol.connection import RedisClient, connect
 from mlx_redis_protocol.heartbeat import Heartbeat, ServedModel
 from mlx_redis_protocol.keys import JobStream, Keys
+from mlx_redis_protocol.registry import register_model
 from mlx_redis_worker.local_redis import LocalCluster, free_port
+from tests.support.fleet import write_heartbeat
 from tests.support.waiting import run
 
 
@@ -45,13 +47,15 @@ def beat(
 
 
 async def write_beat(redis: RedisClient, keys: Keys, heartbeat: Heartbeat) -> None:
-    await redis.set(keys.worker(heartbeat.worker_id), heartbeat.encode(), ex=60)
+    await write_heartbeat(
+        redis, keys, heartbeat.worker_id, heartbeat.encode(), list(heartbeat.models)
+    )
 
 
 async def write_old_beat(redis: RedisClient, keys: Keys, worker_id: str) -> None:
     """An older worker's heartbeat: one `model`, no `models`."""
     value = {"worker_id": worker_id, "pid": 2, "started_at": 1.0, "in_flight": 0, "model": "/m"}
-    await redis.set(keys.worker(worker_id), json.dumps(value), ex=60)
+    await write_heartbeat(redis, keys, worker_id, json.dumps(value))
 
 
 async def queue_jobs(
@@ -73,9 +77,10 @@ async def prepare_fleet(redis: RedisClient, keys: Keys) -> None:
     await write_beat(redis, keys, beat("w1", {"a": (3, 4), "b": (2, 2)}))
     await write_beat(redis, keys, beat("w2", {"a": (1, 8)}))
     await write_old_beat(redis, keys, "old")
-    await redis.set(keys.worker("junk"), b"1", ex=60)
+    await write_heartbeat(redis, keys, "junk", b"1")
     await queue_jobs(redis, keys.model_stream("a"), total=5, delivered=2, dead=1)
     await queue_jobs(redis, keys.model_stream("c"), total=1)
+    await register_model(redis, keys, "c")  # as a producer queueing unchecked does
     await queue_jobs(redis, keys.default_stream, total=2, dead=3)
 
 
@@ -102,11 +107,12 @@ def test_fleet_models_per_model_and_the_default_stream(redis_url: str, keys: Key
         try:
             await prepare_fleet(redis, keys)
             await asyncio.sleep(0.05)  # so the oldest pending entry has an age
-            assert [s.model for s in await model_streams(redis, keys)] == ["a", "c"]
+            # The registered models: those workers advertise (b has no stream yet), and those
+            # a producer queued for unchecked (c).
+            assert [s.model for s in await model_streams(redis, keys)] == ["a", "b", "c"]
             assert [s.stream for s in await job_streams(redis, keys)] == [
                 keys.jobs,
-                keys.model_stream("a").stream,
-                keys.model_stream("c").stream,
+                *(keys.model_stream(model).stream for model in "abc"),
             ]
             fleet = await fleet_models(redis, keys)
         finally:
@@ -287,7 +293,7 @@ def test_fleet_models_finds_model_streams_on_every_cluster_node(
     redis_cluster: LocalCluster, prefix: str
 ) -> None:
     """Model streams hash by the model's name: on a 3-master Cluster, names chosen to land on
-    different nodes are all found (SCAN visits every master), with their queues and dead
+    different nodes are all found (the registry names them), with their queues and dead
     letters read on their own nodes; heartbeats too live on several nodes."""
     keys = Keys(prefix)
 
@@ -306,6 +312,7 @@ def test_fleet_models_finds_model_streams_on_every_cluster_node(
             for index, model in enumerate(models):
                 await queue_jobs(redis, keys.model_stream(model), total=index + 1, delivered=1)
                 await redis.xadd(keys.model_stream(model).dead, {"job": b"x"})
+                await register_model(redis, keys, model)
             workers = [f"w{i}" for i in range(12)]
             for worker in workers:
                 await write_beat(redis, keys, beat(worker, {models[0]: (1, 2)}))

@@ -27,6 +27,7 @@ from mlx_redis_protocol.keys import JobStream, Keys
 from mlx_redis_protocol.messages import ControlCommand, ControlReply, ErrorEvent, QueuedEvent
 from mlx_redis_protocol.sync_client import SyncClient
 from tests.protocol.background import Background
+from tests.support.fleet import write_heartbeat
 from tests.support.waiting import run
 
 
@@ -42,7 +43,7 @@ def heartbeat(worker_id: str, *models: str) -> Heartbeat:
 
 
 async def serve(redis: RedisClient, keys: Keys, worker_id: str, *models: str) -> None:
-    await redis.set(keys.worker(worker_id), heartbeat(worker_id, *models).encode(), ex=60)
+    await write_heartbeat(redis, keys, worker_id, heartbeat(worker_id, *models).encode(), models)
 
 
 async def job_entries(redis: RedisClient, stream: JobStream) -> list[bytes]:

@@ -239,6 +239,11 @@ def test_heartbeat_key_holds_the_documented_json(served: Served) -> None:
     assert is_number(beat["started_at"]) and beat["started_at"] <= time.time()
     ttl_ms = wire.redis.pttl(key)
     assert 0 < ttl_ms <= 2000, ttl_ms  # FAST_ENV's MLXW_HEARTBEAT_TTL
+    # The registry lists the worker, scored by its heartbeat's expiry on Redis' clock.
+    expiry = wire.redis.zscore(wire.names.workers, served.worker_id)
+    seconds, micros = wire.redis.time()
+    now_ms = seconds * 1000 + micros // 1000
+    assert expiry is not None and now_ms - 1000 < expiry <= now_ms + 2000, (expiry, now_ms)
 
 
 # -- incompatible_cache (last: it starts a second worker on the module's prefix) -----------

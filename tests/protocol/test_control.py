@@ -12,6 +12,7 @@ from mlx_redis_protocol.control import longest_block
 from mlx_redis_protocol.errors import ControlTimeout
 from mlx_redis_protocol.messages import ControlReply
 from tests.protocol.fake_responder import FakeResponder
+from tests.support.fleet import write_heartbeat
 from tests.support.waiting import run
 
 
@@ -89,7 +90,7 @@ def test_timeout_when_a_live_worker_does_not_answer(redis_url: str, prefix: str)
     async def scenario() -> None:
         async with Client(redis_url, prefix=prefix) as client:
             # A heartbeat but nobody listening: the client has to wait for the timeout.
-            await client.redis.set(client.keys.worker("silent"), b"1", ex=30)
+            await write_heartbeat(client.redis, client.keys, "silent", b"1", ttl_ms=30_000)
             await client.ping(timeout=0.3)
 
     started = time.monotonic()

@@ -12,12 +12,18 @@ from mlx_redis_protocol.cli import main
 from mlx_redis_protocol.connection import RedisClient, connect
 from mlx_redis_protocol.group import list_all_consumers, prune
 from mlx_redis_protocol.keys import JobStream, Keys
+from mlx_redis_protocol.registry import register_model
 from mlx_redis_worker.local_redis import LocalCluster
+from tests.support.fleet import write_heartbeat
 from tests.support.waiting import run
 
 
 def group_cli(url: str, prefix: str, *args: str) -> int:
     return main(["group", *args, "--redis-url", url, "--prefix", prefix])
+
+
+def keys_of(stream: JobStream) -> Keys:
+    return Keys(stream.group)  # the group's name is the prefix
 
 
 def json_rows(out: str) -> list[dict[str, Any]]:
@@ -28,8 +34,10 @@ async def consumers_on(
     redis: RedisClient, stream: JobStream, holding: list[str], idle: list[str]
 ) -> None:
     """A group on ``stream`` with consumers ``holding`` one pending entry each and ``idle``
-    ones holding none."""
+    ones holding none; its model in the registry, as the worker that made the group left it."""
     await redis.xgroup_create(stream.stream, stream.group, id="0", mkstream=True)
+    if stream.model is not None:
+        await register_model(redis, keys_of(stream), stream.model)
     for name in holding:
         await redis.xadd(stream.stream, {"job": b"x"})
         await redis.xreadgroup(stream.group, name, {stream.stream: ">"}, count=1)
@@ -43,7 +51,7 @@ async def prepare(url: str, keys: Keys) -> None:
     try:
         await consumers_on(redis, keys.default_stream, [], ["w1", "w2"])
         await consumers_on(redis, keys.model_stream("a"), ["w2"], ["w1"])
-        await redis.set(keys.worker("w1"), b"{}", ex=60)
+        await write_heartbeat(redis, keys, "w1", b"{}", ["a"])
     finally:
         await redis.aclose()
 

@@ -18,7 +18,6 @@ def test_layout_under_the_default_prefix() -> None:
     assert keys.control == "mlxw:control"
     assert keys.control_for("w1") == "mlxw:control:{w1}"
     assert keys.worker("w1") == "mlxw:worker:{w1}"
-    assert keys.worker_pattern == "mlxw:worker:*"
     assert keys.reply("t1") == "mlxw:reply:{t1}"
     assert Keys("app.v2").log("x") == "app.v2:log:{x}"
 

@@ -26,11 +26,12 @@ def test_model_stream_names_and_slots() -> None:
     # Each stream's dead letters share its slot: one script moves an entry between them.
     assert key_slot(stream.stream.encode()) == key_slot(stream.dead.encode())
     assert key_slot(stream.stream.encode()) == key_slot(b"qwen3-8b")
-    assert keys.model_stream_pattern == "mlxw:jobs:{*}"
-    assert keys.model_of_stream("mlxw:jobs:{qwen3-8b}") == "qwen3-8b"
-    assert keys.model_of_stream("mlxw:jobs:{a:b.c}") == "a:b.c"
-    for other in ("mlxw:jobs", "mlxw:jobs:{}", "mlxw:jobs:{a b}", "x:jobs:{a}", "mlxw:log:{a}"):
-        assert keys.model_of_stream(other) is None, other
+    # The registry shares the default stream's slot: a reader finds workers and models on
+    # one node with one round trip.
+    assert (keys.workers, keys.models) == ("mlxw:workers:{mlxw:jobs}", "mlxw:models:{mlxw:jobs}")
+    assert (
+        key_slot(keys.workers.encode()) == key_slot(keys.models.encode()) == key_slot(b"mlxw:jobs")
+    )
 
 
 @pytest.mark.parametrize("model", ["", "a b", "a{b}", "x" * 129, "a*"])

@@ -117,7 +117,7 @@ def run_cluster(config: FaultConfig, cluster: LocalCluster | None = None) -> Dri
     over the three nodes; then the CLI for a request whose keys live off node 0."""
     directory = config.workdir()
     with started(cluster, LocalCluster) as cluster:
-        owner = _slot_owners(cluster)
+        owner = cluster.slot_owners()
         ports = [node.port for node in cluster.nodes]
         rids = [f"cluster-{i:05d}" for i in range(config.jobs)]
         per_node = Counter(owner[key_slot(rid.encode())] for rid in rids)
@@ -159,18 +159,6 @@ def run_cluster(config: FaultConfig, cluster: LocalCluster | None = None) -> Dri
         ),
     ]
     return result
-
-
-def _slot_owners(cluster: LocalCluster) -> dict[int, int]:
-    """slot -> port of the master serving it (CLUSTER SLOTS on node 0)."""
-    client = redis.Redis(port=cluster.nodes[0].port, socket_timeout=5)
-    try:
-        owners = {}
-        for start, end, primary, *_ in client.execute_command("CLUSTER SLOTS"):
-            owners.update(dict.fromkeys(range(start, end + 1), int(primary[1])))
-        return owners
-    finally:
-        client.close()
 
 
 def _count_keys(port: int, pattern: str) -> int:

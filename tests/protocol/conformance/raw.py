@@ -103,6 +103,10 @@ class Names:
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{{{worker_id}}}"
 
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}:workers:{{{self.prefix}:jobs}}"
+
 
 @dataclasses.dataclass(frozen=True)
 class LogEntry:

@@ -109,8 +109,10 @@ def run_gateway(args: argparse.Namespace) -> int:
     try:
         http = HttpLimits(
             max_header_bytes=args.max_header_bytes,
+            max_headers=args.max_headers,
             max_body_bytes=args.max_body_bytes,
             header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
             max_connections=args.max_connections,
             max_requests_per_connection=args.max_requests_per_connection,
         )
@@ -168,11 +170,24 @@ def _add_http_limits(gateway: argparse.ArgumentParser) -> None:
         f"(default {limits.max_header_bytes})",
     )
     gateway.add_argument(
+        "--max-headers",
+        type=int,
+        default=limits.max_headers,
+        help=f"a request with more header lines is a 431 (default {limits.max_headers})",
+    )
+    gateway.add_argument(
         "--header-timeout",
         type=float,
         default=limits.header_timeout,
         help="seconds a connection may take to send a request's headers, idle ones included "
         f"(408, closed; default {limits.header_timeout:g})",
+    )
+    gateway.add_argument(
+        "--body-timeout",
+        type=float,
+        default=limits.body_timeout,
+        help="seconds from a request's headers to the last byte of its body "
+        f"(408, closed; default {limits.body_timeout:g})",
     )
     gateway.add_argument(
         "--max-connections",

@@ -15,7 +15,9 @@ Two layers, because uvicorn's httptools parser has no limit of its own on a requ
   docs/gateway.md, "HTTP limits", for the figures.
 - ``RequestLimits``: ASGI middleware for what needs the parsed head: more than
   ``max_headers`` headers is a 431, a ``content-length`` over ``max_body_bytes`` a 413 before
-  a byte of the body is read, a body that grows past it while read (chunked) a 413 too.
+  a byte of the body is read, a body that grows past it while read (chunked) a 413 too, and a
+  body not whole within ``body_timeout`` seconds of the request's start a 408 (a client
+  dripping its body cannot hold a connection and a route open for longer).
   ``read_json`` parses a body with a bound on its nesting (400, not a RecursionError's 500).
 
 Every refusal is OpenAI's error shape.
@@ -65,6 +67,10 @@ class HttpLimits:
     max_json_depth: int = 128
     # Seconds from a connection's opening (or a request's first byte) to its whole head.
     header_timeout: float = 10.0
+    # Seconds from a request's head to the last byte of its body: a deadline over the whole
+    # body (nginx's client_body_timeout bounds only the gap between reads, which a client
+    # sending a byte at a time never exceeds). 30 s carries the largest body at 140 KB/s.
+    body_timeout: float = 30.0
     # Connections open at once; None: derived from the file-descriptor limit.
     max_connections: int | None = None
     max_requests_per_connection: int = 1000
@@ -75,6 +81,8 @@ class HttpLimits:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.header_timeout <= 0:
             raise ValueError(f"--header-timeout must be positive, got {self.header_timeout}")
+        if self.body_timeout <= 0:
+            raise ValueError(f"--body-timeout must be positive, got {self.body_timeout}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
         if self.max_requests_per_connection < 1:
@@ -248,16 +256,25 @@ class RequestLimits:
         if length is not None and length > self.limits.max_body_bytes:
             await _send_error(send, self._too_large())
             return
-        received, refused = 0, False
+        deadline = asyncio.get_running_loop().time() + self.limits.body_timeout
+        received, body_done, refused = 0, False, False
 
         async def bounded_receive() -> Message:
-            nonlocal received, refused
-            message = await receive()
+            nonlocal received, body_done, refused
+            if body_done:  # what follows the body is the client leaving: no deadline
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                refused = True
+                raise self._too_slow() from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limits.max_body_bytes:
                     refused = True
                     raise self._too_large()
+                body_done = not message.get("more_body", False)
             return message
 
         async def closing_send(message: Message) -> None:
@@ -274,6 +291,13 @@ class RequestLimits:
             413,
             f"the request body exceeds {self.limits.max_body_bytes} bytes",
             code="body_too_large",
+        )
+
+    def _too_slow(self) -> ApiError:
+        return ApiError(
+            408,
+            f"the request body did not arrive whole within {self.limits.body_timeout:g} s",
+            code="request_timeout",
         )
 
 

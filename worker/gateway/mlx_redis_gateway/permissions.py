@@ -56,9 +56,9 @@ def gateway_probes(
     record, log_key, reply = keys.gateway_request(token), keys.log(token), keys.reply(token)
     probes = [
         Probe(
-            "SCAN",
+            "ZRANGE",  # and GET of each registered worker's heartbeat
             "find the models live workers serve",
-            keys.worker_pattern,
+            keys.workers,
             lambda: served_models(redis, keys),
         ),
         *script_probes(redis, "the gateway's Lua scripts"),

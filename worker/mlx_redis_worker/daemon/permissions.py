@@ -192,6 +192,7 @@ def probes(
             lambda: redis.delete(beat),
             pattern=f"{keys.prefix}:worker:{{worker_id}}",
         ),
+        *_registry_probes(redis, keys, token),
         Probe(
             "SET",
             "write the activity key (status page)",
@@ -314,6 +315,27 @@ def _stream_probes(
             # A consumer name nobody has: deleting it deletes nothing.
             lambda: redis.xgroup_delconsumer(jobs, group, token),
             pattern=pattern,
+        ),
+    ]
+
+
+def _registry_probes(redis: RedisClient, keys: Keys, token: str) -> list[Probe]:
+    """The commands of the registration script (and of leaving the registry), on a member
+    nobody has: ``ZADD XX`` adds nothing, an empty score range removes nothing."""
+    workers, models = keys.workers, keys.models
+    needed = "register in the fleet's registry (catalogue, reply counting)"
+    return [
+        Probe("TIME", needed, workers, lambda: redis.time()),
+        Probe("ZADD", needed, workers, lambda: redis.zadd(workers, {token: 0}, xx=True)),
+        Probe("ZADD", needed, models, lambda: redis.zadd(models, {token: 0}, xx=True)),
+        Probe(
+            "ZREMRANGEBYSCORE",
+            "drop workers that died from the registry",
+            workers,
+            lambda: redis.zremrangebyscore(workers, 1, 0),
+        ),
+        Probe(
+            "ZREM", "leave the registry when stopping", workers, lambda: redis.zrem(workers, token)
         ),
     ]
 

@@ -36,6 +36,7 @@ from mlx_redis_protocol.redis_retry import (
     Outage,
     describe,
 )
+from mlx_redis_protocol.registry import register_worker, unregister_worker
 from mlx_redis_protocol.sd_notify import Notifier
 from mlx_redis_protocol.supervisor import supervise
 from mlx_redis_worker.daemon.control import CommandRefused, ControlListener
@@ -171,6 +172,7 @@ class Serving:
         with contextlib.suppress(*REDIS_FAILURES):
             worker_id = self.settings.worker_id
             await self.redis.delete(self.keys.worker(worker_id), self.keys.activity(worker_id))
+            await unregister_worker(self.redis, self.keys, worker_id)
         for queue in self.queues:
             try:
                 # Jobs left pending (abandoned after the drain timeout) keep the consumer: they
@@ -271,13 +273,20 @@ class Serving:
             self.keys.worker(self.settings.worker_id),
             int(self.settings.heartbeat_ttl * 1000),
         )
+        beat = self.heartbeat()
         try:
-            await self.redis.set(key, self.heartbeat().encode(), px=ttl_ms)
+            await self.redis.set(key, beat.encode(), px=ttl_ms)
         except OutOfMemoryError:
             # A full Redis (noeviction) refuses the write but not a new TTL: keep the last beat
             # alive, so a live worker does not look dead while memory is being freed.
             if not await self.redis.pexpire(key, ttl_ms):
                 raise
+        # After the key, so a reader that finds the member finds the heartbeat. A full Redis
+        # refuses it too, and then prunes nobody: the member written last time stays.
+        with contextlib.suppress(OutOfMemoryError):
+            await register_worker(
+                self.redis, self.keys, self.settings.worker_id, ttl_ms, list(beat.models)
+            )
 
     def activity(self) -> Activity:
         history = self.publisher.token_history

@@ -1,4 +1,5 @@
-"""A local Redis Cluster of masters only, created with ``redis-cli --cluster create``."""
+"""A local Redis Cluster, created with ``redis-cli --cluster create``: masters only, or masters
+with replicas that take over when a master dies (``kill_primary`` / ``wait_promoted``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+from redis.crc import key_slot
 
 from mlx_redis_worker.local_redis.probe import connect, wait_until
 from mlx_redis_worker.local_redis.server import HOST, PortTaken, RedisServer, free_port_pair
@@ -25,20 +28,27 @@ CLUSTER_ARGS = (
 
 
 class LocalCluster:
-    """``masters`` cluster-enabled redis-server processes, each in a subdirectory of one
-    directory, joined into one cluster that covers all 16384 slots (no replicas)."""
+    """``masters`` cluster-enabled redis-server processes (plus ``replicas`` per master), each
+    in a subdirectory of one directory, joined into one cluster that covers all 16384 slots.
+
+    With replicas, a SIGKILLed master (``kill_primary``) is replaced by its replica after the
+    node timeout, as in production: ``wait_promoted`` returns once every live node agrees."""
 
     def __init__(
         self,
         masters: int = 3,
         extra_args: Sequence[str] = (),
         directory: Path | None = None,
+        replicas: int = 0,
     ) -> None:
         if masters < 3:
             raise ValueError("redis-cli --cluster create needs at least 3 masters")
+        if replicas < 0:
+            raise ValueError("replicas (per master) must be 0 or more")
         if shutil.which("redis-cli") is None:
             raise RuntimeError("'redis-cli' is not on PATH: it creates the cluster")
         self.masters = masters
+        self.replicas = replicas
         self.extra_args = list(extra_args)
         self._owns_directory = directory is None
         self.directory = directory or Path(tempfile.mkdtemp(prefix="local-redis-cluster-"))
@@ -58,7 +68,7 @@ class LocalCluster:
         if self.nodes:
             raise RuntimeError("the cluster is already running")
         try:
-            for index in range(self.masters):
+            for index in range(self.masters * (1 + self.replicas)):
                 self.nodes.append(self._start_node(self.directory / f"node-{index}"))
             self._create(timeout)
             if not wait_until(self._settled, timeout):
@@ -92,6 +102,7 @@ class LocalCluster:
             "--cluster",
             "create",
             *(f"{HOST}:{node.port}" for node in self.nodes),
+            *(["--cluster-replicas", str(self.replicas)] if self.replicas else []),
             "--cluster-yes",
         ]
         try:
@@ -112,12 +123,78 @@ class LocalCluster:
             )
 
     def _settled(self) -> bool:
-        for node in self.nodes:
+        """Every live node serves all slots and knows every node; every replica has its
+        master's data (a replica still syncing could not take over)."""
+        for node in self.live_nodes:
             with connect(node.port) as client:
-                info = client.cluster("INFO")
-            if not _cluster_ok(info, len(self.nodes)):
+                if not _cluster_ok(client.cluster("INFO"), len(self.nodes)):
+                    return False
+                replication = client.info("replication")
+            if replication.get("role") == "slave" and replication.get("master_link_status") != "up":
                 return False
         return True
+
+    @property
+    def live_nodes(self) -> list[RedisServer]:
+        """The nodes still running (a killed one stays in ``nodes``, stopped)."""
+        return [node for node in self.nodes if node.pid is not None]
+
+    def slot_owners(self) -> dict[int, int]:
+        """slot -> port of the master serving it, as a live node sees it now."""
+        with connect(self.live_nodes[0].port) as client:
+            ranges = _slot_ranges(client.cluster("SLOTS"))
+        owners: dict[int, int] = {}
+        for start, end, port in ranges:
+            owners.update(dict.fromkeys(range(start, end + 1), port))
+        return owners
+
+    def primary_port(self, key: str) -> int:
+        """The port of the master serving ``key``'s hash slot now."""
+        return self.slot_owners()[key_slot(key.encode())]
+
+    def kill_primary(self, key: str) -> int:
+        """SIGKILL the master serving ``key`` (no goodbye to its peers); returns its port for
+        ``wait_promoted``."""
+        port = self.primary_port(key)
+        self._node(port).kill()
+        return port
+
+    def wait_promoted(self, key: str, old_port: int, timeout: float = 30.0) -> int:
+        """Wait until every live node says a node other than ``old_port`` serves ``key``'s slot,
+        that node says it is a master, and the cluster is whole again; returns its port."""
+        slot = key_slot(key.encode())
+        promoted: list[int] = []
+
+        def agreed() -> bool:
+            ports = set()
+            for node in self.live_nodes:
+                with connect(node.port) as client:
+                    if client.cluster("INFO").get("cluster_state") != "ok":
+                        return False
+                    ranges = _slot_ranges(client.cluster("SLOTS"))
+                ports.add(next((port for a, b, port in ranges if a <= slot <= b), None))
+            if len(ports) != 1 or old_port in ports or None in ports:
+                return False
+            (port,) = ports
+            assert port is not None
+            with connect(port) as client:
+                if client.role()[0] != "master":
+                    return False
+            promoted.append(port)
+            return True
+
+        if not wait_until(agreed, timeout):
+            raise RuntimeError(
+                f"no replica took over slot {slot} from port {old_port} within {timeout} s\n"
+                + self._diagnosis()
+            )
+        return promoted[0]
+
+    def _node(self, port: int) -> RedisServer:
+        for node in self.nodes:
+            if node.port == port and node.pid is not None:
+                return node
+        raise RuntimeError(f"no running node of this cluster on port {port}")
 
     def _diagnosis(self) -> str:
         return "\n".join(f"--- node {node.port} log ---\n{node.log_tail()}" for node in self.nodes)
@@ -140,6 +217,12 @@ class LocalCluster:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _slot_ranges(reply: object) -> list[tuple[int, int, int]]:
+    """``(first slot, last slot, master port)`` of each range in a ``CLUSTER SLOTS`` reply."""
+    assert isinstance(reply, list)
+    return [(int(start), int(end), int(primary[1])) for start, end, primary, *_ in reply]
 
 
 def _cluster_ok(info: object, count: int) -> bool:
