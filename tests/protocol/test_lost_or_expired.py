@@ -1,7 +1,8 @@
 """A subscriber tells a request whose log Redis lost from one whose log expired, on a real
-redis-server: restarted empty under a follower (RequestLost), a log TTL running out
-(RequestExpired), a finished request whose log expired (RequestExpired at once), an id nobody
-queued (the plain RequestNotFound). Before, every case read "its log expired"."""
+redis-server: restarted empty under a follower (RequestLost), a finished request whose log
+expired (RequestExpired at once), an id nobody queued (the plain RequestNotFound). A log TTL
+running out under a follower (RequestExpired) is in test_stream_merge.py. Before, every case
+read "its log expired"."""
 
 from __future__ import annotations
 
@@ -50,20 +51,6 @@ def test_a_redis_restarted_empty_under_a_follower_is_lost_data_not_an_expired_lo
                 assert "expired" not in message
 
         run(main())
-
-
-def test_a_log_whose_ttl_runs_out_under_a_follower_expired(redis_url: str, prefix: str) -> None:
-    async def main() -> None:
-        async with Client(redis_url, prefix=prefix, log_ttl=1, recheck_interval=RECHECK) as client:
-            rid = await client.submit("waits past its log TTL", max_tokens=4)
-            seen: list[Event] = []
-            with pytest.raises(RequestExpired) as raised:
-                await follow(client, rid, seen)
-            assert [type(event) for event in seen] == [QueuedEvent]
-            assert not isinstance(raised.value, RequestLost)
-            assert "its log expired (TTL) while waiting" in str(raised.value)
-
-    run(main())
 
 
 def test_a_missing_log_says_expired_only_for_a_request_that_finished(
