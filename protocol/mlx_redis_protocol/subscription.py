@@ -9,8 +9,10 @@ reconnect); that wait blocks on the inbox, it never spins.
 
 Redis being unreachable does not end a stream: the follower subscribes again and re-reads the
 log from where it was (the ordering state survives, so nothing is released twice), backing off
-between tries. It gives up when the stream's own timeout passes without an event
-(StreamTimeout) or Redis stays unreachable for ``unavailable_timeout`` (RedisUnavailable).
+between tries; on a Cluster it reads the slot map again first, so a failover is followed to
+the master that serves the request's slot now. It gives up when the stream's own timeout
+passes without an event (StreamTimeout) or Redis stays unreachable for ``unavailable_timeout``
+(RedisUnavailable).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from mlx_redis_protocol.connection import (
     RedisClient,
     is_unavailable,
     raise_if_cancelled,
+    refresh_slot_map,
 )
 from mlx_redis_protocol.errors import (
     ProtocolError,
@@ -117,6 +120,7 @@ async def follow_events(
                     f"{request_id!r}: {exc}"
                 ) from exc
             failures += 1
+            await refresh_slot_map(redis)
             delay = RECONNECT_BACKOFF.compute(failures)
             if timeout is not None:
                 delay = min(delay, max(timeout - (now - last_event_at), 0.0))

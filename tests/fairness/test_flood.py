@@ -94,11 +94,6 @@ def test_fair_share_holds_across_a_worker_restart_mid_flood(
     assert late <= whole / 4, (late, whole)
 
 
-@pytest.mark.xfail(
-    reason="known regression, issue 29: on a Cluster, B's job ended after 0.37 of the flood "
-    "(goal 0.25) once the session's other changes were merged; it passed before (03:28)",
-    strict=False,
-)
 @pytest.mark.timeout(600)
 def test_fair_share_holds_on_a_redis_cluster(
     workers: WorkerFactory, redis_cluster: LocalCluster, prefix: str

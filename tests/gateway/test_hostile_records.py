@@ -17,7 +17,7 @@ import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 
-import mlx_redis_gateway.app as gateway_app
+import mlx_redis_gateway.routes.status as status_routes
 from mlx_redis_gateway.app import Gateway, GatewaySettings, build_app
 from mlx_redis_protocol.keys import Keys
 from tests.gateway.conftest import Fleet
@@ -170,7 +170,7 @@ class Driver:
 @pytest.fixture(scope="module")
 def driver(fleet: Fleet) -> Iterator[Driver]:
     patch = pytest.MonkeyPatch()
-    patch.setattr(gateway_app, "STATUS_CACHE_SECONDS", 0.0)  # each example read afresh
+    patch.setattr(status_routes, "STATUS_CACHE_SECONDS", 0.0)  # each example read afresh
     driver = Driver(fleet)
     try:
         yield driver

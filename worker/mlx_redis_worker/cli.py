@@ -224,6 +224,20 @@ def _add_bench_commands(commands: Any) -> None:
     tools.add_argument("--batch", type=int, default=8, help="requests in flight at once")
     tools.add_argument("--max-tokens", type=int, default=256)
     tools.add_argument("--temperature", type=float, default=0.7)
+    tools.add_argument(
+        "--parallel",
+        action="store_true",
+        help="let an answer hold several calls (each prompt asks for one: off by default)",
+    )
+    tools.add_argument(
+        "--slice",
+        default=None,
+        metavar="START:STOP",
+        help="run only these schemas of the suite (to split a long run into parts)",
+    )
+    tools.add_argument(
+        "--passes", default="required,auto", help="which passes, comma-separated (required, auto)"
+    )
     tools.set_defaults(func=_lazy("mlx_redis_worker.bench.tools_bench", "run_tools_bench"))
 
     speculative = benches.add_parser(

@@ -1,0 +1,374 @@
+"""What every route shares: the protocol client, the keys and quotas, reading a request's
+body, queuing its job, and following the job's answer to the client (one JSON body, or an SSE
+stream), with what happens when the client leaves first.
+
+A gateway holds no state but Redis: each request becomes a job (``mlx_redis_protocol.client``),
+its answer is read from the request's replay log, and what another gateway needs to stream it
+again (the answer's shape and owner) is a key beside the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
+from typing import Any, Final, TypeVar
+
+import structlog
+from sse_starlette import EventSourceResponse
+from sse_starlette.sse import AppStatus
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mlx_redis_gateway.api_keys import ApiKey, KeyFile
+from mlx_redis_gateway.auth import Authenticator
+from mlx_redis_gateway.browser_guard import require_json
+from mlx_redis_gateway.errors import ApiError
+from mlx_redis_gateway.http_limits import read_json
+from mlx_redis_gateway.openai_api import CompletionRequest
+from mlx_redis_gateway.quotas import Quotas
+from mlx_redis_gateway.redis_health import HealthProbe
+from mlx_redis_gateway.settings import GatewaySettings
+from mlx_redis_gateway.shaping import DONE_MESSAGE, ResponseShape, Shaper, sse_data, sse_message
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.connection import is_unavailable
+from mlx_redis_protocol.errors import (
+    ClientError,
+    RedisUnavailable,
+    RequestNotFound,
+    StreamRewritten,
+    StreamTimeout,
+)
+from mlx_redis_protocol.messages import Event, Job
+from mlx_redis_protocol.supervisor import supervise
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+# The header (or body field ``resumable``) by which a client says its stream may be resumed:
+# its disconnect then leaves the job running instead of aborting it.
+RESUMABLE_HEADER: Final = "x-resumable"
+# SSE comments sent on a quiet stream, so proxies and clients do not time it out.
+PING_SECONDS: Final = 15
+
+
+class Gateway:
+    """The routes' shared parts: the protocol client, the keys, the quotas."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.client = Client(
+            settings.redis_url,
+            prefix=settings.prefix,
+            log_ttl=settings.log_ttl,
+            limits=settings.limits,
+            topology=settings.redis_topology,
+            max_in_flight=256,
+            # A request that finds Redis unreachable is answered 503 at once, for the HTTP
+            # client to retry, rather than held open while Redis is away.
+            retry_commands=False,
+        )
+        self.keys = KeyFile(settings.api_keys) if settings.api_keys is not None else None
+        self.auth = Authenticator(self.keys)
+        self.health = HealthProbe(self.client)
+        self._quotas: Quotas | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def quotas(self) -> Quotas:
+        assert self._quotas is not None, "the gateway has not started"
+        return self._quotas
+
+    @asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        await self.client.connect()
+        self._quotas = Quotas(
+            self.client.command_slot, self.client.keys, self.settings.quota_lease_seconds
+        )
+        # Supervised: a lease keeper that died would let every in-flight request's lease
+        # lapse, and the quotas count them free while they still run.
+        leases = asyncio.create_task(
+            supervise("quota leases", self.quotas.keep_leases), name="quota leases"
+        )
+        log.info(
+            "gateway_ready",
+            auth=self.keys is not None,
+            keys=len(self.keys) if self.keys is not None else 0,
+            prefix=self.settings.prefix,
+        )
+        try:
+            yield
+        finally:
+            leases.cancel()
+            for task in list(self._background):
+                task.cancel()
+            await asyncio.gather(leases, *self._background, return_exceptions=True)
+            await self.quotas.close()
+            await self.client.aclose()
+
+    # -- a request in ------------------------------------------------------------------------
+
+    async def json_body(self, request: Request) -> Any:
+        require_json(request)
+        return read_json(await request.body(), self.settings.http.max_json_depth)
+
+    async def check_served(self, model: str) -> None:
+        if not await self.client.serves(model):
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist or no live worker serves it",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def admit_and_submit(
+        self, accepted: CompletionRequest, key: ApiKey | None
+    ) -> ResponseShape:
+        """Queue a request of one job, once its key's quota admits it (429 otherwise); its
+        quota lease is given back if it could not be queued."""
+        request_id = accepted.request_id
+        if key is not None:
+            await self.quotas.admit_or_refuse(key, request_id)
+        try:
+            shape = self.shape(accepted, key)
+            await self.queue(accepted.job, shape)
+        except BaseException:
+            await self.quotas.release(request_id)
+            raise
+        return shape
+
+    def shape(self, accepted: CompletionRequest, key: ApiKey | None) -> ResponseShape:
+        return ResponseShape(
+            kind=accepted.kind,
+            model=accepted.model,
+            created=int(time.time()),
+            include_usage=accepted.include_usage,
+            logprobs=accepted.logprobs,
+            owner=key.name if key is not None else None,
+        )
+
+    async def queue(self, job: Job, shape: ResponseShape) -> None:
+        """Queue ``job``, its answer's shape beside its log."""
+        key_of_shape = self.client.keys.gateway_request(job.request_id)
+
+        async def write_shape() -> None:
+            async with self.client.command_slot() as redis:
+                await redis.set(key_of_shape, shape.encode(), ex=self.settings.log_ttl)
+
+        try:
+            # Side by side (one round trip of waiting, not two): nobody can ask to resume the
+            # request before this answer gives its id, and by then both are written.
+            await asyncio.gather(write_shape(), self.client.submit_job(job))
+        except Exception as exc:
+            if isinstance(exc, RedisUnavailable) or is_unavailable(exc):
+                raise unavailable(exc) from exc
+            raise
+
+    def resumable(self, request: Request, accepted: CompletionRequest) -> bool:
+        header = request.headers.get(RESUMABLE_HEADER)
+        if header is not None:
+            return header.strip().lower() in ("1", "true", "yes", "on")
+        if accepted.resumable is not None:
+            return accepted.resumable
+        return self.settings.resumable_by_default
+
+    # -- its answer out ----------------------------------------------------------------------
+
+    async def finished(
+        self, request: Request, request_id: str, shape: ResponseShape, *, resumable: bool
+    ) -> Shaper | None:
+        """A request of one job followed to its end (its lease then released), or None when
+        its client left first (its job is then aborted, or kept for a resume)."""
+        return await self.until_disconnected(
+            request, self.follow(request_id, shape), on_left=self.left(request_id, resumable)
+        )
+
+    async def events(self, request_id: str) -> AsyncIterator[Event]:
+        """The request's events; a failure to follow it ends as an ApiError."""
+        events = self.client.stream(request_id, timeout=self.settings.event_timeout)
+        try:
+            async with aclosing(events):
+                async for event in events:
+                    yield event
+        except RequestNotFound as exc:
+            raise ApiError(404, str(exc), code="request_not_found") from exc
+        except StreamTimeout as exc:
+            raise ApiError(504, str(exc), "server_error", code="timeout") from exc
+        except StreamRewritten as exc:
+            raise ApiError(500, str(exc), "server_error", code="stream_rewritten") from exc
+        except RedisUnavailable as exc:
+            raise ApiError(503, str(exc), "server_error", code="unavailable") from exc
+
+    async def follow(
+        self, request_id: str, shape: ResponseShape, *, holds_lease: bool = True
+    ) -> Shaper:
+        """Follow a request to its end; the shaper holds the answer (or its error). Nothing
+        was sent yet, so history rewritten under us (a failover) is followed again."""
+        try:
+            while True:
+                shaper = Shaper(request_id, shape, streaming=False)
+                try:
+                    async for event in self.events(request_id):
+                        shaper.feed(event)
+                        if shaper.finished:
+                            break
+                except ApiError as error:
+                    if error.code == "stream_rewritten":
+                        continue
+                    raise
+                return shaper
+        finally:
+            if holds_lease and not _cancelled():
+                await self.quotas.release(request_id)
+
+    def stream_response(
+        self,
+        request_id: str,
+        shape: ResponseShape,
+        *,
+        after: int,
+        abort_when_left: bool,
+        lease: str | None = None,
+    ) -> Response:
+        """``lease``: a read's quota lease, given back when the stream ends."""
+        messages = self._sse(request_id, shape, after, abort_when_left)
+        return event_stream(
+            messages if lease is None else self._releasing(messages, lease), request_id
+        )
+
+    async def _sse(
+        self, request_id: str, shape: ResponseShape, after: int, abort_when_left: bool
+    ) -> AsyncGenerator[bytes, None]:
+        """The SSE messages of a request, after seq ``after``: its chunks, then ``[DONE]``
+        (or an error chunk). A client that leaves first aborts the job when
+        ``abort_when_left`` (and the gateway is configured to)."""
+        shaper = Shaper(request_id, shape)
+        ended = False
+        try:
+            if after < 0:
+                yield sse_message(shaper.opening())
+            try:
+                async for event in self.events(request_id):
+                    # An event's chunks (and the end) leave in one write.
+                    messages = [sse_message(c) for c in shaper.feed(event) if c.seq > after]
+                    if shaper.done is not None:
+                        messages.append(DONE_MESSAGE)
+                    if messages:
+                        yield b"".join(messages)
+                    if shaper.finished:
+                        break
+            except ApiError as error:
+                shaper.error = error
+                yield sse_data(error.body())
+            ended = True
+        finally:
+            self.stream_ended(shaper, ended=ended, abort_when_left=abort_when_left)
+
+    def stream_ended(self, shaper: Shaper, *, ended: bool, abort_when_left: bool) -> None:
+        """A stream is over: its request's client left before its end (then the job is
+        aborted, or kept for a resume), or it ended (its lease is released)."""
+        request_id = shaper.request_id
+        finished = shaper.done is not None
+        # A gateway that stops (SIGTERM) ends its streams, but their clients did not
+        # leave: they may resume elsewhere, so their jobs run on.
+        abort = abort_when_left and not AppStatus.should_exit
+        if not finished and (not ended or shaper.error is not None):
+            self.in_background(self.left(request_id, not abort)())
+        else:
+            self.in_background(self.quotas.release(request_id))
+
+    async def _releasing(
+        self, messages: AsyncGenerator[bytes, None], lease: str
+    ) -> AsyncIterator[bytes]:
+        try:
+            async with aclosing(messages):
+                async for message in messages:
+                    yield message
+        finally:
+            self.in_background(self.quotas.release(lease))
+
+    def left(self, request_id: str, resumable: bool) -> Callable[[], Awaitable[None]]:
+        """What to do for a request whose client left before its end: abort it (not
+        resumable, and the gateway aborts on disconnect), else keep its quota lease until it
+        ends on its own."""
+
+        async def left() -> None:
+            if not resumable and self.settings.abort_on_disconnect:
+                log.info("client_left_aborting", request_id=request_id)
+                with contextlib.suppress(ClientError):
+                    await self.client.abort(request_id, timeout=1.0)
+            else:
+                with contextlib.suppress(ClientError, ApiError):
+                    await self.client.wait(request_id, timeout=self.settings.event_timeout)
+            await self.quotas.release(request_id)
+
+        return left
+
+    async def until_disconnected(
+        self,
+        request: Request,
+        work: Awaitable[T],
+        on_left: Callable[[], Awaitable[None]] | None = None,
+    ) -> T | None:
+        """``work``'s result, or None when the client disconnects first (then ``on_left``
+        runs in the background)."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.create_task(_disconnected(request))
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        watcher.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ApiError):
+            await task
+        if on_left is not None:
+            self.in_background(on_left())
+        return None
+
+    def in_background(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def answer(shaper: Shaper) -> Response:
+    """A finished request's completion body (its error, raised, when it failed)."""
+    if shaper.error is not None:
+        raise shaper.error
+    return JSONResponse(shaper.completion(), headers={"x-request-id": shaper.request_id})
+
+
+def event_stream(messages: AsyncIterator[bytes], request_id: str) -> Response:
+    """An SSE answer of ready-made messages, under the request's id."""
+    return EventSourceResponse(
+        messages,
+        ping=PING_SECONDS,
+        headers={"x-request-id": request_id, "cache-control": "no-cache"},
+    )
+
+
+def unavailable(exc: BaseException) -> ApiError:
+    return ApiError(503, f"the queue is unavailable: {exc}", "server_error", code="unavailable")
+
+
+def client_left() -> Response:
+    """The answer to a client that left before it (nginx's 499: nobody reads it)."""
+    return Response(status_code=499)
+
+
+def _cancelled() -> bool:
+    """Whether the running task is being cancelled (its client left: ``on_left`` then
+    decides when the request's quota lease goes)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (ASGI ``http.disconnect``)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
