@@ -42,6 +42,8 @@ SUBSCRIBE_CONFIRM_TIMEOUT: Final = 10.0
 # reader waits for its next message instead: see _next_message).
 _READ_WAIT: Final = 1.0
 _TORN_DOWN_PAUSE: Final = 0.05
+# How often a gone Cluster node's reader looks whether its channels have moved to new nodes.
+_HAND_OVER_PAUSE: Final = 0.1
 # A reader waits out a lost connection (redis-py's PubSub reconnects on the next read, and
 # subscribes its channels again) for as long as the hub is open.
 _READ_RETRY: Final = retry_forever((RedisError, OSError))
@@ -247,11 +249,22 @@ class ChannelHub:
         inbox that messages were missed meanwhile."""
         while not self._closed and self._inboxes:
             self._start_readers()
-            others = [task for name, task in self._readers.items() if name != node_name]
-            if any(not task.done() for task in others):
+            if self._every_channel_read(node_name):
                 self._notify_missed()
                 return
-            await asyncio.sleep(_READ_WAIT)
+            await asyncio.sleep(_HAND_OVER_PAUSE)
+
+    def _every_channel_read(self, gone: str) -> bool:
+        """Whether each channel listened to is subscribed on a node (not ``gone``) whose
+        reader runs."""
+        pubsub = self._pubsub
+        assert isinstance(pubsub, ClusterPubSub)
+        read: set[object] = set()
+        for name, node_pubsub in list(pubsub.node_pubsub_mapping.items()):
+            reader = self._readers.get(name)
+            if name != gone and reader is not None and not reader.done():
+                read.update(node_pubsub.shard_channels)
+        return all(channel in read for channel in self._inboxes)
 
     def _fail_pending(self, exc: BaseException, node_name: str = "") -> None:
         """Fail the subscriptions waiting for a confirmation on the lost connection (on a
