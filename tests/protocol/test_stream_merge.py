@@ -170,20 +170,22 @@ def test_a_stream_heard_in_order_is_not_read_again_from_the_log(
     order, the follower does not fetch and decode them all a second time from the log."""
 
     async def scenario() -> tuple[list[Event], int]:
-        async with make_client(redis_url, prefix, recheck=0.1) as client:
+        async with make_client(redis_url, prefix, recheck=0.3) as client:
             request_id = await client.submit("hi")
-            events = text_events(request_id, [f"{i} " for i in range(15)])
+            events = text_events(request_id, [f"{i} " for i in range(59)])
             subscriber = await subscribed(client, request_id)
             before = await _log_reads(client.redis)
-            for event in events:  # 0.6 s of live events, six recheck intervals
+            for event in events:  # over 1.2 s of live events: four recheck intervals
                 await emit(client.redis, client.keys, event)
-                await asyncio.sleep(0.04)
+                await asyncio.sleep(0.02)
             received = await asyncio.wait_for(subscriber, 5)
             return received, await _log_reads(client.redis) - before
 
     events, log_reads = run(scenario())
-    assert_complete(events, 16)
-    assert log_reads == 0
+    assert_complete(events, 60)
+    # Re-reading every interval made it 4 or more; one is the allowance for a loaded machine
+    # that stalls this test past an interval between two events.
+    assert log_reads <= 1, log_reads
 
 
 def test_random_interleavings_of_channel_and_log(redis_url: str, prefix: str) -> None:
