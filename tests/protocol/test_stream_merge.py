@@ -11,7 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from mlx_redis_protocol.client import Client
-from mlx_redis_protocol.errors import RequestNotFound, StreamTimeout
+from mlx_redis_protocol.errors import RequestExpired, RequestNotFound, StreamTimeout
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.messages import DoneEvent, Event, QueuedEvent, ResetEvent
 from mlx_redis_protocol.replay_log import last_seq
@@ -230,14 +230,16 @@ def test_expired_log_is_not_found(redis_url: str, prefix: str) -> None:
 
 
 def test_log_expiring_while_waiting_is_not_found(redis_url: str, prefix: str) -> None:
+    """Its TTL runs out (a 1 s log TTL): expired, not lost (tests/protocol/
+    test_lost_or_expired.py has the lost case)."""
+
     async def scenario() -> None:
-        async with make_client(redis_url, prefix, recheck=0.05) as client:
+        async with Client(redis_url, prefix=prefix, log_ttl=1, recheck_interval=0.05) as client:
             request_id = await client.submit("hi")
             subscriber = await subscribed(client, request_id)
-            await client.redis.pexpire(client.keys.log(request_id), 20)
             await asyncio.wait_for(subscriber, 5)
 
-    with pytest.raises(RequestNotFound, match="expired"):
+    with pytest.raises(RequestExpired, match="its log expired"):
         run(scenario())
 
 

@@ -125,6 +125,14 @@ def _add_bench_commands(commands: Any) -> None:
     models.add_argument("--redis-url", default=None, help="default: a private redis-server")
     models.set_defaults(func=_lazy("mlx_redis_worker.bench.models_bench", "run_models_bench"))
 
+    keyspace = benches.add_parser(
+        "keyspace", help="stats and submit --model with 1,000,000 unrelated keys vs none"
+    )
+    keyspace.add_argument("--keys", type=int, default=1_000_000, help="unrelated keys")
+    keyspace.add_argument("--samples", type=int, default=20, help="per measure and rotation")
+    keyspace.add_argument("--repeat", type=int, default=3, help="rotations of both servers")
+    keyspace.set_defaults(func=_lazy("mlx_redis_worker.bench.keyspace_bench", "run_keyspace_bench"))
+
     gateway = benches.add_parser(
         "gateway", help="OpenAI gateway vs the protocol client: tok/s and TTFT, same run"
     )
