@@ -113,7 +113,8 @@ def test_channels_outside_the_grant_are_named(
     line = refusal_line(start_refused(url, prefix, tmp_path))
     pattern = (
         rf"mlx-worker: Redis user '{user}' has no permission for the channel "
-        rf"'{prefix}:out:\{{permission-probe-[0-9a-f]+\}}' \(PUBLISH, needed to stream events "
+        rf"'{prefix}:out:\{{permission-probe-[0-9a-f]+\}}' "
+        rf"\(pattern {prefix}:out:\{{request_id\}}; PUBLISH, needed to stream events "
         rf"to subscribers\); grant &{prefix}:\* \(see docs/redis.md: minimum ACL\)"
     )
     assert re.fullmatch(pattern, line), line
