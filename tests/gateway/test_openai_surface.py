@@ -497,6 +497,7 @@ def test_a_response_in_a_json_schema_validates(client: openai.OpenAI, stream: bo
         ({"input": []}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
+        ({"extra_body": {"priority": 101}}, "priority"),  # the extension, checked as in chat
     ],
 )
 def test_a_response_that_cannot_be_honoured_is_a_400_naming_the_parameter(
