@@ -98,11 +98,11 @@ async def follow_events(
                         last_event_at = now
                     if timeout is not None and now - last_event_at >= timeout:
                         raise StreamTimeout(f"request {request_id!r}: no event for {timeout:g} s")
-                    wait = recheck_interval - (now - follower.log_read_at)
+                    wait = recheck_interval - (now - follower.in_order_at)
                     if timeout is not None:
                         wait = min(wait, timeout - (now - last_event_at))
                     released = await follower.next_live(inbox, max(wait, 0.0))
-                    if not released and time.monotonic() - follower.log_read_at >= recheck_interval:
+                    if not released and time.monotonic() - follower.in_order_at >= recheck_interval:
                         released = await follower.recheck_log()
         except Exception as exc:
             if not is_unavailable(exc):
@@ -145,7 +145,9 @@ class _Follower:
         self.commands = commands
         self.ordering = EventOrdering()
         self.log_cursor: bytes | None = None
-        self.log_read_at = time.monotonic()
+        # When the follower last knew it had every event up to the newest it had heard of: a
+        # log read, or a live event that left no gap. The idle re-read counts from here.
+        self.in_order_at = time.monotonic()
         # The earliest the log can expire (monotonic clock; inf: it has no TTL), as of the
         # last read that found it; None before one did.
         self.log_expires_at: float | None = None
@@ -157,7 +159,7 @@ class _Follower:
             entries, ttl_ms = await read_log_and_ttl(
                 self.redis, self.keys, self.request_id, after=self.log_cursor
             )
-        self.log_read_at = time.monotonic()
+        self.in_order_at = time.monotonic()
         if ttl_ms >= 0:
             self.log_expires_at = asked_at + ttl_ms / 1000
         elif ttl_ms == -1:
@@ -228,6 +230,8 @@ class _Follower:
         if self.ordering.waiting_for_gap:
             # The log holds everything up to the event just heard: fill the gap from there.
             released += await self.read_log()
+        elif released:
+            self.in_order_at = time.monotonic()
         return released
 
     def _command(self) -> contextlib.AbstractAsyncContextManager[object]:

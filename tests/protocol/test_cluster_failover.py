@@ -14,6 +14,7 @@ from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.codec_job import decode_job
 from mlx_redis_protocol.connection import connect
 from mlx_redis_protocol.constants import JOB_FIELD
+from mlx_redis_protocol.errors import RedisUnavailable
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.messages import Event
 from mlx_redis_protocol.sync_client import SyncClient
@@ -88,3 +89,35 @@ def test_a_follower_and_submits_follow_the_promoted_replica(
     assert seen[-1] == events[-1]
     assert followed_in < 15, followed_in
     assert len(queued_after) == 2, "both submits after the promotion must be in the job stream"
+
+
+@pytest.mark.timeout(120)
+def test_a_cluster_that_stays_down_ends_commands_and_streams_with_redis_unavailable(
+    redis_cluster_replicas: LocalCluster, keys: Keys
+) -> None:
+    """The job stream's master dies, then the replica that took over: its slots stay
+    uncovered. A submit and a stream try again for the client's ``unavailable_timeout`` and
+    end with RedisUnavailable (the typed error), not a hang or a raw redis-py error."""
+    cluster = redis_cluster_replicas
+
+    async def scenario() -> tuple[str, str, float]:
+        client = Client(cluster.url, prefix=keys.prefix, unavailable_timeout=2)
+        try:
+            rid = await client.submit("before")
+            old = await asyncio.to_thread(cluster.kill_primary, keys.jobs)
+            await asyncio.to_thread(cluster.wait_promoted, keys.jobs, old)
+            await asyncio.to_thread(cluster.kill_primary, keys.jobs)
+            started = time.monotonic()
+            with pytest.raises(RedisUnavailable) as submitting:
+                await client.submit("after")
+            with pytest.raises(RedisUnavailable) as following:
+                async with aclosing(client.stream(rid)) as stream:
+                    [event async for event in stream]
+            return str(submitting.value), str(following.value), time.monotonic() - started
+        finally:
+            await client.aclose()
+
+    submitting, following, seconds = run(scenario())
+    assert "may or may not have been queued" in submitting or "was not queued" in submitting
+    assert "Redis unreachable" in following
+    assert seconds < 20

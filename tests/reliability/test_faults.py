@@ -72,6 +72,7 @@ def test_cluster_failover_is_followed_by_clients(
     assert len({kill["old_port"] for kill in kills}) == 2, "two different masters must die"
     assert all(kill["done_at_kill"] < values["jobs"] for kill in kills), "kills must be mid-run"
     assert all(kill["submit_seconds"] is not None for kill in kills)
+    assert all(kill["done_seconds"] is not None for kill in kills)
     assert [kill["cli_rc"] for kill in kills] == [0, 0]
 
 

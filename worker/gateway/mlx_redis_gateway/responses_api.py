@@ -52,7 +52,7 @@ def parse_responses_request(
         if body.get(name) not in (None, [], False):
             raise bad_request(message, param=name)
     chat: dict[str, Any] = {"messages": _messages(body)}
-    for name in ("model", "temperature", "top_p", "user", "stream", "metadata"):
+    for name in ("model", "temperature", "top_p", "user", "stream", "metadata", "priority"):
         if name in body:
             chat[name] = body[name]
     tools = chat_tools(body.get("tools"))
