@@ -43,7 +43,8 @@ def test_cli_runs_every_attacker_and_prints_the_table() -> None:
     args = ["bench", "isolation", "--concurrency", "2", "--max-tokens", "8", "--idle-sockets", "20"]
     done = mlx_worker(*args, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    for attacker in ("huge header", "huge body", "read flood", "resume flood", "20 idle sockets"):
+    attackers = ["huge header", "huge body", "read flood", "resume flood", "hostile schema"]
+    for attacker in [*attackers, "20 idle sockets"]:
         row = rf"^\| {attacker} \| [0-9.]+ \| [0-9.]+ \| [0-9]+ \| .*\|$"
         assert re.search(row, done.stdout, re.M), done.stdout
     assert re.search(r"^goals: .*: (met|NOT met)$", done.stdout, re.M), done.stdout

@@ -12,8 +12,10 @@ and Redis is what the bench measures.
 Attackers: ``huge-header`` (heads of 16 MB, one connection after another), ``huge-body``
 (bodies that say 500 MB, sent until refused), ``read-flood`` (200 connections reading random
 request ids with the attacker's key), ``resume-flood`` (200 connections resuming the
-attacker's own finished request, ``--own-request``), ``idle-sockets`` (``--idle-sockets``
-connections that send nothing, reopened when closed).
+attacker's own finished request, ``--own-request``), ``hostile-schema`` (4 connections
+asking ``--model`` for chat completions in a new deep ``anyOf`` schema each time, as large as
+the worker's default ``max_schema_bytes`` lets through: a compile each), ``idle-sockets``
+(``--idle-sockets`` connections that send nothing, reopened when closed).
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from mlx_redis_worker.bench.hostile_schemas import deep_anyof
+
 FLOOD_CONNECTIONS = 200
+SCHEMA_CONNECTIONS = 4  # the attacker key's concurrency cap
+# 8 branches, 3 levels: 512 leaves, about 124 KiB (the default max_schema_bytes is 128 KiB).
+SCHEMA_WIDTH = 8
 HUGE_HEADER = 16 * 1024 * 1024
 HUGE_BODY = 500 * 1024 * 1024
 PIECE = b"a" * 65536
@@ -39,14 +46,16 @@ PIECE = b"a" * 65536
 class Target:
     """The gateway under attack: its port and the attacker's key."""
 
-    def __init__(self, port: int, key: str, own_request: str = "") -> None:
+    def __init__(self, port: int, key: str, own_request: str = "", model: str = "") -> None:
         self.port = port
         self.auth = f"Authorization: Bearer {key}\r\n"
         self.statuses: Counter[str] = Counter()
         self.own_request = own_request  # the attacker's finished request, for the resume flood
+        self.model = model  # the model the hostile schemas are sent to
 
-    async def exchange(self, head: str, body_pieces: int = 0) -> None:
-        """One request on a connection of its own; its status (or failure) is counted."""
+    async def exchange(self, head: str, body_pieces: int = 0, body: bytes = b"") -> None:
+        """One request on a connection of its own (its ``body``, or ``body_pieces`` of
+        ``PIECE``); its status (or failure) is counted."""
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         except OSError as exc:
@@ -57,7 +66,7 @@ class Target:
             # The gateway may refuse (and close) before it all arrived: then the answer is
             # read all the same.
             with contextlib.suppress(OSError):
-                writer.write(head.encode())
+                writer.write(head.encode() + body)
                 for _ in range(body_pieces):
                     writer.write(PIECE)
                     await writer.drain()
@@ -105,6 +114,33 @@ async def resume_flood(target: Target) -> None:
     await asyncio.gather(*(resumer() for _ in range(FLOOD_CONNECTIONS)))
 
 
+async def hostile_schema(target: Target) -> None:
+    async def sender(number: int) -> None:
+        while True:
+            salt = f"{number}{uuid.uuid4().hex[:8]}"
+            schema = deep_anyof(salt, width=SCHEMA_WIDTH, depth=3)
+            body = json.dumps(
+                {
+                    "model": target.model,
+                    "messages": [{"role": "user", "content": "fill it in"}],
+                    "max_tokens": 8,
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "hostile", "schema": schema},
+                    },
+                },
+                separators=(",", ":"),
+            ).encode()
+            head = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{target.auth}"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n"
+            )
+            await target.exchange(head, body=body)
+
+    await asyncio.gather(*(sender(number) for number in range(SCHEMA_CONNECTIONS)))
+
+
 def idle_sockets(count: int) -> Attack:
     async def attack(target: Target) -> None:
         async def hold() -> None:
@@ -136,6 +172,7 @@ def attacks(idle: int) -> dict[str, Attack]:
         "huge-body": huge_body,
         "read-flood": read_flood,
         "resume-flood": resume_flood,
+        "hostile-schema": hostile_schema,
         "idle-sockets": idle_sockets(idle),
     }
 
@@ -165,12 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--key", required=True, help="the attacker's API key")
     parser.add_argument("--own-request", default="", help="the resume flood's request id")
+    parser.add_argument("--model", default="", help="the hostile schemas' model")
     parser.add_argument("--idle-sockets", type=int, default=1000)
     args = parser.parse_args(argv)
     _lowest_priority()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the idle sockets need room
-    target = Target(args.port, args.key, args.own_request)
+    target = Target(args.port, args.key, args.own_request, args.model)
     asyncio.run(_run(attacks(args.idle_sockets)[args.attack], target))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     report = {

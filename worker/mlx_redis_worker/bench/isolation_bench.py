@@ -8,10 +8,10 @@ runs beside it, or none (the baseline); a prober asks ``/health`` every 0.1 s th
 Phases alternate with baselines (base, A, base, B, …, base), so each attacker's ratio is
 against the baselines on either side of it, in the same run.
 
-Each attacker (``attackers``: huge header, huge body, read flood, resume flood, idle sockets)
-is a process of its own at the lowest CPU priority, standing for a client on another host: the
-bench measures what its requests cost the gateway, Redis and the worker, not what sending
-them costs the attacker. Reported per attacker: the victim's tok/s and TTFT p50 as ratios to
+Each attacker (``attackers``: huge header, huge body, read flood, resume flood, hostile
+schema, idle sockets) is a process of its own at the lowest CPU priority, standing for a
+client on another host: the bench measures what its requests cost the gateway, Redis and the
+worker, not what sending them costs the attacker. Reported per attacker: the victim's tok/s and TTFT p50 as ratios to
 the baselines (goal ≥ 0.8 for tok/s), ``/health`` p99 (goal < 1 s), the cores the gateway,
 Redis (when the bench started it), the worker and the attacker used (Linux), how many
 exchanges a second the attacker made, and what it got back (statuses).
@@ -76,7 +76,7 @@ class Attacker:
     def __init__(self, name: str, port: int, key: str, own_request: str, idle: int) -> None:
         command = [sys.executable, "-m", "mlx_redis_worker.bench.attackers", name]
         command += ["--port", str(port), "--key", key, "--own-request", own_request]
-        command += ["--idle-sockets", str(idle)]
+        command += ["--idle-sockets", str(idle), "--model", MODEL_NAME]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE)
 
     def stop(self) -> dict[str, Any]:
@@ -280,7 +280,7 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the gateway's too (inherited)
     tokenizer = load_model(args.model)[1]
-    phases = 2 + args.repeat * 10
+    phases = 2 + args.repeat * 2 * len(attacks(0))
     prompts = [
         [tokenizer.decode(p) for p in make_prompts(tokenizer, args.concurrency, 32, seed=i)]
         for i in range(phases)
