@@ -10,6 +10,12 @@ connection per such node; the hub reads each of them.
 When a connection drops, messages may have been missed while it was down: every inbox then
 gets ``MISSED`` once the connection is back, so its listener re-reads what the channel stands
 for (a replay log, say). redis-py re-subscribes on reconnect by itself.
+
+On a Cluster, a node's lost connection also makes the hub read the slot map again: after a
+failover, redis-py moves the node's shard channels to the promoted replica (its pub/sub
+reconciles subscriptions with every new slot map), the dead node's reader hands over to the
+readers of the nodes that hold them now, and every inbox gets ``MISSED`` (what was published
+on the new master before the move went unheard).
 """
 
 from __future__ import annotations
@@ -23,17 +29,21 @@ from typing import Any, Final
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterPubSub, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
-from mlx_redis_protocol.connection import RedisClient, retry_forever
+from mlx_redis_protocol.connection import RedisClient, refresh_slot_map, retry_forever
 
 # Put in an inbox after its connection came back: messages may have been lost meanwhile.
 MISSED: Final = None
 Inbox = asyncio.Queue[bytes | None]
 
 SUBSCRIBE_CONFIRM_TIMEOUT: Final = 10.0
-# How long one read waits before the reader looks at its bookkeeping again.
+# How long one read waits before the reader looks at its bookkeeping again (a Cluster node's
+# reader waits for its next message instead: see _next_message).
 _READ_WAIT: Final = 1.0
+_TORN_DOWN_PAUSE: Final = 0.05
+# How often a gone Cluster node's reader looks whether its channels have moved to new nodes.
+_HAND_OVER_PAUSE: Final = 0.1
 # A reader waits out a lost connection (redis-py's PubSub reconnects on the next read, and
 # subscribes its channels again) for as long as the hub is open.
 _READ_RETRY: Final = retry_forever((RedisError, OSError))
@@ -170,13 +180,16 @@ class ChannelHub:
             reconnected = True
             # A subscription sent on this connection may never be confirmed now: tell whoever
             # waits for one (they subscribe again), instead of letting them wait.
-            self._fail_pending(exc)
+            self._fail_pending(exc, node_name)
+            # A Cluster node gone for good: its slots' new masters come with a fresh map.
+            await refresh_slot_map(self._redis)
 
         read = functools.partial(self._next_message, node_name)
         while not self._closed:
             try:
                 message = await _READ_RETRY.call_with_retry(read, connection_lost)
             except _NodeGone:
+                await self._hand_over(node_name)
                 return
             if reconnected:
                 reconnected = False
@@ -192,9 +205,20 @@ class ChannelHub:
             node = self._redis.get_node(node_name=node_name)
             if node is None or node_name not in pubsub.node_pubsub_mapping:
                 raise _NodeGone
+            # Unbounded: redis-py holds a node's I/O lock for the whole of a bounded poll, and
+            # SSUBSCRIBE / SUNSUBSCRIBE on that node wait for it, so a poll of a second made
+            # every join and leave wait up to a second, one after another (40 followers took
+            # 8 s to subscribe). An unbounded read takes no lock, as a plain PubSub's does not.
+            # (redis-py types the timeout as a float; None is its documented unbounded read.)
             message: dict[str, Any] | None = await pubsub.get_sharded_message(
-                target_node=node, timeout=_READ_WAIT
+                target_node=node,
+                timeout=None,  # type: ignore[arg-type]
             )
+            node_pubsub = pubsub.node_pubsub_mapping.get(node_name)
+            if message is None and (node_pubsub is None or node_pubsub.connection is None):
+                # Torn down under the read (redis-py returns at once then): look at the
+                # bookkeeping again after a pause, not in a spin.
+                await asyncio.sleep(_TORN_DOWN_PAUSE)
             return message
         assert pubsub is not None
         message = await pubsub.get_message(timeout=_READ_WAIT)
@@ -219,11 +243,45 @@ class ChannelHub:
             if confirmed is not None and not confirmed.done():
                 confirmed.set_result(None)
 
-    def _fail_pending(self, exc: BaseException) -> None:
-        for confirmed in self._confirmed.values():
-            if not confirmed.done():
+    async def _hand_over(self, node_name: str) -> None:
+        """A Cluster node's reader whose node holds none of our channels now: start readers
+        for the nodes that do (waiting while redis-py moves them there), then tell every
+        inbox that messages were missed meanwhile."""
+        while not self._closed and self._inboxes:
+            self._start_readers()
+            if self._every_channel_read(node_name):
+                self._notify_missed()
+                return
+            await asyncio.sleep(_HAND_OVER_PAUSE)
+
+    def _every_channel_read(self, gone: str) -> bool:
+        """Whether each channel listened to is subscribed on a node (not ``gone``) whose
+        reader runs."""
+        pubsub = self._pubsub
+        assert isinstance(pubsub, ClusterPubSub)
+        read: set[object] = set()
+        for name, node_pubsub in list(pubsub.node_pubsub_mapping.items()):
+            reader = self._readers.get(name)
+            if name != gone and reader is not None and not reader.done():
+                read.update(node_pubsub.shard_channels)
+        return all(channel in read for channel in self._inboxes)
+
+    def _fail_pending(self, exc: BaseException, node_name: str = "") -> None:
+        """Fail the subscriptions waiting for a confirmation on the lost connection (on a
+        Cluster: of the channels whose slot that node served)."""
+        for channel, confirmed in self._confirmed.items():
+            if not confirmed.done() and self._served_by(channel, node_name):
                 confirmed.set_exception(exc)
                 confirmed.exception()  # retrieved here: a listener may have left already
+
+    def _served_by(self, channel: bytes, node_name: str) -> bool:
+        if not node_name or not isinstance(self._redis, RedisCluster):
+            return True
+        try:
+            node = self._redis.get_node_from_key(channel.decode())
+        except RedisClusterException:  # a slot no node covers now
+            return True
+        return node is None or node.name == node_name
 
     def _notify_missed(self) -> None:
         for listeners in self._inboxes.values():

@@ -12,7 +12,13 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from mlx_redis_protocol.cli_output import ExitCode, admin_connection, aligned, json_line
+from mlx_redis_protocol.cli_output import (
+    ExitCode,
+    admin_call,
+    admin_connection,
+    aligned,
+    json_line,
+)
 from mlx_redis_protocol.group import DEFAULT_PRUNE_IDLE_SECONDS, Consumer, list_all_consumers, prune
 from mlx_redis_protocol.keys import Keys
 
@@ -65,14 +71,17 @@ async def run_group(args: argparse.Namespace, out: TextIO) -> int:
     redis = await admin_connection(args)
     try:
         if args.group_command == "list":
-            consumers = await list_all_consumers(redis, keys)
+            consumers = await admin_call(redis, lambda: list_all_consumers(redis, keys))
             if args.json:
                 for consumer in consumers:
                     print(json_line(consumer.as_dict()), file=out)
             else:
                 _table(out, consumers)
             return ExitCode.OK
-        pruned = await prune(redis, keys, args.idle, dry_run=args.dry_run)
+        # Again whole after a failure: a consumer removed by the first try is simply gone.
+        pruned = await admin_call(
+            redis, lambda: prune(redis, keys, args.idle, dry_run=args.dry_run)
+        )
         for entry in pruned:
             action = "would remove" if args.dry_run else "removed" if entry.removed else "kept"
             if args.json:

@@ -16,7 +16,14 @@ from mlx_redis_protocol.catalogue import (
     QueueStatus,
     fleet_models,
 )
-from mlx_redis_protocol.cli_output import ExitCode, admin_connection, aligned, duration, json_line
+from mlx_redis_protocol.cli_output import (
+    ExitCode,
+    admin_call,
+    admin_connection,
+    aligned,
+    duration,
+    json_line,
+)
 from mlx_redis_protocol.keys import Keys
 
 # Short: the verb runs a handful of commands and must not hang on a stalled Redis.
@@ -58,7 +65,8 @@ async def run_models(args: argparse.Namespace, out: TextIO) -> int:
     """Execute ``models``; Redis errors propagate to the caller."""
     redis = await admin_connection(args)
     try:
-        fleet = await fleet_models(redis, Keys(args.prefix))
+        keys = Keys(args.prefix)
+        fleet = await admin_call(redis, lambda: fleet_models(redis, keys))
     finally:
         await redis.aclose()
     if args.json:

@@ -11,11 +11,13 @@ import dataclasses
 import enum
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
-from mlx_redis_protocol.connection import RedisClient, connect
+from mlx_redis_protocol.connection import RedisClient, connect, until_available
 from mlx_redis_protocol.messages import ControlReply, DoneEvent, ErrorEvent, Event, UnknownEvent
+
+T = TypeVar("T")
 
 
 class ExitCode(enum.IntEnum):
@@ -40,6 +42,9 @@ EXIT_CODES_HELP = """exit status:
 
 # The fleet commands (group, models) make a few calls each; a dead server must not hang them.
 ADMIN_SOCKET_TIMEOUT = 10.0
+# How long a fleet command waits out Redis being unreachable (a Cluster failover: the slot
+# map is read again between tries), as the Client's commands do.
+ADMIN_UNAVAILABLE_TIMEOUT = 30.0
 
 
 async def admin_connection(args: argparse.Namespace) -> RedisClient:
@@ -50,6 +55,12 @@ async def admin_connection(args: argparse.Namespace) -> RedisClient:
         socket_timeout=ADMIN_SOCKET_TIMEOUT,
         socket_connect_timeout=ADMIN_SOCKET_TIMEOUT,
     )
+
+
+async def admin_call(redis: RedisClient, operation: Callable[[], Awaitable[T]]) -> T:
+    """A fleet command's work (safe to run again whole), run again while Redis is
+    unreachable, for up to ADMIN_UNAVAILABLE_TIMEOUT."""
+    return await until_available(operation, redis, timeout=ADMIN_UNAVAILABLE_TIMEOUT)
 
 
 def exit_code_for(event: DoneEvent | ErrorEvent) -> ExitCode:

@@ -15,16 +15,31 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from mlx_redis_protocol.catalogue import served_models
 from mlx_redis_protocol.channels import ChannelHub
 from mlx_redis_protocol.codec_job import decode_job, encode_job
-from mlx_redis_protocol.connection import RedisClient, connect, is_unavailable, redact
+from mlx_redis_protocol.connection import (
+    RedisClient,
+    connect,
+    is_unavailable,
+    redact,
+    refresh_slot_map,
+    until_available,
+)
 from mlx_redis_protocol.constants import (
     DEFAULT_ABORT_TTL_SECONDS,
     DEFAULT_CONTROL_TIMEOUT_SECONDS,
@@ -60,6 +75,7 @@ if TYPE_CHECKING:
     from mlx_redis_protocol.messages import JobOptions
 
 ChatInput = Sequence[Mapping[str, Any] | ChatMessage]
+T = TypeVar("T")
 
 # How long a Client trusts a catalogue read that found the model it submits to.
 MODEL_CACHE_SECONDS: Final = 2.0
@@ -90,7 +106,14 @@ class Client:
 
     Redis errors reach the caller as ``RedisUnavailable`` (unreachable, or no reply in time)
     or as redis-py's own ``ResponseError`` family (a refusal: authentication, ACL, ...).
-    ``stream`` rides out outages shorter than its timeout and ``unavailable_timeout``.
+    ``stream`` rides out outages shorter than its timeout and ``unavailable_timeout``; so do
+    the commands (submit, abort, control commands, the catalogue read), each sent again while
+    Redis is unreachable, for up to ``unavailable_timeout`` (every one is safe to send twice:
+    a job queued twice still runs once). On a Redis Cluster the slot map is read again after
+    every failed try, so a failover is followed to the promoted replica.
+    ``retry_commands=False``: commands fail at once instead (a server that answers its own
+    clients "unavailable, retry" rather than keep them waiting); the slot map is still read
+    again first, so the next call follows a failover.
     ``require_worker``: a job naming a model no live worker serves ends with ``unknown_model``
     (default) instead of waiting in the model's stream for an autoscaler to start a worker.
     """
@@ -109,6 +132,7 @@ class Client:
         max_in_flight: int = 64,
         unavailable_timeout: float = 60.0,
         require_worker: bool = True,
+        retry_commands: bool = True,
         redis: RedisClient | None = None,
         **redis_options: Any,
     ) -> None:
@@ -124,6 +148,7 @@ class Client:
         self.limits = limits
         self.recheck_interval = recheck_interval
         self.unavailable_timeout = unavailable_timeout
+        self.retry_commands = retry_commands
         self._url = redis_url
         self._topology = topology
         # Room for every command in flight plus the pub/sub connection.
@@ -183,6 +208,26 @@ class Client:
         in_flight = self.max_in_flight - self._commands._value
         return CommandLoad(in_flight=in_flight, waiting=waiting, max_in_flight=self.max_in_flight)
 
+    async def _retried(self, what: str, command: Callable[[RedisClient], Awaitable[T]]) -> T:
+        """Run ``command`` (Redis commands safe to send twice), in one of the client's command
+        slots per try, sent again while Redis is unreachable (see the class docstring);
+        RedisUnavailable saying ``what`` it cost once the client gives up."""
+        redis = await self.connect()
+
+        async def once() -> T:
+            async with self._commands:
+                return await command(redis)
+
+        with _unavailable_as(what):
+            if self.retry_commands:
+                return await until_available(once, redis, timeout=self.unavailable_timeout)
+            try:
+                return await once()
+            except Exception as exc:
+                if is_unavailable(exc):
+                    await refresh_slot_map(redis)
+                raise
+
     async def __aenter__(self) -> Client:
         await self.connect()
         return self
@@ -237,13 +282,13 @@ class Client:
         stream yields it) and nothing is queued (unless ``require_worker`` is off). A job
         naming none goes to the default stream.
 
-        Not retried: if Redis fails to answer the XADD, it may or may not have queued the job
-        (RedisUnavailable says so); docs/redis.md, "Submitting across a Redis restart", shows how to
-        retry without queueing it twice.
+        Sent again while Redis is unreachable (see the class docstring): a retry after a lost
+        reply may queue the job twice, and a job queued twice runs once (the request id is its
+        idempotency key). When the client gives up, RedisUnavailable says whether the job may
+        have been queued.
         """
         data = encode_job(job)
         decode_job(data, self.limits)  # the decoder is the one definition of "valid"
-        redis = await self.connect()
         stream = self.keys.jobs
         if job.model is not None:
             served = await self._models_for(job.model) if self.require_worker else None
@@ -254,15 +299,19 @@ class Client:
         # The queued marker goes first, so a subscriber arriving any time after this call
         # finds the log. Two commands, not MULTI: in a Cluster they live on different slots.
         queued = QueuedEvent(request_id=job.request_id, seq=0, attempt=0)
-        async with self._commands:
-            with _unavailable_as(f"job {job.request_id!r} was not queued"):
-                await publish_events(redis, self.keys, [queued], ttl_seconds=self.log_ttl)
-                if job.model is not None and not self.require_worker:
-                    # Unchecked, perhaps for a model no worker serves yet: the registry lists
-                    # it, so the catalogue (an autoscaler) sees its queue.
-                    await register_model(redis, self.keys, job.model)
-            with _unavailable_as(f"job {job.request_id!r} may or may not have been queued"):
-                await redis.xadd(stream, {JOB_FIELD: data})
+
+        async def mark_queued(redis: RedisClient) -> None:
+            await publish_events(redis, self.keys, [queued], ttl_seconds=self.log_ttl)
+            if job.model is not None and not self.require_worker:
+                # Unchecked, perhaps for a model no worker serves yet: the registry lists
+                # it, so the catalogue (an autoscaler) sees its queue.
+                await register_model(redis, self.keys, job.model)
+
+        await self._retried(f"job {job.request_id!r} was not queued", mark_queued)
+        await self._retried(
+            f"job {job.request_id!r} may or may not have been queued",
+            lambda redis: redis.xadd(stream, {JOB_FIELD: data}),
+        )
         return job.request_id
 
     async def served_models(self) -> frozenset[str]:
@@ -273,10 +322,12 @@ class Client:
         return await asyncio.shield(self._reading_served)
 
     async def _read_served(self) -> frozenset[str]:
-        redis = await self.connect()
-        async with self._commands:
-            with _unavailable_as("the fleet's models could not be read"):
-                served = frozenset(await served_models(redis, self.keys))
+        served = frozenset(
+            await self._retried(
+                "the fleet's models could not be read",
+                lambda redis: served_models(redis, self.keys),
+            )
+        )
         self._served, self._served_at = served, time.monotonic()
         return served
 
@@ -309,10 +360,10 @@ class Client:
                 metadata=job.metadata,
             ),
         ]
-        redis = await self.connect()
-        async with self._commands:
-            with _unavailable_as(f"job {job.request_id!r} was not queued (unknown model)"):
-                await publish_events(redis, self.keys, events, ttl_seconds=self.log_ttl)
+        await self._retried(
+            f"job {job.request_id!r} was not queued (unknown model)",
+            lambda redis: publish_events(redis, self.keys, events, ttl_seconds=self.log_ttl),
+        )
 
     def stream(
         self, request_id: str, *, timeout: float | None = None
@@ -394,10 +445,10 @@ class Client:
         request is unknown (see protocol/README.md, Control commands). With ``model``, only
         workers serving that model act on the broadcast (and answer); the marker works alike.
         """
-        redis = await self.connect()
-        async with self._commands:
-            with _unavailable_as(f"abort of {request_id!r} not recorded"):
-                await redis.set(self.keys.abort(request_id), b"1", ex=self.abort_ttl)
+        await self._retried(
+            f"abort of {request_id!r} not recorded",
+            lambda redis: redis.set(self.keys.abort(request_id), b"1", ex=self.abort_ttl),
+        )
         return await self._command(
             "abort", None, timeout, request_id=request_id, model=model, required=False
         )
@@ -460,21 +511,23 @@ class Client:
         model: str | None = None,
         required: bool = True,
     ) -> list[ControlReply]:
-        redis = await self.connect()
-        async with self._commands:
-            with _unavailable_as(f"control command {kind!r}"):
-                return await send_command(
-                    redis,
-                    self.keys,
-                    kind,
-                    timeout=timeout,
-                    limits=self.limits,
-                    worker_id=worker_id,
-                    request_id=request_id,
-                    name=name,
-                    model=model,
-                    require_reply=required,
-                )
+        # Sent again whole after a failure (a fresh command id): every command is safe to
+        # act on twice (a second abort, stats or cache command changes nothing more).
+        return await self._retried(
+            f"control command {kind!r}",
+            lambda redis: send_command(
+                redis,
+                self.keys,
+                kind,
+                timeout=timeout,
+                limits=self.limits,
+                worker_id=worker_id,
+                request_id=request_id,
+                name=name,
+                model=model,
+                require_reply=required,
+            ),
+        )
 
 
 @contextmanager

@@ -14,15 +14,22 @@ and a multi-key script may only carry keys of one hash slot.
 
 No client made here retries a command by itself: redis-py would send a command again after a
 timeout, and a timed-out command may have run. Every retry in this project is explicit, in
-code that knows the command is safe to repeat (``retry_forever``).
+code that knows the command is safe to repeat (``retry_forever``, ``until_available``).
+
+A Cluster failover (a master dies, its replica takes its slots over) is followed by reading
+the slot map again after a failed command (``refresh_slot_map``): redis-py's cluster client
+only asks for that itself when one of its commands fails, runs it on a later command, and
+never for a pub/sub connection, so a client whose next command is the first after the
+promotion, or one that only listens, would go on talking to the dead node.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, TypeAlias, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from redis.asyncio import Redis
@@ -45,6 +52,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from mlx_redis_protocol.errors import ClientError
 
 RedisClient: TypeAlias = Redis | RedisCluster
+T = TypeVar("T")
 TOPOLOGIES: Final = ("auto", "standalone", "cluster")
 SENTINEL_SCHEME: Final = "redis+sentinel"
 DEFAULT_SENTINEL_PORT: Final = 26379
@@ -96,6 +104,41 @@ def retry_forever(
     # redis-py annotates the errors as RedisErrors; it catches whatever it is given (OSError,
     # RedisClusterException: a Cluster reshuffling its slots).
     return Retry(backoff, retries=-1, supported_errors=errors)  # type: ignore[arg-type, unused-ignore]
+
+
+_UNTIL_AVAILABLE: Final = retry_forever(_UNAVAILABLE)
+
+
+async def refresh_slot_map(redis: RedisClient) -> None:
+    """On a Cluster, read the slot map again now (see the module docstring); nothing on a
+    single server. Callers that fail at once share one refresh (redis-py's nodes manager
+    takes a lock and skips a refresh another caller finished meanwhile); the refresh also
+    moves the client's shard subscriptions to their slots' new masters. A refresh that
+    reaches no node is not an error here: the caller's next try says whether Redis is back."""
+    if not isinstance(redis, RedisCluster):
+        return
+    try:
+        await redis.nodes_manager.initialize()
+    except Exception as exc:
+        if not is_unavailable(exc):
+            raise
+
+
+async def until_available(
+    operation: Callable[[], Awaitable[T]], redis: RedisClient, *, timeout: float
+) -> T:
+    """Run ``operation`` (Redis commands that are safe to send again) until Redis answers,
+    reading the slot map again (``refresh_slot_map``) and backing off (RECONNECT_BACKOFF)
+    after each try Redis failed; once Redis has failed it for ``timeout`` seconds, the last
+    error is raised. Refusals and other errors are raised at once."""
+    give_up_at = time.monotonic() + timeout
+
+    async def failed(exc: Exception) -> None:
+        if time.monotonic() >= give_up_at:
+            raise exc
+        await refresh_slot_map(redis)
+
+    return await _UNTIL_AVAILABLE.call_with_retry(operation, failed, is_retryable=is_unavailable)
 
 
 async def publish(redis: RedisClient, channel: str, message: bytes) -> int:

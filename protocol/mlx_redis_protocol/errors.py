@@ -60,11 +60,27 @@ class RedisUnavailable(ClientError, ConnectionError):
 
 
 class RequestNotFound(ClientError):
-    """The request has no replay log: it was never submitted, or its log expired."""
+    """The request has no replay log: it was never queued, its log expired, or Redis lost it.
+    Where the client can tell which, it raises one of the two subclasses."""
 
-    def __init__(self, request_id: str, detail: str = "unknown request or its log expired") -> None:
+    def __init__(
+        self,
+        request_id: str,
+        detail: str = "no replay log: never queued, its log expired, or Redis lost it",
+    ) -> None:
         super().__init__(f"request {request_id!r}: {detail}")
         self.request_id = request_id
+
+
+class RequestExpired(RequestNotFound):
+    """The request's log expired by its TTL (the log TTL after its last event, 600 s by
+    default): its events are gone for good, as designed."""
+
+
+class RequestLost(RequestNotFound):
+    """The request's log vanished before its TTL could have run out: Redis lost the data
+    (restarted empty, flushed, evicted the key, or failed over to a replica that lacked it),
+    or someone deleted it. The job may be lost with it: queue it again."""
 
 
 class StreamRewritten(ClientError):

@@ -20,6 +20,17 @@ from dataclasses import dataclass
 from mlx_redis_protocol.constants import DEFAULT_PREFIX
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id
 
+# The key table's placeholder (protocol/README.md) for what a kind of name has in its hash tag.
+_TAG_PLACEHOLDERS = {
+    **dict.fromkeys(("out", "log", "attempt", "done", "abort", "gateway"), "request_id"),
+    **dict.fromkeys(("worker", "activity", "control"), "worker_id"),
+    **dict.fromkeys(("jobs", "dead", "forwarded", "fair"), "MODEL"),
+    "reply": "token",
+    "quota": "key_name",
+}
+# What follows the tag in the table's row, where it is not the name's own rest.
+_TAIL_PLACEHOLDERS = {"forwarded": ":ID", "fair": ":…"}
+
 # Characters that would break a hash tag or widen an operator's SCAN pattern.
 _FORBIDDEN_PREFIX_CHARACTERS = frozenset("{}*?[]\\ \t\r\n")
 
@@ -198,6 +209,21 @@ class Keys:
     def reply(self, token: str) -> str:
         """The list a control command's replies are pushed to."""
         return f"{self.prefix}:reply:{{{_checked(token, 'reply token')}}}"
+
+    def pattern_of(self, name: str) -> str:
+        """The key table's row (protocol/README.md) that ``name`` belongs to, under this
+        prefix: its hash tag as the placeholder of its kind (``mlxw:attempt:{request_id}``,
+        ``mlxw:forwarded:{MODEL}:ID``). A name whose tag is the default stream's (its dead
+        letters, the registry) or that has none is its own row."""
+        head, brace, rest = name.partition("{")
+        tag, _, tail = rest.partition("}")
+        kind = head.removeprefix(f"{self.prefix}:").partition(":")[0]
+        placeholder = _TAG_PLACEHOLDERS.get(kind)
+        if not brace or not head.startswith(f"{self.prefix}:") or placeholder is None:
+            return name
+        if tag == self.jobs:
+            return name
+        return f"{head}{{{placeholder}}}{_TAIL_PLACEHOLDERS.get(kind, tail)}"
 
 
 def _checked(value: str, what: str) -> str:

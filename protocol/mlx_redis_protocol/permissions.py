@@ -50,9 +50,6 @@ class Probe:
     needed_to: str  # what the worker could not do without it
     subject: str  # the key or channel it touches, for a refusal of that
     send: Callable[[], Awaitable[object]]
-    # The key table's name for the subject's kind (protocol/README.md), e.g.
-    # ``mlxw:forwarded:{MODEL}:ID``, named in a refusal when it differs from the subject.
-    pattern: str | None = None
 
 
 def redis_user(url: str) -> str:
@@ -90,7 +87,10 @@ def refusal(user: str, keys: Keys, probe: Probe, exc: NoPermissionError) -> str:
             f"grant it ({grant})"
         )
     kind, rule = ("channel", "&") if "channel" in text else ("key", "~")
-    named = f"pattern {probe.pattern}; " if probe.pattern not in (None, probe.subject) else ""
+    # The key table's row for the subject's kind (``mlxw:forwarded:{MODEL}:ID``), when it is
+    # not the subject itself: the line of an ACL that is missing.
+    pattern = keys.pattern_of(probe.subject)
+    named = f"pattern {pattern}; " if pattern != probe.subject else ""
     return (
         f"Redis user {user!r} has no permission for the {kind} {probe.subject!r} "
         f"({named}{probe.command}, needed to {probe.needed_to}); grant {rule}{keys.prefix}:* "

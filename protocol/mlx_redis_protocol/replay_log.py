@@ -358,9 +358,25 @@ async def read_log(
     redis: RedisClient, keys: Keys, request_id: str, after: bytes | None = None
 ) -> list[LogEntry]:
     """The log's entries in append order, all of them or only those after stream id ``after``."""
-    start: bytes | str = b"(" + after if after is not None else "-"
-    entries = await redis.xrange(keys.log(request_id), start, "+")
+    entries = await redis.xrange(keys.log(request_id), _after(after), "+")
     return [_entry(entry) for entry in entries or ()]
+
+
+async def read_log_and_ttl(
+    redis: RedisClient, keys: Keys, request_id: str, after: bytes | None = None
+) -> tuple[list[LogEntry], int]:
+    """``read_log``, and the log's PTTL in the same round trip (ms; -1: no TTL, -2: no log):
+    a log cannot expire sooner than that, so one that vanishes sooner was lost."""
+    log = keys.log(request_id)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.xrange(log, _after(after), "+")
+        pipe.pttl(log)
+        entries, ttl_ms = await pipe.execute()
+    return [_entry(entry) for entry in entries or ()], int(ttl_ms)
+
+
+def _after(after: bytes | None) -> bytes | str:
+    return b"(" + after if after is not None else "-"
 
 
 def _entry(entry: tuple[object, object]) -> LogEntry:

@@ -19,12 +19,13 @@ import pytest
 import redis
 import redis.asyncio
 
+from mlx_redis_gateway.permissions import gateway_probes
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.constants import JOB_FIELD
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.messages import DoneEvent
 from mlx_redis_protocol.permissions import refusal
-from mlx_redis_worker.daemon.permissions import probes
+from mlx_redis_worker.daemon.permissions import fair_share_probes, probes
 from tests.daemon.helpers import collect, settled
 from tests.support.processes import MODEL, WorkerFactory
 from tests.support.waiting import run, until
@@ -131,6 +132,49 @@ def test_every_key_a_worker_and_its_clients_touch_is_in_the_spec_key_table(
     assert any(":workers:" in name for name in names)
     unlisted = sorted(n for n in names if not any(p.match(n) for p in patterns.values()))
     assert not unlisted, f"keys or channels missing from the spec's key table: {unlisted}"
+
+
+def test_every_name_the_keys_build_and_the_probes_touch_is_a_row_of_the_table() -> None:
+    """``Keys.pattern_of``, which a refused probe names, maps each kind of name to its row of
+    the spec's table, word for word: the table, the key builders and the probes cannot drift
+    apart without this failing."""
+    keys = Keys()
+    rows = set(table_patterns("mlxw"))
+    fair = keys.fair("m")
+    built = [
+        keys.jobs,
+        keys.dead,
+        keys.workers,
+        keys.models,
+        keys.tenant_weights,
+        keys.control,
+        keys.model_stream("m").stream,
+        keys.model_stream("m").dead,
+        keys.forwarded("m", "1712-0"),
+        fair.backlogged,
+        fair.queue("tenant"),
+        fair.served(60),
+        *(build("r-1") for build in (keys.out, keys.log, keys.attempt, keys.finished)),
+        *(build("r-1") for build in (keys.abort, keys.gateway_request)),
+        *(build("w-1") for build in (keys.control_for, keys.worker, keys.activity)),
+        keys.reply("t-1"),
+        keys.quota("k-1"),
+        keys.quota_in_flight("k-1"),
+    ]
+
+    async def probed() -> list[str]:
+        client = redis.asyncio.Redis()
+        try:
+            found = probes(client, keys, "me", 10, [MODEL]) + fair_share_probes(client, keys, "m")
+            found += gateway_probes(client, keys, status_page=True, limits=True)
+        finally:
+            await client.aclose()
+        # Script and TIME probes touch no key; the subscribe probe names its channels at once.
+        return [p.subject for p in found if p.subject and ", " not in p.subject]
+
+    for name in built + asyncio.run(probed()):
+        assert keys.pattern_of(name) in rows, (name, keys.pattern_of(name))
+    assert keys.pattern_of("elsewhere:log:{r}") == "elsewhere:log:{r}"
 
 
 def test_a_refused_probe_names_the_key_pattern_and_the_fix(prefix: str) -> None:

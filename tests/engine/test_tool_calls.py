@@ -158,12 +158,23 @@ def test_grammars_admit_only_the_syntax_with_valid_arguments(tiny_model: Any) ->
         (ToolChoice("required"), True): {
             light: True,
             f"{light}\n{heat}": True,
+            f"{light}\n{heat}\n": True,  # a line break after the last call ends it too
+            f"{light}\n\n": False,
             "Hi": False,
             bad: False,
         },
-        (ToolChoice("required"), False): {light: True, f"{light}\n{heat}": False},
+        (ToolChoice("required"), False): {
+            light: True,
+            f"{light}\n": True,
+            f"{light}\n{heat}": False,
+        },
         (ToolChoice("function", "set_heat"), True): {heat: True, light: False},
-        (None, True): {"Hi there": True, f"Sure. {light}": True, f"So {bad}": False},
+        (None, True): {
+            "Hi there": True,
+            f"Sure. {light}": True,
+            f"Sure. {light}\n": True,
+            f"So {bad}": False,
+        },
     }
     for (choice, parallel), texts in cases.items():
         grammar = tool_grammar(FALLBACK, TOOLS, choice, parallel=parallel, markers=markers)

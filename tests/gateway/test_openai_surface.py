@@ -531,12 +531,12 @@ def test_a_response_in_a_json_schema_validates(client: openai.OpenAI, stream: bo
     ("fields", "param"),
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0]"),
+        ({"input": [{"type": "file_search_call", "id": "f"}]}, "input[0]"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content"),
         ({"input": []}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
+        ({"extra_body": {"priority": 101}}, "priority"),  # the extension, checked as in chat
     ],
 )
 def test_a_response_that_cannot_be_honoured_is_a_400_naming_the_parameter(

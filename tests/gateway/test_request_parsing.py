@@ -177,6 +177,15 @@ def test_the_api_keys_name_is_the_jobs_tenant() -> None:
     assert parse("chat", chat()).job.tenant is None
 
 
+def test_priority_is_an_extension_field_checked_by_the_jobs_rule() -> None:
+    assert parse("chat", chat(priority=-10), user_key="team-a").job.priority == -10
+    assert parse("text", text(priority=100)).job.priority == 100
+    assert parse("chat", chat()).job.priority is None  # the job's default, 0
+    for value in (101, -101, 1.5, "high", True):
+        error = refusal("chat", chat(priority=value))
+        assert error.param == "priority", (value, error.message)
+
+
 def test_developer_is_the_system_role() -> None:
     messages = [
         {"role": "developer", "content": "be brief"},

@@ -267,3 +267,142 @@ def test_langchain_bind_tools_and_structured_output(gateway: GatewayProcess) -> 
     answer = structured.invoke("Turn the kitchen light on.")
     assert isinstance(answer, dict)
     assert isinstance(answer["parsed"], Light), answer["raw"].response_metadata
+
+
+# -- /v1/responses -----------------------------------------------------------------------------
+
+# The same functions in the Responses API's flat shape.
+FLAT_TOOLS: Any = [{"type": "function", **tool["function"]} for tool in TOOLS]
+ASKED = "Turn the kitchen light on."
+
+
+def _valid_items(items: Any) -> list[tuple[str, dict[str, Any]]]:
+    """Each ``function_call`` item's name and parsed arguments, checked against its schema."""
+    checked = []
+    for item in items:
+        assert item.type == "function_call" and item.call_id.startswith("call_")
+        assert item.id.startswith("fc_") and item.status == "completed"
+        arguments = json.loads(item.arguments)
+        jsonschema.validate(arguments, SCHEMAS[item.name])
+        checked.append((item.name, arguments))
+    return checked
+
+
+@pytest.mark.timeout(600)
+def test_a_response_answers_with_function_call_items_that_validate(client: openai.OpenAI) -> None:
+    """``required``: the output is ``function_call`` items only, each valid, and the response
+    echoes its tools and choice; a named function is the one called."""
+    fields: Any = {"model": MODEL, "input": ASKED, "max_output_tokens": 96, "temperature": 0.7}
+    # One call: the answer ends with it, never cut (the random model repeats calls).
+    fields["parallel_tool_calls"] = False
+    response = client.responses.create(tools=FLAT_TOOLS, tool_choice="required", **fields)
+    assert response.status == "completed" and response.output
+    assert _valid_items(response.output)
+    assert [tool.name for tool in response.tools] == list(SCHEMAS)  # type: ignore[union-attr]
+    assert response.tool_choice == "required" and not response.parallel_tool_calls
+    assert response.output_text == ""
+    named = client.responses.create(
+        tools=FLAT_TOOLS, tool_choice={"type": "function", "name": "set_heat"}, **fields
+    )
+    assert [name for name, _ in _valid_items(named.output)] == ["set_heat"]
+
+
+@pytest.mark.timeout(600)
+def test_a_streamed_response_opens_an_item_per_call_and_streams_its_arguments(
+    client: openai.OpenAI,
+) -> None:
+    """OpenAI's sequence for a call: ``output_item.added`` (a ``function_call`` with no
+    arguments yet), ``function_call_arguments.delta``s that join to the arguments,
+    ``.done``, ``output_item.done``; the final response holds the same item."""
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            input=ASKED,
+            tools=FLAT_TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_output_tokens=96,
+            temperature=0.7,
+            stream=True,
+        )
+    )
+    kinds = [event.type for event in events]
+    deltas: Any = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        *["response.function_call_arguments.delta"] * len(deltas),
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    added: Any = events[2]
+    assert added.item.type == "function_call" and added.item.arguments == ""
+    joined = "".join(delta.delta for delta in deltas)
+    done: Any = events[-3]
+    assert done.arguments == joined and done.name == added.item.name
+    assert {delta.item_id for delta in deltas} == {added.item.id}
+    final: Any = events[-1]
+    [item] = final.response.output
+    assert (item.id, item.call_id, item.arguments) == (added.item.id, added.item.call_id, joined)
+    assert _valid_items([item]) and events[-2].item == item  # type: ignore[union-attr]
+
+
+def test_a_response_input_with_calls_and_their_outputs_is_the_chat_with_tool_turns(
+    client: openai.OpenAI,
+) -> None:
+    """``function_call`` and ``function_call_output`` items are the chat's assistant
+    ``tool_calls`` turn and ``tool`` turn: the same prompt (its token count) and, greedy,
+    the same answer as the chat completion of that history."""
+    arguments = '{"room": "kitchen", "on": true}'
+    items: Any = [
+        {"role": "user", "content": ASKED},
+        {"type": "function_call", "call_id": "call_1", "name": "set_light", "arguments": arguments},
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"ok": true}'},
+    ]
+    chat: Any = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "set_light", "arguments": arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"ok": true}'},
+    ]
+    response = client.responses.create(
+        model=MODEL, input=items, tools=FLAT_TOOLS, max_output_tokens=8, temperature=0
+    )
+    expected = client.chat.completions.create(
+        model=MODEL, messages=chat, tools=TOOLS, max_tokens=8, temperature=0
+    )
+    assert response.usage is not None and expected.usage is not None
+    assert response.usage.input_tokens == expected.usage.prompt_tokens
+    assert response.output_text == (expected.choices[0].message.content or "")
+
+
+def test_response_tool_requests_the_gateway_refuses(client: openai.OpenAI) -> None:
+    """400s naming the parameter: a tool that is no function, a choice of another kind, an
+    input item of a kind this gateway does not run, a call without its id."""
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"tools": FLAT_TOOLS, "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "no"}}, "tool_choice"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+        (
+            {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+            "input[0].call_id",
+        ),
+    ]
+    for extra, param in bad:
+        body: Any = {"model": MODEL, "input": ASKED, "max_output_tokens": 4, **extra}
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(**body)
+        assert caught.value.param == param, (extra, caught.value.body)

@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from typing import Any
 
+from mlx_redis_gateway.responses_api import ResponseEvents
 from mlx_redis_gateway.shaping import ResponseShape, Shaper
 from mlx_redis_protocol.messages import (
     DeltaEvent,
@@ -108,3 +111,44 @@ def test_a_rerun_sends_only_what_is_new() -> None:
     shaper.feed(ResetEvent(request_id="r", seq=3, attempt=2))
     again = [chunk for event in _events(2, 4) for chunk in shaper.feed(event)]
     assert _deltas(again) == [{"tool_calls": [{"index": 0, "function": {"arguments": 'el": 3}'}}]}]
+
+
+def test_a_responses_stream_closes_its_text_item_before_a_call_item_opens() -> None:
+    """Text, then a call: the ``message`` item (output 0) is done before the
+    ``function_call`` item (output 1) is added; the call's argument deltas join to the
+    arguments its ``.done`` and the final response carry."""
+    common: Any = {"request_id": "resp_r", "attempt": 1}
+    calls = _events(1, 2)[1:]
+    events = [
+        DeltaEvent(seq=1, new_text="Sure.", new_token_ids=(1,), **common),
+        *[replace(event, request_id="resp_r") for event in calls],
+        replace(_done(4), request_id="resp_r", output_text="Sure.", reasoning_text=""),
+    ]
+    stream = ResponseEvents("resp_r", Shaper("resp_r", SHAPE), {}, 1.0)
+    raw = stream.opening() + b"".join(stream.feed(event) for event in events)
+    sent = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert [(m["type"], m.get("output_index")) for m in sent] == [
+        ("response.created", None),
+        ("response.in_progress", None),
+        ("response.output_item.added", 0),
+        ("response.content_part.added", 0),
+        ("response.output_text.delta", 0),
+        ("response.output_text.done", 0),
+        ("response.content_part.done", 0),
+        ("response.output_item.done", 0),
+        ("response.output_item.added", 1),
+        ("response.function_call_arguments.delta", 1),
+        ("response.function_call_arguments.delta", 1),
+        ("response.function_call_arguments.done", 1),
+        ("response.output_item.done", 1),
+        ("response.completed", None),
+    ]
+    assert [m["sequence_number"] for m in sent] == list(range(len(sent)))
+    assert (
+        sent[8]["item"] | {"arguments": CALL.arguments, "status": "completed"} == sent[12]["item"]
+    )
+    joined = "".join(m["delta"] for m in sent if m["type"].endswith("arguments.delta"))
+    assert joined == sent[11]["arguments"] == CALL.arguments
+    message, call = sent[-1]["response"]["output"]
+    assert message["content"][0]["text"] == "Sure." and message["id"] == sent[2]["item"]["id"]
+    assert call == sent[12]["item"] and call["call_id"] == CALL.id and call["name"] == CALL.name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from redis.asyncio import Redis
 
@@ -134,3 +135,39 @@ def test_shard_channels_on_every_cluster_node_through_one_hub(redis_cluster: Loc
     assert got == {channel.encode() for channel in channels}
     assert nodes == len(redis_cluster.nodes)
     assert remaining == 0
+
+
+def test_listeners_join_and_leave_at_once_on_cluster_nodes_already_read(
+    redis_cluster: LocalCluster,
+) -> None:
+    """A listener joining a Cluster node whose reader already waits for messages is
+    subscribed without waiting for that read to end, and so is the next one (a client that
+    starts following 40 requests at once, then one more, waited 8 s for the last)."""
+    warm = [f"hub:warm:{{{index}}}" for index in range(12)]
+
+    async def scenario() -> tuple[float, float]:
+        redis = await connect(redis_cluster.url)
+        hub = ChannelHub(redis)
+        try:
+            async with hub.listen(*warm):  # a reader waits on every node now
+                await asyncio.sleep(0.3)
+                started = time.monotonic()
+                async with contextlib.AsyncExitStack() as stack:
+                    for index in range(30):
+                        await stack.enter_async_context(hub.listen(f"hub:join:{{{index}}}"))
+                joined_and_left = time.monotonic() - started
+                async with hub.listen("hub:last:{0}") as inbox:
+                    await publish(redis, "hub:last:{0}", b"live")
+                    started = time.monotonic()
+                    assert await _next(inbox) == b"live"
+                    delivered = time.monotonic() - started
+            return joined_and_left, delivered
+        finally:
+            await hub.aclose()
+            await redis.aclose()
+
+    joined_and_left, delivered = run(scenario())
+    # A bounded poll of the node held its lock: each join and leave waited for up to _READ_WAIT
+    # (30 joins and leaves took 25 s); now each is one round trip.
+    assert joined_and_left < 3.0, joined_and_left
+    assert delivered < 1.0, delivered

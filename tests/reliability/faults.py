@@ -7,6 +7,10 @@ Scenarios (each prints the markdown table README's "Reliability" section quotes)
 * ``cluster``: 2 workers and one Client on a local 3-master Redis Cluster through node 0's
   URL, request ids spread over the three nodes, every job submitted and followed at once;
   then ``mlx-worker submit / stream / ctl stats`` for a request whose keys live elsewhere.
+* ``cluster-failover``: the same on 3 masters + 3 replicas, with the master of the job
+  stream's slot SIGKILLed once a third of the requests ended and the master of a running
+  request's log once two thirds did; subscribers, a submit after each promotion and an
+  ``mlx-worker stream`` across each kill must follow the promoted replicas by themselves.
 * ``sentinel``: workers and Client on a ``redis+sentinel://`` URL (lease 2 s); the queued jobs
   replicated (``WAIT 1 2000``), then the master SIGKILLed once a third are done; the workers
   must follow the promoted replica without a restart. ``--replica-lag S`` first cuts the
@@ -35,12 +39,14 @@ import mlx_redis_worker  # noqa: F401  # isort: skip
 from collections.abc import Callable
 from typing import Any
 
+from tests.reliability.faults_failover import run_cluster_failover
 from tests.reliability.faults_memory import run_eviction, run_oom
 from tests.reliability.faults_scenarios import FaultConfig, run_cluster, run_sentinel, run_stall
 from tests.support.drivers import DriverResult, driver_arguments, exit_with, report
 
 RUNNERS: dict[str, Callable[..., DriverResult]] = {
     "cluster": run_cluster,
+    "cluster-failover": run_cluster_failover,
     "sentinel": run_sentinel,
     "stall": run_stall,
     "oom": run_oom,
@@ -50,6 +56,7 @@ RUNNERS: dict[str, Callable[..., DriverResult]] = {
 # The long profiles: a few minutes each at most on a 2-core machine.
 LONG: dict[str, dict[str, Any]] = {
     "cluster": {"jobs": 300},
+    "cluster-failover": {"jobs": 300},
     "sentinel": {"jobs": 300},
     "stall": {"jobs": 300},
     "oom": {"jobs": 300, "invalid": 12},
@@ -59,6 +66,7 @@ LONG: dict[str, dict[str, Any]] = {
 # The short profiles of `make test` (tests/reliability/test_faults.py).
 SHORT: dict[str, dict[str, Any]] = {
     "cluster": {"jobs": 60, "max_tokens": 10},
+    "cluster-failover": {"jobs": 48, "max_tokens": 10},
     "sentinel": {"jobs": 60, "max_tokens": 10},
     "stall": {"jobs": 60, "max_tokens": 10, "stalls": 2},
     "oom": {"jobs": 60, "max_tokens": 10, "invalid": 8},

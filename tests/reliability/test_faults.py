@@ -53,6 +53,29 @@ def test_cluster_jobs_spread_over_three_masters(
     assert 0 < cli["round_trips"] <= cli["steps"]
 
 
+@pytest.mark.timeout(240)
+def test_cluster_failover_is_followed_by_clients(
+    tmp_path: Path, redis_cluster_replicas: LocalCluster
+) -> None:
+    """3 masters + 3 replicas; the master of the job stream's slot SIGKILLed mid-run, then
+    the master of a running request's log: every job ends once, every subscriber of the one
+    Client gets its done without its stream raising, a submit through that Client after each
+    promotion runs at its first try, and `mlx-worker stream` across each kill ends with done."""
+    result = _run("cluster-failover", tmp_path, cluster=redis_cluster_replicas)
+    assert result.problems == [], result.problems[:20]
+    _assert_every_job_ended_once(result)
+    values = result.values
+    assert values["stream_exceptions_caught"] == values["stream_exceptions_escaped"] == 0
+    assert values["bad_subscribers"] == 0
+    kills = values["kills"]
+    assert [kill["what"] for kill in kills] == ["job stream", "log"]
+    assert len({kill["old_port"] for kill in kills}) == 2, "two different masters must die"
+    assert all(kill["done_at_kill"] < values["jobs"] for kill in kills), "kills must be mid-run"
+    assert all(kill["submit_seconds"] is not None for kill in kills)
+    assert all(kill["done_seconds"] is not None for kill in kills)
+    assert [kill["cli_rc"] for kill in kills] == [0, 0]
+
+
 @pytest.mark.timeout(180)
 def test_sentinel_failover_mid_run_loses_nothing(
     tmp_path: Path, redis_sentinel: LocalSentinel

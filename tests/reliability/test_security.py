@@ -22,6 +22,7 @@ from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.messages import DoneEvent, ErrorEvent
 from mlx_redis_worker.local_redis import RedisServer, free_port
 from tests.reliability.workers import worker_process
+from tests.support.acl import documented_minimum_acl
 from tests.support.processes import MODEL, mlx_worker
 from tests.support.prompts import random_prompts
 from tests.support.references import tiny_reference
@@ -29,15 +30,10 @@ from tests.support.references import tiny_reference
 PASSWORD = "s3cret-pw"
 ADMIN = ("--user", "admin", "on", ">admin-pw", "~*", "&*", "+@all")
 # The ACL lines docs/redis.md documents: the simple one, and the minimal one (every command the
-# worker, the client and the CLI send, inside Lua scripts included, and nothing else).
+# worker, the client and the CLI send, inside Lua scripts included, and nothing else), read
+# from the page itself (after its user and password).
 ACL_SIMPLE = ("~mlxw:*", "&mlxw:*", "+@all", "-@dangerous", "+info")
-MINIMAL_COMMANDS = (
-    "hello ping info xadd xrange xrevrange xreadgroup xgroup|create xautoclaim xclaim xpending "
-    "xack xdel xinfo|groups xinfo|consumers xgroup|delconsumer evalsha script|load "
-    "publish subscribe unsubscribe spublish ssubscribe sunsubscribe get set del "
-    "exists expire pexpire rpush blpop scan xlen time zrange zcard hgetall"
-)
-ACL_MINIMAL = ("~mlxw:*", "&mlxw:*", "-@all", *(f"+{name}" for name in MINIMAL_COMMANDS.split()))
+ACL_MINIMAL = tuple(documented_minimum_acl("mlxw")[2:])
 
 
 def timed_mlx_worker(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:

@@ -125,6 +125,14 @@ def _add_bench_commands(commands: Any) -> None:
     models.add_argument("--redis-url", default=None, help="default: a private redis-server")
     models.set_defaults(func=_lazy("mlx_redis_worker.bench.models_bench", "run_models_bench"))
 
+    keyspace = benches.add_parser(
+        "keyspace", help="stats and submit --model with 1,000,000 unrelated keys vs none"
+    )
+    keyspace.add_argument("--keys", type=int, default=1_000_000, help="unrelated keys")
+    keyspace.add_argument("--samples", type=int, default=20, help="per measure and rotation")
+    keyspace.add_argument("--repeat", type=int, default=3, help="rotations of both servers")
+    keyspace.set_defaults(func=_lazy("mlx_redis_worker.bench.keyspace_bench", "run_keyspace_bench"))
+
     gateway = benches.add_parser(
         "gateway", help="OpenAI gateway vs the protocol client: tok/s and TTFT, same run"
     )
@@ -216,6 +224,20 @@ def _add_bench_commands(commands: Any) -> None:
     tools.add_argument("--batch", type=int, default=8, help="requests in flight at once")
     tools.add_argument("--max-tokens", type=int, default=256)
     tools.add_argument("--temperature", type=float, default=0.7)
+    tools.add_argument(
+        "--parallel",
+        action="store_true",
+        help="let an answer hold several calls (each prompt asks for one: off by default)",
+    )
+    tools.add_argument(
+        "--slice",
+        default=None,
+        metavar="START:STOP",
+        help="run only these schemas of the suite (to split a long run into parts)",
+    )
+    tools.add_argument(
+        "--passes", default="required,auto", help="which passes, comma-separated (required, auto)"
+    )
     tools.set_defaults(func=_lazy("mlx_redis_worker.bench.tools_bench", "run_tools_bench"))
 
     speculative = benches.add_parser(

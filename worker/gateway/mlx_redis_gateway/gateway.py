@@ -67,6 +67,9 @@ class Gateway:
             limits=settings.limits,
             topology=settings.redis_topology,
             max_in_flight=256,
+            # A request that finds Redis unreachable is answered 503 at once, for the HTTP
+            # client to retry, rather than held open while Redis is away.
+            retry_commands=False,
         )
         self.keys = KeyFile(settings.api_keys) if settings.api_keys is not None else None
         self.auth = Authenticator(self.keys)

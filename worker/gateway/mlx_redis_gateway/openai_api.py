@@ -115,6 +115,7 @@ _JOB_FIELD_PARAMS: Final = {
     "tools": "tools",
     "tool_choice": "tool_choice",
     "parallel_tool_calls": "parallel_tool_calls",
+    "priority": "priority",
 }
 
 
@@ -149,8 +150,10 @@ def _parse(
         "logprobs": top if logprobs else None,
         "metadata": _metadata(reader, user_key),
         "response_format": _response_format(reader),
-        # The API key's name is the tenant whose fair share of the fleet the job draws on.
+        # The API key's name is the tenant whose fair share of the fleet the job draws on;
+        # ``priority`` (an extension, vLLM's name and order) orders that tenant's own jobs.
         "tenant": user_key,
+        "priority": reader.integer("priority"),
     }
     if kind == "chat":
         options |= _tool_options(reader)

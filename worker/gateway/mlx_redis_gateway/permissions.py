@@ -79,6 +79,12 @@ def gateway_probes(
             lambda: redis.xrange(log_key, count=1),
         ),
         Probe(
+            "PTTL",
+            "tell a log Redis lost from one that expired",
+            log_key,
+            lambda: redis.pttl(log_key),
+        ),
+        Probe(
             "SET",
             "keep what resuming a request needs",
             record,

@@ -1,12 +1,13 @@
 """``POST /v1/responses``: OpenAI's Responses API, stateless, over the same chat jobs.
 
-A body's ``instructions`` and ``input`` (a string, or a list of messages with text parts)
-become a chat request, read by the chat parser (one set of rules and refusals); the answer is
-a Responses object, or its stream of typed events (``response.created`` …
-``response.output_text.delta`` … ``response.completed``). Nothing is stored beyond the job's
-log: ``store`` is ignored, ``previous_response_id`` and anything else that needs a stored
-response (or a tool) is a 400 naming it. The answer's text comes through the chat shaper, so
-a job re-run after a worker crash streams on as a chat stream does.
+A body's ``instructions``, ``input`` and function ``tools`` become a chat request
+(:mod:`mlx_redis_gateway.responses_items`), read by the chat parser (one set of rules and
+refusals); the answer is a Responses object, or its stream of typed events
+(``response.created`` … ``response.output_text.delta`` or
+``response.function_call_arguments.delta`` … ``response.completed``). Nothing is stored
+beyond the job's log: ``store`` is ignored, ``previous_response_id`` and anything else that
+needs a stored response is a 400 naming it. The answer's text and calls come through the chat
+shaper, so a job re-run after a worker crash streams on as a chat stream does.
 """
 
 from __future__ import annotations
@@ -18,22 +19,27 @@ from typing import Any, Final
 
 from mlx_redis_gateway.errors import ApiError, bad_request
 from mlx_redis_gateway.openai_api import CompletionRequest, parse_request
+from mlx_redis_gateway.responses_items import (
+    chat_tool_choice,
+    chat_tools,
+    chat_turns,
+    echoed_tools,
+    function_call_item,
+    output_items,
+)
 from mlx_redis_gateway.shaping import Chunk, Shaper
 from mlx_redis_protocol.identifiers import new_request_id
 from mlx_redis_protocol.limits import Limits
-from mlx_redis_protocol.messages import DoneEvent, Event, Usage
+from mlx_redis_protocol.messages import DoneEvent, Event, ToolCall, Usage
 
 # Fields that need what this gateway does not keep or run: a 400 naming them when set.
 _UNSUPPORTED: Final = {
     "previous_response_id": "previous_response_id needs stored responses (this API is stateless)",
     "conversation": "conversation needs stored responses (this API is stateless)",
-    "tools": "tools are not supported by /v1/responses yet",
     "background": "background responses are not supported",
     "prompt": "stored prompts are not supported",
 }
-_ROLES: Final = ("system", "developer", "user", "assistant")
 LOGPROBS_INCLUDE: Final = "message.output_text.logprobs"
-_TEXT_PARTS: Final = ("input_text", "output_text", "text")
 
 
 def parse_responses_request(
@@ -46,9 +52,15 @@ def parse_responses_request(
         if body.get(name) not in (None, [], False):
             raise bad_request(message, param=name)
     chat: dict[str, Any] = {"messages": _messages(body)}
-    for name in ("model", "temperature", "top_p", "user", "stream", "metadata"):
+    for name in ("model", "temperature", "top_p", "user", "stream", "metadata", "priority"):
         if name in body:
             chat[name] = body[name]
+    tools = chat_tools(body.get("tools"))
+    if tools:
+        chat["tools"] = tools
+        chat["tool_choice"] = chat_tool_choice(body.get("tool_choice"))
+    if "parallel_tool_calls" in body:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     response_format = _text_format(body.get("text"))
@@ -78,6 +90,9 @@ def parse_responses_request(
         "user": chat.get("user"),
         "text": {"format": _echoed_format(body.get("text"))},
         "top_logprobs": chat.get("top_logprobs"),
+        "tools": echoed_tools(tools),
+        "tool_choice": body.get("tool_choice") or "auto",
+        "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
     }
     return job, echoed
 
@@ -109,39 +124,10 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     if isinstance(value, str):
         messages.append({"role": "user", "content": value})
     elif isinstance(value, list) and value:
-        messages += [_input_item(item, index) for index, item in enumerate(value)]
+        messages += chat_turns(value)
     else:
         raise bad_request("input must be a string or a non-empty array of messages", param="input")
     return messages
-
-
-def _input_item(item: object, index: int) -> dict[str, Any]:
-    param = f"input[{index}]"
-    if not isinstance(item, dict) or item.get("type", "message") != "message":
-        kind = item.get("type") if isinstance(item, dict) else None
-        raise bad_request(
-            f"{param} must be a message (items of type {kind!r} are not supported)", param=param
-        )
-    role = item.get("role")
-    if role not in _ROLES:
-        raise bad_request(f"{param}.role must be one of {', '.join(_ROLES)}", param=f"{param}.role")
-    content = item.get("content")
-    if isinstance(content, str):
-        return {"role": role, "content": content}
-    if not isinstance(content, list):
-        raise bad_request(
-            f"{param}.content must be a string or an array of text parts", param=f"{param}.content"
-        )
-    texts = []
-    for part in content:
-        if not (
-            isinstance(part, dict)
-            and part.get("type") in _TEXT_PARTS
-            and isinstance(part.get("text"), str)
-        ):
-            raise bad_request(f"{param}.content may hold only text parts", param=f"{param}.content")
-        texts.append(part["text"])
-    return {"role": role, "content": "".join(texts)}
 
 
 def _text_format(text: object) -> dict[str, Any] | None:
@@ -171,7 +157,9 @@ def _echoed_format(text: object) -> dict[str, Any]:
 
 class ResponseEvents:
     """A request's protocol events → the Responses API's stream events, each an SSE message
-    with a ``sequence_number`` of its own. Its text comes through a chat ``Shaper``."""
+    with a ``sequence_number`` of its own. Its text and call pieces come through a chat
+    ``Shaper``. Output items open as they begin (the text's ``message``, then a
+    ``function_call`` per call) and close when the next one opens or the answer ends."""
 
     def __init__(
         self, request_id: str, shaper: Shaper, echoed: Mapping[str, Any], created: float
@@ -180,21 +168,22 @@ class ResponseEvents:
         self.shaper = shaper
         self.echoed = echoed
         self.created = created
-        self.item_id = f"msg_{request_id.removeprefix('resp_')}"
+        self.base_id = request_id.removeprefix("resp_")
+        self.item_id = f"msg_{self.base_id}"
         self.sequence = 0
         self.text: list[str] = []
         self.logprobs: list[dict[str, Any]] = []  # the text's tokens', when asked for
+        self.items = 0  # output items opened so far
+        self.message_at: int | None = None  # the message item's output_index, once open
+        self.message_closed = False
+        self.open_call: tuple[int, ToolCall] | None = None  # (call index, call so far)
 
     def opening(self) -> bytes:
         response = self.response("in_progress")
-        item = self._item("in_progress", [])
-        part = _text_part("", [])
         return b"".join(
             [
                 self._message("response.created", response=response),
                 self._message("response.in_progress", response=response),
-                self._message("response.output_item.added", output_index=0, item=item),
-                self._message("response.content_part.added", **self._where(), part=part),
             ]
         )
 
@@ -215,19 +204,13 @@ class ResponseEvents:
             return self.failed(self.shaper.error)
         out = []
         for choice in chunk.data.get("choices", []):
-            delta = choice.get("delta", {}).get("content")
-            logprobs = (choice.get("logprobs") or {}).get("content") or []
-            if delta or logprobs:
-                self.text.append(delta or "")
-                self.logprobs += logprobs
-                out.append(
-                    self._message(
-                        "response.output_text.delta",
-                        **self._where(),
-                        delta=delta or "",
-                        logprobs=logprobs,
-                    )
-                )
+            delta = choice.get("delta", {})
+            text = delta.get("content")
+            if text:
+                logprobs = (choice.get("logprobs") or {}).get("content") or []
+                out.append(self._text_delta(text, logprobs))
+            for piece in delta.get("tool_calls") or ():
+                out.append(self._call_piece(piece))
         done = self.shaper.done
         if (
             done is not None
@@ -237,22 +220,114 @@ class ResponseEvents:
             out.append(self._closing(done))
         return b"".join(out)
 
-    def _closing(self, done: DoneEvent) -> bytes:
-        text = "".join(self.text)
-        part = _text_part(text, self.logprobs)
-        status = _status(done)
-        item = self._item("completed" if status == "completed" else "incomplete", [part])
-        response = self.response(status, done, self.logprobs)
+    def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> bytes:
+        opened = self._open_message() if self.message_at is None else b""
+        self.text.append(text)
+        self.logprobs += logprobs
+        delta = self._message(
+            "response.output_text.delta", **self._where(), delta=text, logprobs=logprobs
+        )
+        return opened + delta
+
+    def _open_message(self) -> bytes:
+        self.message_at, self.items = self.items, self.items + 1
         return b"".join(
             [
                 self._message(
-                    "response.output_text.done", **self._where(), text=text, logprobs=self.logprobs
+                    "response.output_item.added",
+                    output_index=self.message_at,
+                    item=self._item("in_progress", []),
                 ),
-                self._message("response.content_part.done", **self._where(), part=part),
-                self._message("response.output_item.done", output_index=0, item=item),
-                self._message(f"response.{status}", response=response),
+                self._message(
+                    "response.content_part.added", **self._where(), part=_text_part("", [])
+                ),
             ]
         )
+
+    def _call_piece(self, piece: Mapping[str, Any]) -> bytes:
+        """A chat ``delta.tool_calls`` piece: a call's first one opens its item, the others
+        are its arguments' text."""
+        function = piece.get("function") or {}
+        out = []
+        if piece.get("id") is not None:
+            out.append(self._close_call())
+            out.append(self._close_message("completed"))
+            call = ToolCall(piece["id"], function.get("name") or "", "")
+            self.open_call = (piece["index"], call)
+            self.items += 1
+            out.append(
+                self._message(
+                    "response.output_item.added",
+                    output_index=self.items - 1,
+                    item=function_call_item(self.base_id, piece["index"], call, "in_progress"),
+                )
+            )
+        arguments = function.get("arguments") or ""
+        if arguments and self.open_call is not None:
+            index, call = self.open_call
+            self.open_call = (index, ToolCall(call.id, call.name, call.arguments + arguments))
+            out.append(
+                self._message(
+                    "response.function_call_arguments.delta",
+                    item_id=f"fc_{self.base_id}_{index}",
+                    output_index=self.items - 1,
+                    delta=arguments,
+                )
+            )
+        return b"".join(out)
+
+    def _close_call(self, status: str = "completed") -> bytes:
+        if self.open_call is None:
+            return b""
+        index, call = self.open_call
+        self.open_call = None
+        item = function_call_item(self.base_id, index, call, status)
+        return b"".join(
+            [
+                self._message(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=self.items - 1,
+                    name=call.name,
+                    arguments=call.arguments,
+                ),
+                self._message("response.output_item.done", output_index=self.items - 1, item=item),
+            ]
+        )
+
+    def _close_message(self, status: str) -> bytes:
+        if self.message_at is None or self.message_closed:
+            return b""
+        self.message_closed = True
+        text = "".join(self.text)
+        part = _text_part(text, self.logprobs)
+        where = self._where()
+        return b"".join(
+            [
+                self._message(
+                    "response.output_text.done", **where, text=text, logprobs=self.logprobs
+                ),
+                self._message("response.content_part.done", **where, part=part),
+                self._message(
+                    "response.output_item.done",
+                    output_index=self.message_at,
+                    item=self._item(status, [part]),
+                ),
+            ]
+        )
+
+    def _closing(self, done: DoneEvent) -> bytes:
+        status = _status(done)
+        made = {call.id for call in done.tool_calls}
+        # A call still open at the end is whole unless the answer was cut inside it.
+        open_id = self.open_call[1].id if self.open_call is not None else None
+        out = [self._close_call("completed" if open_id in made else "incomplete")]
+        if self.message_at is None and not done.tool_calls:
+            out.append(self._open_message())  # an answer without text still has its message
+        out.append(self._close_message("completed" if status == "completed" else "incomplete"))
+        response = self.response(status, done, self.logprobs)
+        out.append(self._message(f"response.{status}", response=response))
+        return b"".join(out)
 
     def response(
         self,
@@ -264,7 +339,8 @@ class ResponseEvents:
         output: list[dict[str, Any]] = []
         if done is not None:
             item_status = "completed" if status == "completed" else "incomplete"
-            output = [self._item(item_status, [_text_part(done.output_text, logprobs or [])])]
+            message = self._item(item_status, [_text_part(done.output_text, logprobs or [])])
+            output = output_items(message, self.base_id, done)
         return response_object(
             self.request_id,
             self.created,
@@ -285,7 +361,7 @@ class ResponseEvents:
         }
 
     def _where(self) -> dict[str, Any]:
-        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self.item_id, "output_index": self.message_at, "content_index": 0}
 
     def _message(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}

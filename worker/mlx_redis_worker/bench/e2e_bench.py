@@ -42,6 +42,7 @@ from mlx_redis_worker.models import load_model
 SINGLE = "single Redis"
 CLUSTER = "Redis Cluster (3 masters)"
 CLUSTER_GOAL = 0.9  # cluster end to end / single-node end to end, both against the engine alone
+RAW_GOAL = 0.95  # end to end / raw mlx-lm BatchGenerator in this process (issue 28)
 
 
 @dataclass(slots=True)
@@ -189,6 +190,23 @@ def _from_path(result: PathResult) -> Run:
     return Run(result.path, result.concurrency, result.tokens, result.seconds, result.ttfts, [])
 
 
+def run_raw(
+    model: object,
+    tokenizer: object,
+    prompts: list[list[int]],
+    max_tokens: int,
+    config: SchedulerConfig,
+) -> Run:
+    """Raw mlx-lm ``BatchGenerator`` in this process, with this process's CPU per token: the
+    floor that the end-to-end path's worker + Redis + client CPU per token is read against."""
+    before = process_cpu(os.getpid())
+    run = _from_path(run_batch_generator(model, tokenizer, prompts, max_tokens, config))
+    after = process_cpu(os.getpid())
+    if before is not None and after is not None and run.tokens:
+        run.cpu_per_token = {"raw BatchGenerator": (after - before) / run.tokens * 1e6}
+    return run
+
+
 def _start_worker(
     url: str, prefix: str, args: argparse.Namespace, log_path: str
 ) -> subprocess.Popen[bytes]:
@@ -281,11 +299,7 @@ def run_e2e_bench(args: argparse.Namespace) -> int:
                 for topology in topologies[shift:] + topologies[:shift]:
                     level.e2e[topology.name].append(run_e2e(topology, prompts, args.max_tokens))
                 level.engine.append(_from_path(run_engine_async(engine, prompts, args.max_tokens)))
-                level.raw.append(
-                    _from_path(
-                        run_batch_generator(model, tokenizer, prompts, args.max_tokens, config)
-                    )
-                )
+                level.raw.append(run_raw(model, tokenizer, prompts, args.max_tokens, config))
             levels.append(level)
     print(format_e2e(levels, args))
     return 0
@@ -336,21 +350,27 @@ def _summary(level: Level) -> list[str]:
     """The ratios of one concurrency: one topology as the bench always printed them; two
     side by side, and the Cluster against the single node."""
     engine_vs_raw = f"engine / raw BatchGenerator = {ratio(level.engine, level.raw):.3f}"
+    raw_cpu = _cpu_line(level.raw)
     if len(level.e2e) == 1:
         (e2e,) = level.e2e.values()
         cpu = _cpu_line(e2e)
         return [
             f"concurrency {level.concurrency}: end-to-end / engine alone tok/s = "
             f"{ratio(e2e, level.engine):.3f}; {engine_vs_raw}",
+            f"  {_against_raw(e2e, level.raw)}",
             *([f"  end to end, {cpu}"] if cpu else []),
+            *([f"  raw, {raw_cpu}"] if raw_cpu else []),
         ]
     lines = [f"concurrency {level.concurrency}: {engine_vs_raw}"]
     for name, e2e in level.e2e.items():
         cpu = _cpu_line(e2e)
         lines.append(
             f"  {name}: end-to-end / engine alone tok/s = {ratio(e2e, level.engine):.3f}, "
+            f"{_against_raw(e2e, level.raw)}, "
             f"round trips / step {_per_step(e2e)}" + (f"; {cpu}" if cpu else "")
         )
+    if raw_cpu:
+        lines.append(f"  raw, {raw_cpu}")
     single, cluster = level.e2e[SINGLE], level.e2e[CLUSTER]
     versus = ratio(cluster, single)
     lines.append(
@@ -359,6 +379,14 @@ def _summary(level: Level) -> list[str]:
         "per-rotation ratios)"
     )
     return lines
+
+
+def _against_raw(e2e: list[Run], raw: list[Run]) -> str:
+    versus = ratio(e2e, raw)
+    return (
+        f"end-to-end / raw BatchGenerator tok/s = {versus:.3f} (goal ≥ {RAW_GOAL:.2f}: "
+        f"{'met' if versus >= RAW_GOAL else 'MISSED'})"
+    )
 
 
 def format_e2e(levels: list[Level], args: argparse.Namespace) -> str:

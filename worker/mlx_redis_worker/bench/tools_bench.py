@@ -9,8 +9,12 @@ output split by the same parser, sampled (0.7 by default). Two passes:
   validate against its function's schema (jsonschema, draft 2020-12);
 - ``auto``: how often the model chooses to call, and every call it makes must validate.
 
-An answer cut by ``--max-tokens`` is counted apart (a cut call is no call). The exit status is
-1 when any call fails to validate or a ``required`` answer that ended holds no call.
+Each prompt asks for one call, so an answer holds one (``parallel_tool_calls`` false) unless
+``--parallel`` lets it hold more: forced to call, a small model then tends to repeat its call
+until ``--max-tokens``. An answer cut by ``--max-tokens`` is counted apart (a cut call is no
+call). ``--slice`` runs part of the suite (each answer is seeded by its schema's index,
+whatever the slice), so a long run can be split into parts that add up. The exit status is 1
+when any call fails to validate or a ``required`` answer that ended holds no call.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ def function_of(item: SuiteSchema) -> Tool:
     )
 
 
-def job_of(item: SuiteSchema, mode: str) -> Job:
+def job_of(item: SuiteSchema, mode: str, parallel: bool = False) -> Job:
     tool = function_of(item)
     ask = f"{item.description} Use the function {tool.name} to record it."
     return Job(
@@ -61,7 +65,16 @@ def job_of(item: SuiteSchema, mode: str) -> Job:
         messages=(ChatMessage("user", ask),),
         tools=(tool,),
         tool_choice=ToolChoice("required") if mode == "required" else None,
+        parallel_tool_calls=parallel,
     )
+
+
+def suite_slice(items: list[SuiteSchema], spec: str | None) -> list[SuiteSchema]:
+    """``START:STOP`` of the suite (``None``: all of it)."""
+    if spec is None:
+        return items
+    start, _, stop = spec.partition(":")
+    return items[int(start or 0) : int(stop) if stop else None]
 
 
 def call_error(item: SuiteSchema, name: str, arguments: str) -> str:
@@ -88,7 +101,7 @@ async def run_pass(
     slots = asyncio.Semaphore(args.batch)
 
     async def one(item: SuiteSchema) -> None:
-        prompt: JobPrompt = job_prompt(job_of(item, mode), tokenizer)
+        prompt: JobPrompt = job_prompt(job_of(item, mode, args.parallel), tokenizer)
         assert prompt.parser is not None
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -127,13 +140,20 @@ async def run_pass(
 def run_tools_bench(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     suite = build_suite(args.schemas, llguidance_accepts, seed=args.seed)
+    items = suite_slice(suite.schemas, args.slice)
+    passes = [name for name in args.passes.split(",") if name]
+    unknown = set(passes) - set(PASSES)
+    if unknown or not items:
+        raise SystemExit(f"bench tools: unknown passes {sorted(unknown)} or an empty slice")
     config = SchedulerConfig(max_num_seqs=args.batch, enable_prefix_cache=False)
     engine = EngineCore(
         model, tokenizer, EngineConfig(model_name=args.model, scheduler_config=config)
     )
     print(
-        f"model {args.model}, {len(suite.schemas)} function schemas (seed {args.seed}), batch "
-        f"{args.batch}, max_tokens {args.max_tokens}, temperature {args.temperature}",
+        f"model {args.model}, schemas {items[0].index}..{items[-1].index} of a suite of "
+        f"{len(suite.schemas)} (seed {args.seed}), batch {args.batch}, max_tokens "
+        f"{args.max_tokens}, temperature {args.temperature}, "
+        f"{'parallel calls' if args.parallel else 'one call an answer'}",
         flush=True,
     )
     results: list[PassResult] = []
@@ -141,8 +161,8 @@ def run_tools_bench(args: argparse.Namespace) -> int:
     async def scenario() -> None:
         await engine.start()
         try:
-            for mode in PASSES:
-                results.append(await run_pass(engine, tokenizer, args, suite.schemas, mode))
+            for mode in passes:
+                results.append(await run_pass(engine, tokenizer, args, items, mode))
                 print(f"{mode} pass: {results[-1].seconds:.0f} s", flush=True)
                 print(format_report(results[-1:])[0], flush=True)  # what a cut-short run has
         finally:

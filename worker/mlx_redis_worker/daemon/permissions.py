@@ -112,9 +112,9 @@ def probes(
     their own (a user granted ``~mlxw:jobs`` alone cannot read ``mlxw:jobs:{MODEL}``). The
     other keys and channels are the real kinds' names for a request id, worker id, entry id
     and reply token nobody uses, so they do not exist (and nobody listens on the channel); the
-    job streams, their groups and dead-letter streams are the real ones. Each key probe names
-    the key table's pattern (protocol/README.md), so a refusal says which line of an ACL is
-    missing."""
+    job streams, their groups and dead-letter streams are the real ones. A refusal names the
+    key table's pattern of the probe's key (``Keys.pattern_of``), so it says which line of an
+    ACL is missing."""
     token = f"permission-probe-{secrets.token_hex(6)}"
     log_key, attempt, finished, abort, beat, activity, reply = (
         keys.log(token),
@@ -141,56 +141,48 @@ def probes(
             "check which attempt may write a request's events",
             attempt,
             lambda: redis.get(attempt),
-            pattern=f"{keys.prefix}:attempt:{{request_id}}",
         ),
         Probe(
             "SET",
             "fence a request's attempt",
             attempt,
             lambda: redis.set(attempt, b"", xx=True),
-            pattern=f"{keys.prefix}:attempt:{{request_id}}",
         ),
         Probe(
             "SET",
             "remember finished requests (the idempotency window)",
             finished,
             lambda: redis.set(finished, b"", xx=True, ex=60),
-            pattern=f"{keys.prefix}:done:{{request_id}}",
         ),
         Probe(
             "EXISTS",
             "check abort markers",
             abort,
             lambda: redis.exists(abort),
-            pattern=f"{keys.prefix}:abort:{{request_id}}",
         ),
         Probe(
             "SET",
             "mark aborted requests",
             abort,
             lambda: redis.set(abort, b"", xx=True, ex=60),
-            pattern=f"{keys.prefix}:abort:{{request_id}}",
         ),
         Probe(
             "SET",
             "write the heartbeat",
             beat,
             lambda: redis.set(beat, b"", xx=True, px=1000),
-            pattern=f"{keys.prefix}:worker:{{worker_id}}",
         ),
         Probe(
             "PEXPIRE",
             "keep the heartbeat alive while Redis is full",
             beat,
             lambda: redis.pexpire(beat, 1000),
-            pattern=f"{keys.prefix}:worker:{{worker_id}}",
         ),
         Probe(
             "DEL",
             "remove the heartbeat when stopping",
             beat,
             lambda: redis.delete(beat),
-            pattern=f"{keys.prefix}:worker:{{worker_id}}",
         ),
         *_registry_probes(redis, keys, token),
         Probe(
@@ -198,7 +190,6 @@ def probes(
             "write the activity key (status page)",
             activity,
             lambda: redis.set(activity, b"", xx=True, px=1000),
-            pattern=f"{keys.prefix}:activity:{{worker_id}}",
         ),
         publish_probe(redis, keys.out(token), "stream events to subscribers"),
         *script_probes(redis, "the worker's Lua scripts"),
@@ -213,7 +204,6 @@ def probes(
                 lambda pipe: pipe.expire(reply, 60),
                 lambda pipe: pipe.delete(reply),
             ),
-            pattern=f"{keys.prefix}:reply:{{token}}",
         ),
         subscribe_probe(
             redis, (keys.control, keys.control_for(consumer)), "receive control commands"
@@ -227,11 +217,6 @@ def _stream_probes(
 ) -> list[Probe]:
     """What the worker sends to one job stream, its group and its dead-letter stream."""
     jobs, group, dead = stream.stream, stream.group, stream.dead
-    if stream.model is None:
-        pattern, dead_pattern = jobs, dead
-    else:
-        prefix = jobs[: -len(f":jobs:{{{stream.model}}}")]
-        pattern, dead_pattern = f"{prefix}:jobs:{{MODEL}}", f"{prefix}:dead:{{MODEL}}"
     return [
         Probe(
             "XGROUP CREATE",
@@ -239,7 +224,6 @@ def _stream_probes(
             jobs,
             # What the worker's start does anyway (BUSYGROUP, when it exists, is an allowed no).
             lambda: redis.xgroup_create(jobs, group, id="0", mkstream=True),
-            pattern=pattern,
         ),
         Probe(
             "XREADGROUP",
@@ -247,21 +231,18 @@ def _stream_probes(
             jobs,
             # Its own pending entries after a far-future id: none, and no delivery counted.
             lambda: redis.xreadgroup(group, consumer, {jobs: _FAR_FUTURE_ID}, count=1),
-            pattern=pattern,
         ),
         Probe(
             "XPENDING",
             "count a job's deliveries and check that it is still this worker's",
             jobs,
             lambda: redis.xpending_range(jobs, group, "-", "+", 1, consumername=consumer),
-            pattern=pattern,
         ),
         Probe(
             "XAUTOCLAIM",
             "reclaim jobs of workers that died",
             jobs,
             lambda: redis.xautoclaim(jobs, group, consumer, _NEVER_IDLE_MS, count=1, justid=True),
-            pattern=pattern,
         ),
         Probe(
             "XCLAIM",
@@ -270,21 +251,18 @@ def _stream_probes(
             lambda: redis.xclaim(
                 jobs, group, consumer, _NEVER_IDLE_MS, [_NO_SUCH_ENTRY], justid=True
             ),
-            pattern=pattern,
         ),
         Probe(
             "XACK",
             "acknowledge finished jobs",
             jobs,
             lambda: redis.xack(jobs, group, _NO_SUCH_ENTRY),
-            pattern=pattern,
         ),
         Probe(
             "XDEL",
             "delete finished jobs",
             jobs,
             lambda: redis.xdel(jobs, _NO_SUCH_ENTRY),
-            pattern=pattern,
         ),
         Probe(
             "XADD",
@@ -299,14 +277,12 @@ def _stream_probes(
                 approximate=True,
                 nomkstream=True,
             ),
-            pattern=dead_pattern,
         ),
         Probe(
             "XINFO GROUPS",
             "report the group's lag and pending count (stats, metrics)",
             jobs,
             lambda: redis.xinfo_groups(jobs),
-            pattern=pattern,
         ),
         Probe(
             "XGROUP DELCONSUMER",
@@ -314,7 +290,6 @@ def _stream_probes(
             jobs,
             # A consumer name nobody has: deleting it deletes nothing.
             lambda: redis.xgroup_delconsumer(jobs, group, token),
-            pattern=pattern,
         ),
     ]
 
@@ -349,5 +324,4 @@ def _forwarded_probe(redis: RedisClient, keys: Keys, model: str) -> Probe:
         "forward jobs of the default stream to a model's stream",
         marker,
         lambda: redis.set(marker, b"", xx=True, ex=60),
-        pattern=f"{keys.prefix}:forwarded:{{MODEL}}:ID",
     )

@@ -191,7 +191,10 @@ def tool_grammar(
     else:
         body = f"fn {markers.literal(end)}" if end else "fn"
         lines.append(f"call: {start} {body}")
-        lines.append('calls: call ("\\n" call)*' if parallel else "calls: call")
+        # A model may end its last block's line before it ends the answer: a line break
+        # after a call must not oblige it to write one more.
+        more = ' ("\\n" call)*' if parallel else ""
+        lines.append(f'calls: call{more} "\\n"?')
     if mode == "auto":
         lines += _auto_rules(syntax, markers, parallel)
     else:
@@ -211,7 +214,7 @@ def _auto_rules(syntax: ToolSyntax, markers: Markers, parallel: bool) -> list[st
         body = f"fn {markers.literal(syntax.end)}" if syntax.end else "fn"
         rules[0] = "answer: TEXT | calls | led"
         more = ' ("\\n" call)*' if parallel else ""
-        rules.append(f"led: lead {json.dumps(rest)} {body}{more}")
+        rules.append(f'led: lead {json.dumps(rest)} {body}{more} "\\n"?')
         rules.append(f"lead[lazy]: TEXT {json.dumps(marker)}")
     return rules
 

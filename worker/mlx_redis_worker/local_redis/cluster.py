@@ -152,6 +152,21 @@ class LocalCluster:
         """The port of the master serving ``key``'s hash slot now."""
         return self.slot_owners()[key_slot(key.encode())]
 
+    def wait_replicated(self, key: str, timeout: float = 10.0) -> None:
+        """Wait until every replica of ``key``'s master has all it was sent so far (its
+        replication offset caught up): what was written before survives the master's death."""
+        port = self.primary_port(key)
+
+        def caught_up() -> bool:
+            with connect(port) as client:
+                replication = client.info("replication")
+            offset = replication["master_repl_offset"]
+            replicas = [value for name, value in replication.items() if name.startswith("slave")]
+            return all(replica["offset"] >= offset for replica in replicas)
+
+        if not wait_until(caught_up, timeout):
+            raise RuntimeError(f"the replicas of port {port} did not catch up within {timeout} s")
+
     def kill_primary(self, key: str) -> int:
         """SIGKILL the master serving ``key`` (no goodbye to its peers); returns its port for
         ``wait_promoted``."""

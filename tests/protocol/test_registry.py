@@ -1,0 +1,95 @@
+"""The fleet's registry (protocol/mlx_redis_protocol/registry.py) on a real redis-server: what a
+registration writes, which members it prunes, and what readers make of members a confused
+writer left (not ids, a registry key of another type, a member whose worker died)."""
+
+from __future__ import annotations
+
+from mlx_redis_protocol.catalogue import live_worker_ids, served_models
+from mlx_redis_protocol.connection import RedisClient, connect
+from mlx_redis_protocol.control import count_live_workers
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.registry import (
+    PRUNE_GRACE_MS,
+    read_registry,
+    register_model,
+    register_worker,
+    unregister_worker,
+)
+from tests.protocol.test_client_models import heartbeat
+from tests.support.fleet import write_heartbeat
+from tests.support.waiting import run
+
+
+async def redis_now_ms(redis: RedisClient) -> int:
+    seconds, micros = await redis.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def test_registration_scores_by_expiry_and_prunes_members_dead_past_the_grace(
+    redis_url: str, keys: Keys
+) -> None:
+    async def main() -> None:
+        redis = await connect(redis_url)
+        try:
+            now = await redis_now_ms(redis)
+            await redis.zadd(
+                keys.workers,
+                {"long-dead": now - PRUNE_GRACE_MS - 1000, "just-expired": now - 1000},
+            )
+            await register_worker(redis, keys, "w1", 15_000, ["a", "b"])
+            scores = dict(await redis.zrange(keys.workers, 0, -1, withscores=True))
+            assert set(scores) == {b"just-expired", b"w1"}  # within the grace: kept
+            assert now + 14_000 <= scores[b"w1"] <= now + 20_000
+            registered = await read_registry(redis, keys)
+            assert registered.workers == ("w1", "just-expired")  # newest expiry first
+            assert sorted(registered.models) == ["a", "b"]
+            # A producer's unchecked model is added; an advertised one keeps its time.
+            advertised = await redis.zscore(keys.models, "a")
+            await register_model(redis, keys, "a")
+            await register_model(redis, keys, "c")
+            assert await redis.zscore(keys.models, "a") == advertised
+            assert "c" in (await read_registry(redis, keys)).models
+            await unregister_worker(redis, keys, "w1")
+            assert (await read_registry(redis, keys)).workers == ("just-expired",)
+        finally:
+            await redis.aclose()
+
+    run(main())
+
+
+def test_readers_trust_the_heartbeat_key_not_the_member(redis_url: str, keys: Keys) -> None:
+    """A member whose heartbeat key is gone (the worker died, its member not yet pruned) is no
+    live worker; members that are not ids are skipped; the catalogue reads only what is
+    registered."""
+
+    async def main() -> None:
+        redis = await connect(redis_url)
+        try:
+            await write_heartbeat(redis, keys, "alive", heartbeat("alive", "a").encode(), ["a"])
+            await register_worker(redis, keys, "dead", 15_000, ["z"])
+            now = await redis_now_ms(redis)
+            await redis.zadd(keys.workers, {"not an id": now + 60_000, "{x}": now + 60_000})
+            # A heartbeat nobody registered is not found: readers never scan for keys.
+            await redis.set(keys.worker("unregistered"), heartbeat("u", "u").encode(), ex=60)
+            assert await live_worker_ids(redis, keys) == ["alive"]
+            assert await count_live_workers(redis, keys) == 1
+            assert await served_models(redis, keys) == {"a"}
+        finally:
+            await redis.aclose()
+
+    run(main())
+
+
+def test_a_registry_key_of_another_type_reads_as_empty(redis_url: str, keys: Keys) -> None:
+    async def main() -> None:
+        redis = await connect(redis_url)
+        try:
+            await redis.set(keys.workers, b"stray")
+            await redis.xadd(keys.models, {"x": b"1"})
+            registered = await read_registry(redis, keys)
+            assert (registered.workers, registered.models) == ((), ())
+            assert await served_models(redis, keys) == set()
+        finally:
+            await redis.aclose()
+
+    run(main())

@@ -1,0 +1,179 @@
+"""A Cluster failover under clients: 3 masters + 3 replicas, workers and one Client on node 0's
+URL, every job followed live; the master of the job stream's slot SIGKILLed, then the master
+of a running request's log. Clients must follow the promoted replicas by themselves: no
+subscriber's stream may raise (the driver counts every resume), a submit through the same
+Client after each promotion must go through at its first try, and an ``mlx-worker stream``
+process following a request across the kill must print its ``done``."""
+
+from __future__ import annotations
+
+# `mlx_redis_worker` must be imported before anything imports mlx: it loads OpenBLAS first.
+import mlx_redis_worker  # noqa: F401  # isort: skip
+
+import asyncio
+import json
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from redis.crc import key_slot
+
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.messages import DoneEvent
+from mlx_redis_worker.local_redis import LocalCluster
+from tests.reliability.faults_harness import Progress, run_stage
+from tests.reliability.faults_scenarios import FaultConfig, stage_for, started, workers_for
+from tests.support.drivers import DriverResult
+from tests.support.environment import clean_environment
+from tests.support.processes import WORKER_COMMAND
+
+
+def run_cluster_failover(config: FaultConfig, cluster: LocalCluster | None = None) -> DriverResult:
+    """Kill the job stream's master once a third of the requests ended, a log's master once
+    two thirds did; see the module docstring for what must hold."""
+    directory = config.workdir()
+    with started(cluster, LocalCluster, replicas=1) as cluster:
+        stage = stage_for(config, cluster.url)
+        rids = [spec.rid for spec in stage.specs if spec.rid is not None]
+        # The submit after each promotion: a prompt of the run, whose greedy text is known.
+        prompt = stage.specs[0].prompt or ""
+        reference = (prompt, stage.references[prompt])
+
+        async def failovers(client: Client, progress: Progress) -> dict[str, Any]:
+            kills: list[dict[str, Any]] = []
+            endings: list[asyncio.Task[dict[str, Any]]] = []
+            for index, what in enumerate(("job stream", "log")):
+                await progress.until_ended(progress.followed * (index + 1) // 3)
+                owners = await asyncio.to_thread(cluster.slot_owners)
+                if what == "job stream":
+                    target = _owner(owners, client.keys.jobs)
+                    followed = [r for r in rids if _owner(owners, client.keys.log(r)) == target]
+                else:  # a running request's log, on a shard that still has its replica
+                    spared = {kill["new_port"] for kill in kills}
+                    followed = [r for r in rids if _owner(owners, client.keys.log(r)) not in spared]
+                # The last requests queued are the likeliest still to be running.
+                rid = followed[-1]
+                key = client.keys.jobs if what == "job stream" else client.keys.log(rid)
+                done_at_kill = len(progress.ended)
+                kill, ending = await _kill_and_follow(
+                    cluster, client, config, key, rid, what, reference
+                )
+                kills.append({**kill, "done_at_kill": done_at_kill})
+                endings.append(asyncio.create_task(ending))
+            # The submits' jobs and the CLI's request end later: waited for only now, so the
+            # second kill still comes while requests run.
+            for kill, ending in zip(kills, endings, strict=True):
+                kill.update(await ending)
+            return {"kills": kills}
+
+        stage.fault = failovers
+        stage.workers += workers_for(config, cluster.url, directory)
+        outcome = run_stage(stage, "Cluster 3+3: SIGKILL of two masters mid-run", directory)
+    result, values = outcome.result, outcome.result.values
+    if values["stream_exceptions_caught"] or values["stream_exceptions_escaped"]:
+        result.problems.append(
+            f"subscriber streams raised {values['stream_exceptions_caught']} times "
+            f"({values['escaped']})"
+        )
+    for kill in values["kills"]:
+        result.problems += kill["problems"]
+    result.figures += [
+        row
+        for kill in values["kills"]
+        for row in (
+            (
+                f"{kill['what']}'s master SIGKILLed with requests done",
+                f"{kill['done_at_kill']} (port {kill['old_port']} -> {kill['new_port']})",
+            ),
+            (f"{kill['what']}: seconds to the replica's promotion", kill["promotion_seconds"]),
+            (
+                f"{kill['what']}: Client.submit after promotion: queued / done (s)",
+                f"{kill['submit_seconds']} / {kill['done_seconds']}",
+            ),
+            (f"{kill['what']}: `mlx-worker stream` across the kill, exit", kill["cli_rc"]),
+        )
+    ]
+    return result
+
+
+def _owner(owners: dict[int, int], key: str) -> int:
+    return owners[key_slot(key.encode())]
+
+
+async def _kill_and_follow(
+    cluster: LocalCluster,
+    client: Client,
+    config: FaultConfig,
+    key: str,
+    rid: str,
+    what: str,
+    reference: tuple[str, str],
+) -> tuple[dict[str, Any], Coroutine[Any, Any, dict[str, Any]]]:
+    """SIGKILL ``key``'s master while an ``mlx-worker stream`` process follows ``rid`` (whose
+    log lives there), wait for the promotion, then submit through the same Client. Returns
+    the figures so far, and what waits for the submitted job's and the CLI's ends."""
+    cli = await asyncio.create_subprocess_exec(
+        *WORKER_COMMAND,
+        "stream",
+        rid,
+        "--redis-url",
+        cluster.url,
+        "--prefix",
+        config.prefix,
+        "--json",
+        "--timeout",
+        str(config.event_timeout),
+        env=clean_environment(None),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    old_port = await asyncio.to_thread(cluster.kill_primary, key)
+    killed_at = time.monotonic()
+    new_port = await asyncio.to_thread(cluster.wait_promoted, key, old_port, 60.0)
+    promotion_seconds = time.monotonic() - killed_at
+    prompt, want = reference
+    submitted_at = time.monotonic()
+    submitted: str | None = None
+    problems: list[str] = []
+    try:
+        submitted = await client.submit(prompt, max_tokens=config.max_tokens, temperature=0.0)
+    except Exception as exc:
+        problems.append(f"{what}: submit after promotion raised {type(exc).__name__}: {exc}")
+    submit_seconds = round(time.monotonic() - submitted_at, 2)
+
+    async def ending() -> dict[str, Any]:
+        done_seconds = None
+        if submitted is not None:
+            try:
+                end = await client.wait(submitted, timeout=config.event_timeout)
+                done_seconds = round(time.monotonic() - submitted_at, 2)
+                if not isinstance(end, DoneEvent) or end.output_text != want:
+                    problems.append(f"{what}: the job submitted after promotion ended {end}")
+            except Exception as exc:
+                problems.append(f"{what}: its wait raised {type(exc).__name__}: {exc}")
+        stdout, stderr = await cli.communicate()
+        if cli.returncode != 0 or not _has_done(stdout.decode()):
+            problems.append(
+                f"{what}: mlx-worker stream exited {cli.returncode}: {stderr.decode()[-300:]}"
+            )
+        return {"done_seconds": done_seconds, "cli_rc": cli.returncode, "problems": problems}
+
+    kill = {
+        "what": what,
+        "old_port": old_port,
+        "new_port": new_port,
+        "promotion_seconds": round(promotion_seconds, 2),
+        "submit_seconds": submit_seconds if submitted is not None else None,
+    }
+    return kill, ending()
+
+
+def _has_done(stdout: str) -> bool:
+    for line in stdout.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("type") == "done":
+            return True
+    return False
