@@ -11,10 +11,10 @@ against the baselines on either side of it, in the same run.
 Each attacker (``attackers``: huge header, huge body, read flood, resume flood, hostile
 schema, idle sockets) is a process of its own at the lowest CPU priority, standing for a
 client on another host: the bench measures what its requests cost the gateway, Redis and the
-worker, not what sending them costs the attacker. Reported per attacker: the victim's tok/s and TTFT p50 as ratios to
-the baselines (goal ≥ 0.8 for tok/s), ``/health`` p99 (goal < 1 s), the cores the gateway,
-Redis (when the bench started it), the worker and the attacker used (Linux), how many
-exchanges a second the attacker made, and what it got back (statuses).
+worker, not what sending them costs the attacker. Reported per attacker: the victim's tok/s
+and TTFT p50 as ratios to the baselines (goal ≥ 0.8 for tok/s), ``/health`` p99 (goal < 1 s),
+the cores the gateway, Redis (when the bench started it), the worker and the attacker used
+(Linux), how many exchanges a second the attacker made, and what it got back (statuses).
 """
 
 from __future__ import annotations
