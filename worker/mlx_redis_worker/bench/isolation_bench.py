@@ -41,11 +41,12 @@ import redis
 from mlx_redis_gateway.api_keys import add_key
 from mlx_redis_protocol.client import Client
 from mlx_redis_worker.bench.attackers import attacks, get
-from mlx_redis_worker.bench.e2e_bench import pct, stop_worker
+from mlx_redis_worker.bench.e2e_bench import pct
 from mlx_redis_worker.bench.engine_bench import make_prompts
 from mlx_redis_worker.bench.gateway_bench import MODEL_NAME, Stream, _Connections, _gateway
 from mlx_redis_worker.bench.gateway_bench import _gateway_ready as gateway_ready
-from mlx_redis_worker.bench.models_bench import Model, start_worker, wait_ready
+from mlx_redis_worker.bench.models_bench import Model, start_worker
+from mlx_redis_worker.bench.worker_process import stop_worker, wait_ready
 from mlx_redis_worker.local_redis import free_port, local_redis
 from mlx_redis_worker.models import load_model
 
