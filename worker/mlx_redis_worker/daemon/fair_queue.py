@@ -69,10 +69,10 @@ MAX_WEIGHTS: Final = 1000
 # (zset: priority, lower first; arrival order within one) and ..'age:'..tenant (zset: arrival
 # ms), in the same slot (same tag); their members are entry ids with both parts zero-padded to
 # 20 digits, so that members of one score sort as the ids do (as text, '5-10' < '5-9').
-# Unpadded members (queued by an older worker) are read as they are. ARGV: 1 group, 2 fair consumer, 3 this worker,
-# 4 intake count, 5 picks wanted, 6 now in ms (0: Redis' clock), 7 age bound in ms, 8 default
-# tenant, 9 max job bytes, 10 default cost, 11 queue key base, 12 served TTL, 13 number of
-# settlements, then (tenant, token delta, tokens served) for each.
+# Unpadded members (queued by an older worker) are read as they are. ARGV: 1 group, 2 fair
+# consumer, 3 this worker, 4 intake count, 5 picks wanted, 6 now in ms (0: Redis' clock), 7 age
+# bound in ms, 8 default tenant, 9 max job bytes, 10 default cost, 11 queue key base, 12 served
+# TTL, 13 number of settlements, then (tenant, token delta, tokens served) for each.
 PICK: Final = """
 local stream, backlogged, idle, state, weights = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local group, fair, me = ARGV[1], ARGV[2], ARGV[3]
