@@ -4,8 +4,9 @@ Two layers, because uvicorn's httptools parser has no limit of its own on a requ
 
 - ``guarded_protocol``: uvicorn's httptools protocol with a guard on the connection. A head
   (request line and headers) larger than ``max_header_bytes`` is a 431 and the connection is
-  closed before the read that carried it past the limit is parsed (httptools joins a header's pieces by concatenation, so an
-  unbounded header costs more than linear time on the event loop); a connection that has not
+  closed before the read that carried it past the limit is parsed (httptools joins a
+  header's pieces by concatenation, so an unbounded header costs more than linear time on
+  the event loop); a connection that has not
   sent a whole head within ``header_timeout`` seconds of opening (or of its request's first
   byte) is a 408 and closed (uvicorn's keep-alive timer only starts after a first response);
   a connection beyond ``max_connections`` open at once is a 503 and closed at once, before
