@@ -25,36 +25,17 @@ from mlx_redis_protocol.permissions import redis_user
 from mlx_redis_worker.daemon.permissions import check_permissions, probes
 from mlx_redis_worker.local_redis import LocalCluster
 from tests.daemon.helpers import check_stream, collect
-from tests.support.acl import PASSWORD, MakeUser, denials, documented_minimum_acl, refusal_line
+from tests.support.acl import (
+    PASSWORD,
+    MakeUser,
+    denials,
+    documented_minimum_acl,
+    refusal_line,
+    start_refused,
+)
 from tests.support.environment import clean_environment
 from tests.support.processes import MODEL, WORKER_COMMAND, WorkerFactory
 from tests.support.waiting import run
-
-
-def start_refused(url: str, prefix: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    """``mlx-worker run`` with a model that does not exist: a permission refusal must come
-    first (Redis is checked before the model load)."""
-    return subprocess.run(
-        [
-            *WORKER_COMMAND,
-            "run",
-            "--model",
-            "/does/not/exist",
-            "--redis-url",
-            url,
-            "--prefix",
-            prefix,
-            "--worker-id",
-            "refused",
-            "--cache-dir",
-            str(tmp_path / "caches"),
-        ],
-        capture_output=True,
-        text=True,
-        env=clean_environment({}),
-        timeout=60,
-        check=False,
-    )
 
 
 @pytest.mark.parametrize(
@@ -163,9 +144,11 @@ def test_the_documented_minimum_acl_serves_a_job_end_to_end(
     assert denials(admin, user) == [], denials(admin, user)
 
 
-def test_probes_change_nothing(redis_url: str, prefix: str) -> None:
-    """The probes leave no key behind, create no consumer but the worker's own, count no
-    delivery of the worker's pending jobs and add no dead letter."""
+@pytest.mark.parametrize("fair_models", [(), (MODEL,)], ids=["fifo", "fair-share"])
+def test_probes_change_nothing(redis_url: str, prefix: str, fair_models: tuple[str, ...]) -> None:
+    """The probes (with fair share's, for a model served with it) leave no key behind, create
+    no consumer but the worker's own, count no delivery of the worker's pending jobs and add
+    no dead letter."""
     keys = Keys(prefix)
 
     async def main() -> None:
@@ -175,7 +158,7 @@ def test_probes_change_nothing(redis_url: str, prefix: str) -> None:
             await client.xadd(keys.jobs, {"job": b"x"})
             await client.xreadgroup(keys.group, "mine", {keys.jobs: ">"}, count=1)
             before = sorted(await client.keys(f"{prefix}:*"))
-            await check_permissions(client, keys, "mine", "default", 10)
+            await check_permissions(client, keys, "mine", "default", 10, fair_models)
             assert sorted(await client.keys(f"{prefix}:*")) == before
             pending = await client.xpending_range(keys.jobs, keys.group, "-", "+", 10)
             assert [(p["consumer"], p["times_delivered"]) for p in pending] == [(b"mine", 1)]

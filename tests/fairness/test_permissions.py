@@ -3,48 +3,24 @@ the documented ACL line for fair share is enough (real ACL users, real worker pr
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import redis
 
 from mlx_redis_protocol.client import Client
-from mlx_redis_protocol.connection import connect
-from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.messages import DoneEvent
-from mlx_redis_worker.daemon.permissions import check_permissions
 from tests.daemon.helpers import check_stream, collect
-from tests.support.acl import PASSWORD, MakeUser, denials, documented_minimum_acl, refusal_line
-from tests.support.environment import clean_environment
-from tests.support.processes import MODEL, WORKER_COMMAND, WorkerFactory
+from tests.support.acl import (
+    PASSWORD,
+    MakeUser,
+    denials,
+    documented_minimum_acl,
+    refusal_line,
+    start_refused,
+)
+from tests.support.processes import WorkerFactory
 from tests.support.waiting import run
-
-
-def start_refused(url: str, prefix: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    """A fair-share worker whose model does not exist: the refusal comes before the load."""
-    return subprocess.run(
-        [
-            *WORKER_COMMAND,
-            "run",
-            "--model",
-            f"{MODEL}=/does/not/exist",
-            "--fair-share",
-            "--redis-url",
-            url,
-            "--prefix",
-            prefix,
-            "--worker-id",
-            "refused",
-            "--cache-dir",
-            str(tmp_path / "caches"),
-        ],
-        capture_output=True,
-        text=True,
-        env=clean_environment({}),
-        timeout=60,
-        check=False,
-    )
 
 
 @pytest.mark.parametrize(
@@ -65,7 +41,7 @@ def test_a_missing_fair_share_command_is_named_before_the_model_loads(
     needed_to: str,
 ) -> None:
     user, url = acl_user(["on", f">{PASSWORD}", f"~{prefix}:*", f"&{prefix}:*", "+@all", rule])
-    line = refusal_line(start_refused(url, prefix, tmp_path))
+    line = refusal_line(start_refused(url, prefix, tmp_path, "--fair-share"))
     assert line == (
         f"mlx-worker: Redis user {user!r} may not run {command} (needed to {needed_to}); "
         "grant it (see docs/redis.md: minimum ACL)"
@@ -90,19 +66,3 @@ def test_the_documented_fair_share_acl_serves_a_tenants_job(
 
     run(main())
     assert denials(admin, user) == [], denials(admin, user)
-
-
-def test_fair_share_probes_change_nothing(redis_url: str, prefix: str) -> None:
-    keys = Keys(prefix)
-
-    async def main() -> None:
-        client = await connect(redis_url)
-        try:
-            await client.xgroup_create(keys.jobs, keys.group, id="0", mkstream=True)
-            before = sorted(await client.keys(f"{prefix}:*"))
-            await check_permissions(client, keys, "mine", "default", 10, (MODEL,))
-            assert sorted(await client.keys(f"{prefix}:*")) == before
-        finally:
-            await client.aclose()
-
-    run(main())

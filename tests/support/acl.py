@@ -10,6 +10,9 @@ from pathlib import Path
 
 import redis
 
+from tests.support.environment import clean_environment
+from tests.support.processes import MODEL, WORKER_COMMAND
+
 REDIS_DOCS = Path(__file__).resolve().parents[2] / "docs" / "redis.md"
 PASSWORD = "acl-test-pw"
 # Makes a user with these rules (after ``reset``); returns its name and a URL logging in as it.
@@ -65,6 +68,35 @@ class AclUsers:
 def denials(admin: redis.Redis, user: str) -> list[object]:
     """What Redis refused ``user`` (its ACL LOG entries)."""
     return [entry for entry in admin.acl_log(count=1000) if entry.get("username") == user]
+
+
+def start_refused(
+    url: str, prefix: str, tmp_path: Path, *options: str
+) -> subprocess.CompletedProcess[str]:
+    """``mlx-worker run`` (with ``options``) of a model whose weights do not exist: a
+    permission refusal must come first (Redis is checked before the model load)."""
+    return subprocess.run(
+        [
+            *WORKER_COMMAND,
+            "run",
+            "--model",
+            f"{MODEL}=/does/not/exist",
+            *options,
+            "--redis-url",
+            url,
+            "--prefix",
+            prefix,
+            "--worker-id",
+            "refused",
+            "--cache-dir",
+            str(tmp_path / "caches"),
+        ],
+        capture_output=True,
+        text=True,
+        env=clean_environment({}),
+        timeout=60,
+        check=False,
+    )
 
 
 def refusal_line(completed: subprocess.CompletedProcess[str]) -> str:

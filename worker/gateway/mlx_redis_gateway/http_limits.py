@@ -4,8 +4,9 @@ Two layers, because uvicorn's httptools parser has no limit of its own on a requ
 
 - ``guarded_protocol``: uvicorn's httptools protocol with a guard on the connection. A head
   (request line and headers) larger than ``max_header_bytes`` is a 431 and the connection is
-  closed before more is parsed (httptools joins a header's pieces by concatenation, so an
-  unbounded header costs more than linear time on the event loop); a connection that has not
+  closed before the read that carried it past the limit is parsed (httptools joins a
+  header's pieces by concatenation, so an unbounded header costs more than linear time on
+  the event loop); a connection that has not
   sent a whole head within ``header_timeout`` seconds of opening (or of its request's first
   byte) is a 408 and closed (uvicorn's keep-alive timer only starts after a first response);
   a connection beyond ``max_connections`` open at once is a 503 and closed at once, before
@@ -133,6 +134,8 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # Bytes of the current head received so far; None once the head is complete.
         _head_bytes: int | None = 0
+        # The current head's last bytes so far: its end may straddle two reads.
+        _head_tail = b""
         _head_timer: asyncio.TimerHandle | None = None
         _served = 0
 
@@ -154,27 +157,38 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
 
         def data_received(self, data: bytes) -> None:
             if self._head_bytes is not None:
+                room = limits.max_header_bytes - self._head_bytes
+                # A chunk that carries the head past the limit with no end of head inside
+                # the limit is refused before the parser sees it: parsing a 256 KiB read of
+                # one header costs the event loop about 0.3 ms, and a flood of such
+                # connections would spend it on each.
+                if len(data) > room and not _ends_head(self._head_tail + data[: max(room, 0)]):
+                    self._refuse_oversized_head()
+                    return
                 self._head_bytes += len(data)
+                self._head_tail = data[-3:] if len(data) >= 3 else (self._head_tail + data)[-3:]
             super().data_received(data)
-            # Checked after the chunk was parsed: a chunk that holds a whole head and the
-            # start of a body is no oversized head. A head still open past the limit stops
-            # here, at most one read (256 KiB) beyond it.
+            # Checked after the chunk was parsed too: a head that ended inside the limit may
+            # be followed in the same chunk by the next pipelined request's oversized head.
             if (
                 self._head_bytes is not None
                 and self._head_bytes > limits.max_header_bytes
                 and not self.transport.is_closing()
             ):
-                self._refuse(
-                    431,
-                    f"the request's headers exceed {limits.max_header_bytes} bytes",
-                    "invalid_request_error",
-                    "headers_too_large",
-                )
+                self._refuse_oversized_head()
+
+        def _refuse_oversized_head(self) -> None:
+            self._refuse(
+                431,
+                f"the request's headers exceed {limits.max_header_bytes} bytes",
+                "invalid_request_error",
+                "headers_too_large",
+            )
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             if self._head_bytes is None:  # a keep-alive connection's next request
-                self._head_bytes = 0
+                self._head_bytes, self._head_tail = 0, b""
             if self._head_timer is None:
                 self._arm_head_timer()
 
@@ -224,6 +238,12 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
             self.transport.close()
 
     return GuardedHttpToolsProtocol
+
+
+def _ends_head(data: bytes) -> bool:
+    """Whether ``data`` holds the blank line that ends a request head (CRLF, or the bare LF
+    a lenient parser takes)."""
+    return b"\r\n\r\n" in data or b"\n\n" in data
 
 
 class BodyTooLarge(ApiError):
