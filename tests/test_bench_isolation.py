@@ -10,7 +10,13 @@ from tests.support.processes import mlx_worker
 
 
 def _phase(attacker: str, tokens: float, ttft: float, health: float, **got: int) -> Phase:
-    return Phase(attacker, tokens, ttft, [health] * 10, Counter(got))
+    cores = {"gateway_cores": 0.25, "worker_cores": 1.5} if attacker else {}
+    if attacker:
+        cores["attacker_cores"] = 0.125
+    rate = 200.0 if attacker else 0.0
+    return Phase(
+        attacker, tokens, ttft, [health] * 10, Counter(got), **cores, exchanges_per_second=rate
+    )
 
 
 def test_ratios_are_against_the_neighbouring_baselines_and_goals_judged() -> None:
@@ -23,8 +29,11 @@ def test_ratios_are_against_the_neighbouring_baselines_and_goals_judged() -> Non
     ]
     out = format_isolation(phases)
     # 90 against the mean of 100 and 80; 40 against 80.
-    assert "| huge header | 1.00 | 1.50 | 20 | 431 ×5 |" in out
-    assert "| read flood | 0.50 | 2.00 | 1500 | 429 ×100, 404 ×30 |" in out
+    # Cores and the attacker's rate as measured; a baseline without CPU figures shows "–".
+    assert "| alone (baselines) | 1.00 | 1.00 | 10 | – | – | – | | | |" in out
+    assert "| huge header | 1.00 | 1.50 | 20 | 0.25 | – | 1.50 | 0.12 | 200 | 431 ×5 |" in out
+    row = "| read flood | 0.50 | 2.00 | 1500 | 0.25 | – | 1.50 | 0.12 | 200 | 429 ×100, 404 ×30 |"
+    assert row in out
     assert "victim alone: 80 tok/s" in out
     assert out.rstrip().endswith("NOT met")
 
@@ -34,7 +43,8 @@ def test_cli_runs_every_attacker_and_prints_the_table() -> None:
     args = ["bench", "isolation", "--concurrency", "2", "--max-tokens", "8", "--idle-sockets", "20"]
     done = mlx_worker(*args, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    for attacker in ("huge header", "huge body", "read flood", "resume flood", "20 idle sockets"):
+    attackers = ["huge header", "huge body", "read flood", "resume flood", "hostile schema"]
+    for attacker in [*attackers, "20 idle sockets"]:
         row = rf"^\| {attacker} \| [0-9.]+ \| [0-9.]+ \| [0-9]+ \| .*\|$"
         assert re.search(row, done.stdout, re.M), done.stdout
     assert re.search(r"^goals: .*: (met|NOT met)$", done.stdout, re.M), done.stdout

@@ -26,6 +26,7 @@ from mlx_redis_protocol.messages import DoneEvent
 from mlx_redis_worker.daemon.job_queue import JobQueue
 from mlx_redis_worker.local_redis import LocalCluster
 from tests.daemon.helpers import check_stream, collect
+from tests.support.fleet import write_heartbeat
 from tests.support.processes import MODEL, WorkerFactory, mlx_worker
 from tests.support.waiting import run, wait_until
 
@@ -157,7 +158,8 @@ def test_prune_spares_a_consumer_with_a_live_heartbeat(redis_url: str, prefix: s
             await client.xgroup_create(jobs.stream, jobs.group, id="0", mkstream=True)
             for name in ("alive", "gone"):
                 await client.xreadgroup(jobs.group, name, {jobs.stream: "0"}, count=1)
-            await client.set(keys.worker("alive"), b"{}", px=60_000)
+            # A live worker of the model: its heartbeat, and the registry names the model
+            await write_heartbeat(client, keys, "alive", b"{}", [MODEL])
         finally:
             await client.aclose()
 
@@ -280,7 +282,8 @@ def test_list_and_prune_on_a_cluster(redis_cluster: LocalCluster, prefix: str) -
             for jobs in (default, model):
                 for name in ("alive", "gone"):
                     await client.xreadgroup(jobs.group, name, {jobs.stream: "0"}, count=1)
-            await client.set(keys.worker("alive"), b"{}", px=60_000)
+            # A live worker of the model: its heartbeat, and the registry names the model
+            await write_heartbeat(client, keys, "alive", b"{}", [MODEL])
         finally:
             await client.aclose()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,6 +14,8 @@ from mlx_redis_worker.engine.prompt import (
     has_chat_template,
     prompt_token_ids,
 )
+from mlx_redis_worker.models import load_model
+from tests.support.tool_models import with_template
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence, politely."}
 
@@ -96,3 +99,19 @@ def test_prompt_token_ids_of_text_and_of_ids(tiny_model: Any) -> None:
     ids = prompt_token_ids(tokenizer, "hello world", vocab_size=1 << 20, max_tokens=100)
     assert ids == encode_prompt(tokenizer, "hello world")
     assert prompt_token_ids(tokenizer, ids, vocab_size=1 << 20, max_tokens=100) == ids
+
+
+def test_a_chat_its_template_refuses_is_a_value_error_naming_why(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """A template that raises (as Llama 3.1's does for two calls in one turn, or Mistral's
+    for a call id it does not take) is bad input, with the template's reason, never an
+    error of another kind that would not reach the sender."""
+    refusing = (
+        "{% if messages[0].role == 'system' %}{{ raise_exception('no system turns here') }}"
+        "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    _, tokenizer = load_model(str(with_template(tiny_model_path, tmp_path / "strict", refusing)))
+    with pytest.raises(ValueError, match="chat template refused them: no system turns here"):
+        chat_prompt(tokenizer, _chat("Hi"), system_prefix=False)
+    assert chat_prompt(tokenizer, _chat("Hi")[1:], system_prefix=False)[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from mlx_redis_worker.engine.tool_calls import (
     tool_syntax,
 )
 from mlx_redis_worker.models import load_model
-from tests.support.tool_models import with_template
+from tests.support.tool_models import MISTRAL_STYLE_TEMPLATE, with_template
 
 THINK = ("<think>", "</think>")
 LIGHT = '{"name": "set_light", "arguments": {"room": "hall \\"B\\"", "on": true}}'
@@ -193,6 +194,7 @@ def test_grammars_admit_only_the_syntax_with_valid_arguments(tiny_model: Any) ->
     assert not _accepts(tokenizer, thinking, "Hmm.</think>\n\nHi")
     array = tool_grammar(MISTRAL, TOOLS, ToolChoice("required"), parallel=False, markers=markers)
     assert _accepts(tokenizer, array, f"[TOOL_CALLS][{LIGHT}]")
+    assert _accepts(tokenizer, array, f"[TOOL_CALLS] [{LIGHT}]")  # v3's blank, Tekken's none
     assert not _accepts(tokenizer, array, f"[TOOL_CALLS][{LIGHT}, {HEAT}]")
 
 
@@ -280,3 +282,25 @@ def test_objects_that_say_nothing_of_other_keys_are_closed_to_them() -> None:
         "$defs": {"e": {"type": "object", "properties": {}, "additionalProperties": True}},
         "additionalProperties": False,
     }
+
+
+def test_a_mistral_template_gets_call_ids_it_accepts(tiny_model_path: Path, tmp_path: Path) -> None:
+    """Mistral's templates refuse a call id that is not 9 letters and digits (ours are
+    longer, and clients send their own): the history is rendered with stable ids of that
+    shape, the same for a call and its result; an id of that shape stays as it is."""
+    folder = with_template(tiny_model_path, tmp_path / "mistral-style", MISTRAL_STYLE_TEMPLATE)
+    _, tokenizer = load_model(str(folder))
+    assert tool_syntax(tokenizer) is MISTRAL
+    for call_id, expected in (("call_0123456789abcdef01234567", None), ("Ab3dE6g8Z", "Ab3dE6g8Z")):
+        history = (
+            ChatMessage("user", "Hall light on"),
+            ChatMessage(
+                "assistant", "", tool_calls=(ToolCall(call_id, "set_light", '{"on": true}'),)
+            ),
+            ChatMessage("tool", "done", tool_call_id=call_id),
+        )
+        job = Job(request_id="r", messages=history, tools=TOOLS, tool_choice=ToolChoice("required"))
+        text = tokenizer.decode(job_prompt(job, tokenizer).prompt)
+        ids = re.findall(r'"(?:call_)?id": "([^"]*)"', text)
+        assert len(ids) == 2 and ids[0] == ids[1], text
+        assert len(ids[0]) == 9 and ids[0].isalnum() and ids[0] == (expected or ids[0])

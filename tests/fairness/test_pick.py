@@ -161,6 +161,29 @@ async def _test_priorities_within_a_tenant_and_the_age_bound(fleet: Fleet) -> No
     assert request_ids(await fair.pick(2, now_ms=fleet.clock_ms)) == ["urgent2", "normal"]
 
 
+def test_jobs_of_one_priority_go_in_their_order_of_arrival(redis_url: str, prefix: str) -> None:
+    run(redis_url, prefix, _test_jobs_of_one_priority_go_in_their_order_of_arrival)
+
+
+async def _test_jobs_of_one_priority_go_in_their_order_of_arrival(fleet: Fleet) -> None:
+    """Entries of one millisecond (a pipelined producer, the default stream's forwarding)
+    and ids of more digits: arrival order, not the ids' order as text ('…-10' < '…-2')."""
+    ids = [f"999999-{seq}" for seq in range(12)] + ["1000000-0", "1000000-1"]
+    for index, entry_id in enumerate(ids):
+        await fleet.client.xadd(fleet.stream.stream, {"job": job(f"r{index}", "t1")}, id=entry_id)
+    picked = await fleet.fair("w1").pick(len(ids), now_ms=1_000_001)
+    assert [d.entry_id for d in picked.deliveries] == ids
+    # An entry queued by a worker before padding (its member the bare id) is still picked.
+    fair_keys = fleet.keys.fair("m")
+    await fleet.client.xadd(fleet.stream.stream, {"job": job("old", "t1")}, id="1000001-0")
+    await fleet.client.xreadgroup(
+        fleet.stream.group, FAIR_CONSUMER, {fleet.stream.stream: ">"}, count=1
+    )
+    await fleet.client.zadd(fair_keys.queue("t1"), {"1000001-0": 0})
+    await fleet.client.zadd(fair_keys.backlogged, {"t1": 0})
+    assert request_ids(await fleet.fair("w1").pick(1, now_ms=1_000_002)) == ["old"]
+
+
 def test_weights_from_the_fleet_setting(redis_url: str, prefix: str) -> None:
     run(redis_url, prefix, _test_weights_from_the_fleet_setting)
 

@@ -1,16 +1,22 @@
-"""One worker (the tiny model) per test module, and gateways started per test in front of it."""
+"""One worker (the tiny model) per test module, a gateway and an openai client per module in
+front of it (or gateways started per test), and the protocol's own answers to compare with."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
 
+from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.messages import DoneEvent, Event, TerminalEvent
 from mlx_redis_worker.local_redis import RedisServer
-from tests.support.gateway import GatewayFactory
+from tests.support.gateway import GatewayFactory, GatewayProcess
 from tests.support.processes import WorkerFactory, WorkerProcess
 
 
@@ -19,6 +25,37 @@ class Fleet:
     redis_url: str
     prefix: str
     worker: WorkerProcess
+
+    def generate(self, model: str = "tiny", **job: Any) -> DoneEvent:
+        """A request's end, queued and followed through the protocol's own client."""
+
+        async def generate() -> TerminalEvent:
+            async with Client(self.redis_url, prefix=self.prefix) as client:
+                return await client.generate(model=model, timeout=60, **job)
+
+        end = asyncio.run(generate())
+        assert isinstance(end, DoneEvent), end
+        return end
+
+    def logged_events(self, request_id: str) -> list[Event]:
+        """A finished request's events, read back from its replay log (to its end)."""
+
+        async def read() -> list[Event]:
+            async with Client(self.redis_url, prefix=self.prefix) as client:
+                events = []
+                async for event in client.stream(request_id, timeout=30):
+                    events.append(event)
+                    if isinstance(event, TerminalEvent):
+                        break
+                return events
+
+        return asyncio.run(read())
+
+    def logged_done(self, request_id: str) -> DoneEvent:
+        """A finished request's ``done`` event, from its replay log."""
+        end = self.logged_events(request_id)[-1]
+        assert isinstance(end, DoneEvent), end
+        return end
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +94,23 @@ def gateways(fleet: Fleet, tmp_path: Path) -> Iterator[GatewayFactory]:
     finally:
         factory.stop_all()
         print(factory.report())
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    """One gateway in front of the module's fleet, for tests that change nothing in it."""
+    factory = GatewayFactory(tmp_path_factory.mktemp("gateway"), fleet.redis_url, fleet.prefix)
+    try:
+        yield factory.start()
+    finally:
+        factory.stop_all()
+        print(factory.report())
+
+
+@pytest.fixture(scope="module")
+def client(gateway: GatewayProcess) -> Iterator[openai.OpenAI]:
+    """OpenAI's own client of the module's gateway (no retries: a failure shows at once)."""
+    with openai.OpenAI(
+        base_url=gateway.base_url, api_key="none", max_retries=0, timeout=300
+    ) as client:
+        yield client

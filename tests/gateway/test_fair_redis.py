@@ -1,7 +1,8 @@
 """Redis as a bounded, fair resource: one key's flood of reads neither exhausts the gateway's
 Redis connections (no 503) nor escapes its quota (reads count like requests), another key is
 served meanwhile, ``/health`` stays 200, no slot leaks; a client resuming its own running
-stream needs no second slot; a lease whose release Redis refused is given back on a retry."""
+stream needs no second slot; a lease whose release Redis refused is given back on a retry; a
+key that ignores Retry-After is refused without Redis, and waits."""
 
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import openai
+import pytest
 import redis
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from mlx_redis_gateway.api_keys import ApiKey
+from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.quotas import Quotas
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_worker.local_redis import RedisServer
@@ -155,3 +159,57 @@ def test_a_lease_whose_release_redis_refused_is_given_back_on_a_retry(
             await connection.aclose()
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_a_key_that_ignores_retry_after_costs_redis_nothing_and_waits_it_out(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Past a key's first refusal for its rate, this gateway refuses it alone until its next
+    token is due, holding a request that came back early (at most a second) before its 429;
+    a key at its cap in this gateway's own leases is refused without Redis too. What only
+    Redis knows (a read's holder, a changed rate) is still asked of it."""
+
+    async def scenario() -> None:
+        connection = Redis.from_url(redis_server.url)
+        commands = 0
+
+        @contextlib.asynccontextmanager
+        async def slot() -> AsyncIterator[Redis]:
+            nonlocal commands
+            commands += 1
+            yield connection
+
+        quotas = Quotas(slot, Keys(prefix), lease_seconds=30)
+        rated = ApiKey(name="rated", sha256="0" * 64, requests_per_minute=1, max_concurrent=None)
+        capped = ApiKey(name="capped", sha256="1" * 64, requests_per_minute=None, max_concurrent=2)
+        try:
+            assert await quotas.admit(rated, "r-1") is None
+            first = await quotas.admit(rated, "r-2")
+            assert first is not None and first.reason == "rate" and not first.early
+            assert commands == 2
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(ApiError) as early:
+                await quotas.admit_or_refuse(rated, "r-3")
+            held = asyncio.get_running_loop().time() - started
+            assert early.value.status == 429 and early.value.code == "rate_limit_exceeded"
+            assert 0.9 <= held < 5 and early.value.retry_after is not None
+            assert 50 < early.value.retry_after < first.retry_after
+            assert commands == 2  # nothing asked of Redis
+            raised = replace(rated, requests_per_minute=1000)  # the key file changed
+            assert await quotas.admit(raised, "r-4") is None and commands == 3
+
+            assert await quotas.admit(capped, "c-1") is None
+            assert await quotas.admit(capped, "c-2") is None
+            at_cap = await quotas.admit(capped, "c-3")
+            assert at_cap is not None and at_cap.reason == "concurrency" and at_cap.early
+            assert commands == 5
+            read = await quotas.admit(capped, "c-1/read-1", holder="c-1")
+            assert read is None and commands == 6  # the holder's lease spares it a slot
+            await quotas.release("c-1/read-1")
+            await quotas.release("c-1")
+            assert await quotas.admit(capped, "c-4") is None
+        finally:
+            await quotas.close()
+            await connection.aclose()
+
+    asyncio.run(scenario())

@@ -118,6 +118,29 @@ def test_an_oversized_header_is_a_431_and_the_gateway_keeps_serving(
     assert health(gateway) == 200
 
 
+@pytest.mark.parametrize("split", ["one write", "head's end across two writes"])
+def test_a_head_inside_the_limit_with_a_large_body_behind_it_is_no_oversized_head(
+    gateway: GatewayProcess, split: str
+) -> None:
+    """The guard refuses a read that carries a head past the limit before parsing it, unless
+    the head ends inside the limit (in that read, or straddling the read before)."""
+    message = {"role": "user", "content": "y" * 100_000}
+    body = json.dumps({"model": "nobody-serves-it", "messages": [message]}).encode()
+    start = f"{CHAT_HEAD}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    padding = MAX_HEAD - 10 - len(start) - len("X-Pad: \r\n\r\n")
+    head = f"{start}X-Pad: {'p' * padding}\r\n\r\n".encode()
+    assert len(head) == MAX_HEAD - 10
+    with connect(gateway) as sock:
+        if split == "one write":
+            sock.sendall(head + body)
+        else:
+            sock.sendall(head[:-1])
+            time.sleep(0.3)  # read apart: the head's last byte comes with the body
+            sock.sendall(head[-1:] + body)
+        status, _, answer = read_answer(sock)
+    assert status == 404 and openai_error(answer)["code"] == "model_not_found", answer
+
+
 @pytest.mark.parametrize(("count", "expected"), [(MAX_HEADERS, 200), (MAX_HEADERS + 1, 431)])
 def test_the_header_count_is_bounded_by_its_flag(
     gateway: GatewayProcess, count: int, expected: int

@@ -7,11 +7,9 @@ non-streamed, and the gateway's with the protocol client's for the same prompt.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +19,10 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.limits import DEFAULT_LIMITS
-from mlx_redis_protocol.messages import DeltaEvent, DoneEvent, Event, QueuedEvent, TerminalEvent
+from mlx_redis_protocol.messages import DeltaEvent, DoneEvent, QueuedEvent
 from tests.gateway.conftest import Fleet
-from tests.support.gateway import GatewayFactory, GatewayProcess
+from tests.support.gateway import GatewayProcess
 from tests.support.schemas import SMALL_SCHEMA
 
 MODEL = "tiny"
@@ -34,51 +31,7 @@ CHAT: Any = [{"role": "user", "content": "Tell me a story"}]
 PROMPT = "Tell me a story"
 
 
-@pytest.fixture(scope="module")
-def gateway(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    """One gateway for the module's tests (they change nothing in it)."""
-    factory = GatewayFactory(tmp_path_factory.mktemp("gateway"), fleet.redis_url, fleet.prefix)
-    try:
-        yield factory.start()
-    finally:
-        factory.stop_all()
-        print(factory.report())
-
-
-@pytest.fixture(scope="module")
-def client(gateway: GatewayProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=gateway.base_url, api_key="none", max_retries=0) as client:
-        yield client
-
-
 # -- the protocol client's answers, to compare with ----------------------------------------
-
-
-def protocol(fleet: Fleet, **job: Any) -> DoneEvent:
-    """The request's end, queued and followed through the protocol's own client."""
-
-    async def generate() -> TerminalEvent:
-        async with Client(fleet.redis_url, prefix=fleet.prefix) as protocol_client:
-            return await protocol_client.generate(model=MODEL, timeout=60, **job)
-
-    end = asyncio.run(generate())
-    assert isinstance(end, DoneEvent), end
-    return end
-
-
-def logged_events(fleet: Fleet, request_id: str) -> list[Event]:
-    """A finished request's events, read back from its replay log."""
-
-    async def read() -> list[Event]:
-        async with Client(fleet.redis_url, prefix=fleet.prefix) as protocol_client:
-            events = []
-            async for event in protocol_client.stream(request_id, timeout=30):
-                events.append(event)
-                if isinstance(event, TerminalEvent):
-                    return events
-            return events
-
-    return asyncio.run(read())
 
 
 @dataclass(frozen=True)
@@ -90,8 +43,8 @@ class Greedy:
 @pytest.fixture(scope="module")
 def greedy(fleet: Fleet) -> Greedy:
     return Greedy(
-        chat=protocol(fleet, messages=CHAT, max_tokens=TOKENS, temperature=0),
-        text=protocol(fleet, prompt=PROMPT, max_tokens=TOKENS, temperature=0),
+        chat=fleet.generate(messages=CHAT, max_tokens=TOKENS, temperature=0),
+        text=fleet.generate(prompt=PROMPT, max_tokens=TOKENS, temperature=0),
     )
 
 
@@ -278,7 +231,7 @@ def test_the_raw_stream_is_server_sent_events_numbered_by_seq_ending_with_done(
     # marker's), so a client can resume after the last id it got.
     shown = [
         event.seq
-        for event in logged_events(fleet, request_id)
+        for event in fleet.logged_events(request_id)
         if isinstance(event, QueuedEvent | DoneEvent)
         or (isinstance(event, DeltaEvent) and event.new_text)
     ]
@@ -405,7 +358,7 @@ def test_completion_logprobs_n_are_the_logged_tokens_with_n_alternatives(
     # offsets say.
     generated = [
         item
-        for event in logged_events(fleet, answer.id)
+        for event in fleet.logged_events(answer.id)
         if isinstance(event, DeltaEvent)
         for item in event.logprobs or ()
     ]
@@ -419,7 +372,7 @@ def test_completion_logprobs_n_are_the_logged_tokens_with_n_alternatives(
 def answer_token_ids(fleet: Fleet, request_id: str) -> list[int]:
     return [
         token
-        for event in logged_events(fleet, request_id)
+        for event in fleet.logged_events(request_id)
         if isinstance(event, DeltaEvent)
         for token in event.new_token_ids
     ]
@@ -441,7 +394,7 @@ def test_a_developer_message_is_a_system_message(client: openai.OpenAI, fleet: F
 
     def through_protocol(role: str) -> DoneEvent:
         messages = [{"role": role, "content": instruction}, *CHAT]
-        return protocol(fleet, messages=messages, max_tokens=TOKENS, temperature=0)
+        return fleet.generate(messages=messages, max_tokens=TOKENS, temperature=0)
 
     as_system, as_user = through_protocol("system"), through_protocol("user")
     assert as_system.output_text != as_user.output_text  # the role shows in the answer
@@ -455,7 +408,7 @@ def test_a_conversation_with_an_assistant_turn_is_the_protocol_clients(
     client: openai.OpenAI, fleet: Fleet
 ) -> None:
     messages = [*CHAT, {"role": "assistant", "content": "Once"}, {"role": "user", "content": "go"}]
-    expected = protocol(fleet, messages=messages, max_tokens=6, temperature=0)
+    expected = fleet.generate(messages=messages, max_tokens=6, temperature=0)
     answer = chat(client, messages=messages, max_tokens=6)
     assert answer.choices[0].message.content == expected.output_text
     assert answer.usage is not None
@@ -465,7 +418,7 @@ def test_a_conversation_with_an_assistant_turn_is_the_protocol_clients(
 def test_user_is_recorded_in_the_jobs_metadata(client: openai.OpenAI, fleet: Fleet) -> None:
     answer = chat(client, max_tokens=2, user="alice")
     assert answer.choices[0].finish_reason == "length"
-    [done] = [event for event in logged_events(fleet, answer.id) if isinstance(event, DoneEvent)]
+    done = fleet.logged_done(answer.id)
     assert done.metadata == {"user": "alice"}
 
 

@@ -11,7 +11,6 @@ import json
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,29 +20,13 @@ import pytest
 from langchain_openai import OpenAI
 
 from mlx_redis_protocol.client import Client
-from mlx_redis_protocol.messages import DoneEvent, TerminalEvent
+from mlx_redis_protocol.messages import DoneEvent
 from tests.gateway.conftest import Fleet
 from tests.support.gateway import GatewayFactory, GatewayProcess
 from tests.support.processes import mlx_worker
 from tests.support.schemas import SMALL_SCHEMA
 
 MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def gateway(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    factory = GatewayFactory(tmp_path_factory.mktemp("gateway"), fleet.redis_url, fleet.prefix)
-    try:
-        yield factory.start()
-    finally:
-        factory.stop_all()
-        print(factory.report())
-
-
-@pytest.fixture(scope="module")
-def client(gateway: GatewayProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=gateway.base_url, api_key="none", max_retries=0) as client:
-        yield client
 
 
 def http_error(url: str, method: str = "GET", body: bytes | None = None) -> urllib.error.HTTPError:
@@ -133,28 +116,6 @@ PROMPTS = ["Tell me a story", "Once upon a time", "The weather today"]
 LONG_PROMPT = "Here is a long preamble that the copies of a request share. " * 6
 
 
-def protocol(fleet: Fleet, **job: Any) -> DoneEvent:
-    async def generate() -> TerminalEvent:
-        async with Client(fleet.redis_url, prefix=fleet.prefix) as protocol_client:
-            return await protocol_client.generate(model=MODEL, timeout=60, **job)
-
-    end = asyncio.run(generate())
-    assert isinstance(end, DoneEvent), end
-    return end
-
-
-def logged_done(fleet: Fleet, request_id: str) -> DoneEvent:
-    async def read() -> DoneEvent:
-        async with Client(fleet.redis_url, prefix=fleet.prefix) as protocol_client:
-            async for event in protocol_client.stream(request_id, timeout=30):
-                if isinstance(event, TerminalEvent):
-                    assert isinstance(event, DoneEvent), event
-                    return event
-        raise AssertionError(f"{request_id} has no end")
-
-    return asyncio.run(read())
-
-
 def prefix_cache_stats(fleet: Fleet) -> dict[str, Any]:
     async def read() -> dict[str, Any]:
         async with Client(fleet.redis_url, prefix=fleet.prefix) as protocol_client:
@@ -169,7 +130,7 @@ def prefix_cache_stats(fleet: Fleet) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def greedy_texts(fleet: Fleet) -> list[DoneEvent]:
     """Each of PROMPTS answered greedily through the protocol client."""
-    return [protocol(fleet, prompt=p, max_tokens=TOKENS, temperature=0) for p in PROMPTS]
+    return [fleet.generate(prompt=p, max_tokens=TOKENS, temperature=0) for p in PROMPTS]
 
 
 def test_a_list_of_prompts_gets_one_choice_per_prompt_in_order(
@@ -246,7 +207,7 @@ def test_n_chat_choices_share_the_prompts_prefill(
     assert len(set(texts)) == 3  # each copy samples with a seed of its own
     # Each choice is a job of its own, its usage in its log: the copies found the prompt's
     # prefill (all but its last token) in the prefix cache the first copy stored.
-    dones = [logged_done(fleet, f"{response_id}.{index}") for index in range(3)]
+    dones = [fleet.logged_done(f"{response_id}.{index}") for index in range(3)]
     assert [done.output_text for done in dones] == texts
     prompt_tokens = dones[0].usage.prompt_tokens
     cached = [done.usage.cached_tokens for done in dones]
@@ -312,7 +273,7 @@ def test_a_client_that_leaves_a_fan_out_aborts_its_jobs(
             line = answer.readline().decode()
             if line.startswith("data: ") and '"text":""' not in line:
                 seen |= {choice["index"] for choice in json.loads(line[6:])["choices"]}
-    dones = [logged_done(fleet, f"{response_id}.{index}") for index in range(3)]
+    dones = [fleet.logged_done(f"{response_id}.{index}") for index in range(3)]
     assert [done.finish_reason for done in dones] == ["abort"] * 3
     assert all(done.usage.completion_tokens < 4000 for done in dones)
 
@@ -389,7 +350,7 @@ STORY: Any = [{"role": "user", "content": "Tell me a story"}]
 
 
 def test_a_response_is_the_chat_answer_for_its_input(client: openai.OpenAI, fleet: Fleet) -> None:
-    expected = protocol(fleet, messages=STORY, max_tokens=TOKENS, temperature=0)
+    expected = fleet.generate(messages=STORY, max_tokens=TOKENS, temperature=0)
     response = client.responses.create(
         model=MODEL, input="Tell me a story", max_output_tokens=TOKENS, temperature=0
     )
@@ -422,7 +383,7 @@ def test_instructions_and_a_message_list_are_the_chats_turns(
         {"role": "assistant", "content": "Once"},
         {"role": "user", "content": "go"},
     ]
-    expected = protocol(fleet, messages=messages, max_tokens=TOKENS, temperature=0)
+    expected = fleet.generate(messages=messages, max_tokens=TOKENS, temperature=0)
     response = client.responses.create(
         model=MODEL,
         instructions="Be brief.",
@@ -437,7 +398,7 @@ def test_instructions_and_a_message_list_are_the_chats_turns(
 
 
 def test_a_streamed_response_is_openais_event_sequence(client: openai.OpenAI, fleet: Fleet) -> None:
-    expected = protocol(fleet, messages=STORY, max_tokens=TOKENS, temperature=0)
+    expected = fleet.generate(messages=STORY, max_tokens=TOKENS, temperature=0)
     events = list(
         client.responses.create(
             model=MODEL,

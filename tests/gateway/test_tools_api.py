@@ -23,7 +23,7 @@ from pydantic import BaseModel, SecretStr
 
 from mlx_redis_worker.local_redis import RedisServer
 from tests.gateway.conftest import Fleet
-from tests.support.gateway import GatewayFactory, GatewayProcess
+from tests.support.gateway import GatewayProcess
 from tests.support.processes import WorkerFactory
 from tests.support.tool_models import with_template
 
@@ -66,24 +66,6 @@ def fleet(
     finally:
         factory.kill_all()
         print(factory.report())
-
-
-@pytest.fixture(scope="module")
-def gateway(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    factory = GatewayFactory(tmp_path_factory.mktemp("gateway"), fleet.redis_url, fleet.prefix)
-    try:
-        yield factory.start()
-    finally:
-        factory.stop_all()
-        print(factory.report())
-
-
-@pytest.fixture(scope="module")
-def client(gateway: GatewayProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=gateway.base_url, api_key="none", max_retries=0, timeout=300
-    ) as client:
-        yield client
 
 
 def _valid(calls: Any) -> list[tuple[str, dict[str, Any]]]:

@@ -1,7 +1,7 @@
 """Model folders for tool-calling and reasoning tests: an existing fixture's weights and
 tokenizer (linked, never copied or changed) under a chat template of the Qwen3 kind, which
 renders tools, asks for hermes ``<tool_call>`` blocks and opens a ``<think>`` (or, with
-``enable_thinking`` false, closes an empty one)."""
+``enable_thinking`` false, closes an empty one), or of Mistral's kind (``[TOOL_CALLS]``)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,29 @@ QWEN3_STYLE_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}"
     "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+# Our own template in the shape of Mistral's (v3): mlx-lm infers its tool parser (mistral) from
+# ``[TOOL_CALLS]``; like Mistral's published templates it refuses a call id that is not 9
+# characters long.
+MISTRAL_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message.role == 'user' %}"
+    "{% if tools and loop.first %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]"
+    "{% endif %}[INST] {{ message.content }}[/INST]"
+    "{% elif message.tool_calls %}[TOOL_CALLS] ["
+    "{% for call in message.tool_calls %}"
+    "{% if call.id | length != 9 %}{{ raise_exception('a call id is 9 characters') }}{% endif %}"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}, '
+    '"id": "{{ call.id }}"}{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}'
+    "{% elif message.role == 'tool' %}"
+    "{% if message.tool_call_id | length != 9 %}"
+    "{{ raise_exception('a call id is 9 characters') }}{% endif %}"
+    '[TOOL_RESULTS] {"content": {{ message.content | tojson }}, '
+    '"call_id": "{{ message.tool_call_id }}"}[/TOOL_RESULTS]'
+    "{% elif message.role == 'assistant' %} {{ message.content }}{{ eos_token }}"
+    "{% endif %}{% endfor %}"
 )
 
 

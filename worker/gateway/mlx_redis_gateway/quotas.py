@@ -15,15 +15,26 @@ running stream is never refused for it), only a token. Every command goes throug
 client's bounded command slots (``Client.command_slot``), so quota traffic waits its turn
 instead of failing for want of a connection; a lease whose release fails is retried in the
 background for a few seconds before it is left to expire.
+
+A flood from one key costs Redis nothing past its first refusals: a key refused for its rate
+is refused by this gateway alone until its next token is due (Redis would say the same:
+only time refills a bucket, and other gateways only take from it), and a key that has
+``max_concurrent`` leases held by this gateway alone is refused without asking. A client
+that comes back before the Retry-After it was given waits on its connection until then (at
+most ``EARLY_RETRY_HOLD_SECONDS``, less than an idle connection may wait for its headers)
+before its 429: a client that ignores Retry-After cannot make the gateway answer refusals
+as fast as it can send them. A client that honours it is never held.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 import structlog
@@ -38,6 +49,8 @@ from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe
 log = structlog.get_logger(__name__)
 
 LEASE_SECONDS: Final = 30.0
+# How long a request from a key that came back before its Retry-After is held before its 429.
+EARLY_RETRY_HOLD_SECONDS: Final = 1.0
 
 # KEYS[1] the bucket (hash: tokens, at), KEYS[2] the in-flight leases (zset: request id →
 # expiry ms). ARGV[1] requests per minute (0: no limit), ARGV[2] max in flight (0: no cap),
@@ -104,6 +117,9 @@ class Refusal:
     reason: str
     retry_after: float
     in_flight: int = 0
+    # Refused by this gateway from what it already knew (no Redis command): for ``rate``, the
+    # client came back before the Retry-After it was given.
+    early: bool = False
 
 
 def read_lease(request_id: str) -> str:
@@ -125,6 +141,9 @@ class Quotas:
         self.keys = keys
         self.lease_ms = int(lease_seconds * 1000)
         self._held: dict[str, ApiKey] = {}  # lease id → its key, while it holds a lease
+        self._held_per_key: Counter[str] = Counter()
+        # Key name → (monotonic time its next token is due, the rate that said so).
+        self._rate_refused: dict[str, tuple[float, int | None]] = {}
         self._retrying: set[asyncio.Task[None]] = set()
 
     async def admit(self, key: ApiKey, lease_id: str, holder: str | None = None) -> Refusal | None:
@@ -132,6 +151,9 @@ class Quotas:
         while held, spares this one a slot of its own (a read of a running request)."""
         if key.requests_per_minute is None and key.max_concurrent is None:
             return None
+        known = self._known_refusal(key, holder)
+        if known is not None:
+            return known
         async with self.slot() as redis:
             verdict, figure = await run_script(
                 redis,
@@ -146,11 +168,29 @@ class Quotas:
                 ],
             )
         if verdict == 1:
-            return Refusal("rate", retry_after=int(figure) / 1000)
+            wait = int(figure) / 1000
+            self._rate_refused[key.name] = (time.monotonic() + wait, key.requests_per_minute)
+            return Refusal("rate", retry_after=wait)
         if verdict == 2:
             return Refusal("concurrency", retry_after=1.0, in_flight=int(figure))
         if key.max_concurrent is not None:
             self._held[lease_id] = key
+            self._held_per_key[key.name] += 1
+        return None
+
+    def _known_refusal(self, key: ApiKey, holder: str | None) -> Refusal | None:
+        """A refusal this gateway can give without Redis, or None (then Redis decides)."""
+        refused = self._rate_refused.get(key.name)
+        if refused is not None:
+            until, rate = refused
+            wait = until - time.monotonic()
+            if wait > 0 and rate == key.requests_per_minute:
+                return Refusal("rate", retry_after=wait, early=True)
+            del self._rate_refused[key.name]
+        # A read of a running request may need no slot of its own: only Redis knows.
+        held = self._held_per_key[key.name]
+        if holder is None and key.max_concurrent is not None and held >= key.max_concurrent:
+            return Refusal("concurrency", retry_after=1.0, in_flight=held, early=True)
         return None
 
     async def admit_or_refuse(self, key: ApiKey, lease_id: str, holder: str | None = None) -> None:
@@ -158,6 +198,10 @@ class Quotas:
         refusal = await self.admit(key, lease_id, holder)
         if refusal is None:
             return
+        if refusal.early and refusal.reason == "rate":
+            hold = min(refusal.retry_after, EARLY_RETRY_HOLD_SECONDS)
+            await asyncio.sleep(hold)
+            refusal = replace(refusal, retry_after=refusal.retry_after - hold)
         if refusal.reason == "rate":
             message = (
                 f"Rate limit reached for API key {key.name!r}: {key.requests_per_minute} "
@@ -178,6 +222,9 @@ class Quotas:
         key = self._held.pop(lease_id, None)
         if key is None:
             return
+        self._held_per_key[key.name] -= 1
+        if self._held_per_key[key.name] <= 0:
+            del self._held_per_key[key.name]
         if await self._release_once(key, lease_id, log_failure=False):
             return
         task = asyncio.create_task(self._release_later(key, lease_id))

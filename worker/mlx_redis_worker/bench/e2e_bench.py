@@ -17,9 +17,6 @@ import asyncio
 import contextlib
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,6 +32,7 @@ from mlx_redis_worker.bench.engine_bench import (
     run_batch_generator,
     run_engine_async,
 )
+from mlx_redis_worker.bench.worker_process import Worker, start_worker, stop_worker, wait_ready
 from mlx_redis_worker.engine import EngineConfig, EngineCore, SchedulerConfig
 from mlx_redis_worker.local_redis import LocalCluster, local_redis
 from mlx_redis_worker.models import load_model
@@ -70,7 +68,7 @@ class Topology:
     path: str  # the table's path name
     url: str
     prefix: str
-    process: subprocess.Popen[bytes]
+    worker: Worker
     redis_pids: list[int] = field(default_factory=list)
 
 
@@ -156,7 +154,7 @@ async def redis_pids(url: str, prefix: str) -> list[int]:
 def run_e2e(topology: Topology, prompts: list[list[int]], max_tokens: int) -> Run:
     async def scenario() -> Run:
         pids = {
-            "worker": [topology.process.pid],
+            "worker": [topology.worker.process.pid],
             "Redis": topology.redis_pids,
             "client": [os.getpid()],
         }
@@ -207,48 +205,9 @@ def run_raw(
     return run
 
 
-def _start_worker(
-    url: str, prefix: str, args: argparse.Namespace, log_path: str
-) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable,
-        "-m",
-        "mlx_redis_protocol.cli",
-        "--log-level",
-        "WARNING",
-        "run",
-        "--model",
-        args.model,
-        "--redis-url",
-        url,
-        "--prefix",
-        prefix,
-        "--worker-id",
-        f"bench-{prefix}",
-        "--max-concurrency",
-        str(max(args.levels)),
-    ]
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-
-
-def stop_worker(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    process.wait(timeout=60)
-
-
-async def _wait_ready(url: str, prefix: str, process: subprocess.Popen[bytes]) -> None:
-    async with Client(url, prefix=prefix) as client:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError("the worker exited during start-up")
-            try:
-                if await client.ping(timeout=1):
-                    return
-            except Exception:  # not up yet
-                await asyncio.sleep(0.5)
-        raise RuntimeError("the worker did not answer ping within 180 s")
+async def _serving(topology: Topology) -> None:
+    async with Client(topology.url, prefix=topology.prefix) as client:
+        await wait_ready(client, [topology.worker])
 
 
 def _start_topologies(
@@ -265,14 +224,13 @@ def _start_topologies(
     topologies: list[Topology] = []
     for name, url, what in servers:
         prefix = f"bench{uuid.uuid4().hex[:8]}"
-        log_path = os.path.join(tempfile.gettempdir(), f"mlxw-{prefix}.log")
-        print(f"{'Redis' if name == SINGLE else name}: {what}; worker log: {log_path}")
-        process = _start_worker(url, prefix, args, log_path)
-        stack.callback(stop_worker, process)
+        worker = start_worker(url, prefix, f"bench-{prefix}", [args.model], max(args.levels))
+        stack.callback(stop_worker, worker.process)
+        print(f"{'Redis' if name == SINGLE else name}: {what}; worker log: {worker.log_path}")
         path = f"end to end, {name}" if args.cluster else "end to end (Redis + worker + client)"
-        topologies.append(Topology(name, path, url, prefix, process))
+        topologies.append(Topology(name, path, url, prefix, worker))
     for topology in topologies:  # the workers load the model meanwhile
-        asyncio.run(_wait_ready(topology.url, topology.prefix, topology.process))
+        asyncio.run(_serving(topology))
         topology.redis_pids = asyncio.run(redis_pids(topology.url, topology.prefix))
     return topologies
 

@@ -19,10 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -30,8 +27,9 @@ from dataclasses import dataclass, field
 
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.messages import DeltaEvent, DoneEvent
-from mlx_redis_worker.bench.e2e_bench import pct, stop_worker
+from mlx_redis_worker.bench.e2e_bench import pct
 from mlx_redis_worker.bench.engine_bench import make_prompts
+from mlx_redis_worker.bench.worker_process import start_worker, stop_worker, wait_ready
 from mlx_redis_worker.local_redis import local_redis
 from mlx_redis_worker.models import load_model
 
@@ -40,7 +38,6 @@ FAIR = "fair share"
 MODES = (FIFO, FAIR)
 TENANTS = ("bulk", "steady", "interactive")
 GOAL = 0.95  # total tok/s with fair share / FIFO
-READY_TIMEOUT = 180.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,45 +77,6 @@ def _plan(args: argparse.Namespace) -> Plan:
         ],
     }
     return Plan(jobs, make_prompts(tokenizer, 2, args.prompt_tokens, seed=290))
-
-
-def _start_worker(
-    url: str, prefix: str, model: str, slots: int, fair: bool
-) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable,
-        "-m",
-        "mlx_redis_protocol.cli",
-        "--log-level",
-        "WARNING",
-        "run",
-        "--model",
-        model,
-        "--redis-url",
-        url,
-        "--prefix",
-        prefix,
-        "--worker-id",
-        f"{prefix}-w",
-        "--max-concurrency",
-        str(slots),
-        *(["--fair-share"] if fair else []),
-    ]
-    log_path = os.path.join(tempfile.gettempdir(), f"mlxw-{prefix}.log")
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-
-
-async def _wait_ready(client: Client, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError("the worker exited during start-up")
-        with contextlib.suppress(Exception):  # not up yet
-            if await client.ping(timeout=1):
-                return
-        await asyncio.sleep(0.5)
-    raise RuntimeError(f"the worker was not serving within {READY_TIMEOUT:.0f} s")
 
 
 async def _one_job(
@@ -172,18 +130,19 @@ async def _load(client: Client, plan: Plan, mode: str) -> ModeRun:
 
 def _run_mode(url: str, mode: str, plan: Plan, args: argparse.Namespace) -> ModeRun:
     prefix = f"benchfair{uuid.uuid4().hex[:8]}"
-    process = _start_worker(url, prefix, args.model, args.slots, fair=mode == FAIR)
+    fair = ["--fair-share"] if mode == FAIR else []
+    worker = start_worker(url, prefix, f"{prefix}-w", [args.model], args.slots, *fair)
     try:
 
         async def main() -> ModeRun:
             async with Client(url, prefix=prefix) as client:
-                await _wait_ready(client, process)
+                await wait_ready(client, [worker])
                 await asyncio.gather(*(_one_job(client, p, 8, "warmup", 0) for p in plan.warmup))
                 return await _load(client, plan, mode)
 
         return asyncio.run(main())
     finally:
-        stop_worker(process)
+        stop_worker(worker.process)
 
 
 def run_fairness_bench(args: argparse.Namespace) -> int:

@@ -40,9 +40,10 @@ from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.codec_events import decode_event
 from mlx_redis_protocol.messages import DeltaEvent, DoneEvent, ErrorEvent
 from mlx_redis_protocol.replay_log import read_log
-from mlx_redis_worker.bench.e2e_bench import Run, cpu_of, pct, ratio, redis_pids, stop_worker
+from mlx_redis_worker.bench.e2e_bench import Run, cpu_of, pct, ratio, redis_pids
 from mlx_redis_worker.bench.engine_bench import make_prompts
-from mlx_redis_worker.bench.models_bench import Model, start_worker, wait_ready
+from mlx_redis_worker.bench.models_bench import Model, start_worker
+from mlx_redis_worker.bench.worker_process import stop_worker, wait_ready
 from mlx_redis_worker.local_redis import free_port, local_redis
 from mlx_redis_worker.models import load_model
 

@@ -29,13 +29,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_redis_worker.bench.engine_runs import bench_engine, run_on_engine
 from mlx_redis_worker.bench.hostile_schemas import KINDS, hostile_schema, schema_bytes
 from mlx_redis_worker.engine import (
-    EngineConfig,
     EngineCore,
     ResponseFormat,
     SamplingParams,
-    SchedulerConfig,
 )
 from mlx_redis_worker.engine.config import GrammarLimits
 from mlx_redis_worker.models import load_model
@@ -222,11 +221,8 @@ def run_hostile_bench(args: argparse.Namespace) -> int:
         max_grammar_compile_ms=args.max_grammar_compile_ms,
         max_mask_us=args.max_mask_us,
     )
-    config = SchedulerConfig(
-        max_num_seqs=args.attackers + 1, enable_prefix_cache=False, grammar_limits=limits
-    )
-    engine = EngineCore(
-        model, tokenizer, EngineConfig(model_name=args.model, scheduler_config=config)
+    engine = bench_engine(
+        args.model, model, tokenizer, max_num_seqs=args.attackers + 1, grammar_limits=limits
     )
     sample = hostile_schema(args.kind, "size")
     sizes = f"{schema_bytes(sample) / 1024:.0f} KiB as compact JSON"
@@ -237,17 +233,7 @@ def run_hostile_bench(args: argparse.Namespace) -> int:
     )
     results = Results()
 
-    async def scenario() -> None:
-        await engine.start()
-        try:
-            await run_modes(engine, args, results)
-        finally:
-            await engine.stop()
-
-    try:
-        asyncio.run(scenario())
-    finally:
-        engine.close()
+    run_on_engine(engine, lambda: run_modes(engine, args, results))
     print(format_report(results, args, sizes))
     stats = engine.scheduler.grammars.stats
     print(

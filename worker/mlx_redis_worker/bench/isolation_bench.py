@@ -8,13 +8,13 @@ runs beside it, or none (the baseline); a prober asks ``/health`` every 0.1 s th
 Phases alternate with baselines (base, A, base, B, …, base), so each attacker's ratio is
 against the baselines on either side of it, in the same run.
 
-Attackers: **huge header** (heads of 16 MB, one connection after another), **huge body**
-(bodies that say 500 MB, sent until refused), **read flood** (200 connections reading random
-request ids with the attacker's key), **resume flood** (200 connections resuming the
-attacker's own finished request), **idle sockets** (``--idle-sockets`` connections that send
-nothing, reopened when closed). Reported per attacker: the victim's tok/s and TTFT p50 as
-ratios to the baselines (goal ≥ 0.8 for tok/s), ``/health`` p99 (goal < 1 s), and what the
-attacker got back (statuses).
+Each attacker (``attackers``: huge header, huge body, read flood, resume flood, hostile
+schema, idle sockets) is a process of its own at the lowest CPU priority, standing for a
+client on another host: the bench measures what its requests cost the gateway, Redis and the
+worker, not what sending them costs the attacker. Reported per attacker: the victim's tok/s
+and TTFT p50 as ratios to the baselines (goal ≥ 0.8 for tok/s), ``/health`` p99 (goal < 1 s),
+the cores the gateway, Redis (when the bench started it), the worker and the attacker used
+(Linux), how many exchanges a second the attacker made, and what it got back (statuses).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import resource
 import statistics
@@ -31,28 +32,28 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from mlx_redis_gateway.api_keys import add_key
 from mlx_redis_protocol.client import Client
-from mlx_redis_worker.bench.e2e_bench import pct, stop_worker
+from mlx_redis_worker.bench.attackers import attacks, get
+from mlx_redis_worker.bench.e2e_bench import pct
 from mlx_redis_worker.bench.engine_bench import make_prompts
 from mlx_redis_worker.bench.gateway_bench import MODEL_NAME, Stream, _Connections, _gateway
 from mlx_redis_worker.bench.gateway_bench import _gateway_ready as gateway_ready
-from mlx_redis_worker.bench.models_bench import Model, start_worker, wait_ready
+from mlx_redis_worker.bench.models_bench import Model, start_worker
+from mlx_redis_worker.bench.worker_process import stop_worker, wait_ready
 from mlx_redis_worker.local_redis import free_port, local_redis
 from mlx_redis_worker.models import load_model
 
 TOKENS_GOAL = 0.8  # victim tok/s under attack / alone
 HEALTH_GOAL_S = 1.0  # /health p99
 HEALTH_TIMEOUT = 5.0  # a /health that takes longer counts as this
-FLOOD_CONNECTIONS = 200
-HUGE_HEADER = 16 * 1024 * 1024
-HUGE_BODY = 500 * 1024 * 1024
-PIECE = b"a" * 65536
+ATTACK_LEAD_SECONDS = 1.0  # the attack under way before the victim starts
 
 
 @dataclass(slots=True)
@@ -62,96 +63,43 @@ class Phase:
     ttft_p50: float
     health: list[float]  # seconds per /health answer (HEALTH_TIMEOUT for one that failed)
     statuses: Counter[str] = field(default_factory=Counter)
+    # Cores used over the phase (CPU seconds / wall seconds); None where not measured.
+    gateway_cores: float | None = None
+    redis_cores: float | None = None
+    worker_cores: float | None = None
+    attacker_cores: float | None = None
+    exchanges_per_second: float = 0.0  # the attacker's requests (or connections) answered
 
 
-class Target:
-    """The gateway under attack: its port and the attacker's key."""
+class Attacker:
+    """One attacker process (``attackers``), started for a phase and stopped at its end."""
 
-    def __init__(self, port: int, attacker: str) -> None:
-        self.port = port
-        self.auth = f"Authorization: Bearer {attacker}\r\n"
-        self.statuses: Counter[str] = Counter()
-        self.own_request = ""  # the attacker's finished request, for the resume flood
+    def __init__(self, name: str, port: int, key: str, own_request: str, idle: int) -> None:
+        command = [sys.executable, "-m", "mlx_redis_worker.bench.attackers", name]
+        command += ["--port", str(port), "--key", key, "--own-request", own_request]
+        command += ["--idle-sockets", str(idle), "--model", MODEL_NAME]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE)
 
-    async def exchange(self, head: str, body_pieces: int = 0) -> None:
-        """One request on a connection of its own; its status (or failure) is counted."""
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-        except OSError as exc:
-            self.statuses[f"connect failed: {type(exc).__name__}"] += 1
-            await asyncio.sleep(0.05)
-            return
-        try:
-            # The gateway may refuse (and close) before it all arrived: then the answer is
-            # read all the same.
-            with contextlib.suppress(OSError):
-                writer.write(head.encode())
-                for _ in range(body_pieces):
-                    writer.write(PIECE)
-                    await writer.drain()
-            status = await reader.readline()
-            self.statuses[status.split(b" ", 2)[1].decode() if status else "closed"] += 1
-            await reader.read()
-        except (OSError, IndexError) as exc:
-            self.statuses[type(exc).__name__] += 1
-        finally:
-            writer.close()
+    def stop(self) -> dict[str, Any]:
+        """Its report: statuses, exchanges, CPU seconds."""
+        self.process.terminate()
+        out, _ = self.process.communicate(timeout=60)
+        lines = out.decode().strip().splitlines()
+        if self.process.returncode != 0 or not lines:
+            raise RuntimeError(f"the attacker failed (exit {self.process.returncode})")
+        report: dict[str, Any] = json.loads(lines[-1])
+        return report
 
 
-async def huge_header(target: Target) -> None:
-    head = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: "
-    while True:
-        await target.exchange(head, HUGE_HEADER // len(PIECE))
-
-
-async def huge_body(target: Target) -> None:
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{target.auth}"
-        f"Content-Type: application/json\r\nContent-Length: {HUGE_BODY}\r\n\r\n"
-    )
-    while True:
-        await target.exchange(head, HUGE_BODY // len(PIECE))
-
-
-async def read_flood(target: Target) -> None:
-    async def reader() -> None:
-        while True:
-            path = f"/v1/requests/cmpl-{uuid.uuid4().hex}"
-            await target.exchange(_get(path, target.auth))
-
-    await asyncio.gather(*(reader() for _ in range(FLOOD_CONNECTIONS)))
-
-
-async def resume_flood(target: Target) -> None:
-    async def resumer() -> None:
-        while True:
-            await target.exchange(_get(f"/v1/requests/{target.own_request}/stream", target.auth))
-
-    await asyncio.gather(*(resumer() for _ in range(FLOOD_CONNECTIONS)))
-
-
-def idle_sockets(count: int) -> Callable[[Target], Coroutine[Any, Any, None]]:
-    async def attack(target: Target) -> None:
-        async def hold() -> None:
-            while True:  # the gateway closes it after its header timeout: open another
-                try:
-                    reader, writer = await asyncio.open_connection("127.0.0.1", target.port)
-                except OSError as exc:
-                    target.statuses[f"connect failed: {type(exc).__name__}"] += 1
-                    await asyncio.sleep(0.5)
-                    continue
-                with contextlib.suppress(OSError):
-                    status = await reader.readline()
-                    target.statuses[status.split(b" ", 2)[1].decode() if status else "closed"] += 1
-                writer.close()
-
-        await asyncio.gather(*(hold() for _ in range(count)))
-
-    return attack
-
-
-def _get(path: str, auth: str) -> str:
-    return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Connection: close\r\n\r\n"
+def _cpu_seconds(pid: int | None) -> float | None:
+    """A process's CPU seconds so far (Linux's /proc; None elsewhere)."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _probe_health(port: int, seconds: list[float]) -> None:
@@ -160,7 +108,7 @@ async def _probe_health(port: int, seconds: list[float]) -> None:
         try:
             async with asyncio.timeout(HEALTH_TIMEOUT):
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.write(_get("/health", "").encode())
+                writer.write(get("/health", "").encode())
                 status = await reader.readline()
                 await reader.read()
                 writer.close()
@@ -171,79 +119,113 @@ async def _probe_health(port: int, seconds: list[float]) -> None:
         await asyncio.sleep(0.1)
 
 
-async def _phase(
-    name: str,
-    attack: Callable[[Target], Coroutine[Any, Any, None]] | None,
-    target: Target,
-    victim: _Connections,
-    prompts: list[str],
-    max_tokens: int,
-) -> Phase:
-    target.statuses = Counter()
+@dataclass(slots=True)
+class Bench:
+    """What every phase runs against: the gateway's port, the processes whose CPU is
+    counted, the attacker's key and finished request, the victim's connections."""
+
+    port: int
+    gateway_pid: int
+    redis_pid: int | None  # None: a Redis the bench did not start (its CPU is not counted)
+    worker_pid: int
+    attacker_key: str
+    victim: _Connections
+    max_tokens: int
+    idle_sockets: int
+    own_request: str = ""
+
+
+async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
+    """The victim's streams, with ``attack`` running beside them ("" for none)."""
     health: list[float] = []
-    background = [asyncio.create_task(_probe_health(target.port, health))]
-    if attack is not None:
-        background.append(asyncio.create_task(attack(target)))
-        await asyncio.sleep(1.0)  # the attack under way before the victim starts
+    prober = asyncio.create_task(_probe_health(bench.port, health))
+    attacker = None
+    if attack:
+        attacker = Attacker(
+            attack, bench.port, bench.attacker_key, bench.own_request, bench.idle_sockets
+        )
+        await asyncio.sleep(ATTACK_LEAD_SECONDS)
+    pids = [bench.gateway_pid, bench.redis_pid, bench.worker_pid]
+    cpu_before = [_cpu_seconds(pid) for pid in pids]
+    report: dict[str, Any] = {}
     try:
         start = time.perf_counter()
         streams: list[Stream] = await asyncio.gather(
-            *(_gateway(victim, p, max_tokens) for p in prompts)
+            *(_gateway(bench.victim, p, bench.max_tokens) for p in prompts)
         )
         seconds = time.perf_counter() - start
+        cpu_after = [_cpu_seconds(pid) for pid in pids]
     finally:
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
+        prober.cancel()
+        await asyncio.gather(prober, return_exceptions=True)
+        if attacker is not None:
+            report = await asyncio.to_thread(attacker.stop)
+    gateway, redis, worker = (
+        (after - before) / seconds if before is not None and after is not None else None
+        for before, after in zip(cpu_before, cpu_after, strict=True)
+    )
+    attacked = seconds + ATTACK_LEAD_SECONDS  # the attacker ran a little longer than this
     return Phase(
-        name,
+        _display(attack, bench.idle_sockets),
         sum(s.tokens for s in streams) / seconds,
         statistics.median(s.ttft for s in streams),
         health,
-        target.statuses,
+        Counter(report.get("statuses", {})),
+        gateway_cores=gateway,
+        redis_cores=redis,
+        worker_cores=worker,
+        attacker_cores=report["cpu_seconds"] / attacked if report else None,
+        exchanges_per_second=report.get("exchanges", 0) / attacked,
     )
 
 
-async def _measure(
-    port: int, victim_key: str, target: Target, prompts: list[list[str]], args: argparse.Namespace
-) -> list[Phase]:
-    attackers: list[tuple[str, Callable[[Target], Coroutine[Any, Any, None]]]] = [
-        ("huge header", huge_header),
-        ("huge body", huge_body),
-        ("read flood", read_flood),
-        ("resume flood", resume_flood),
-        (f"{args.idle_sockets} idle sockets", idle_sockets(args.idle_sockets)),
-    ]
-    victim = _Connections(port, headers=f"Authorization: Bearer {victim_key}\r\n")
-    attacker = _Connections(port, headers=target.auth)
+async def _measure(bench: Bench, prompts: list[list[str]], repeat: int) -> list[Phase]:
+    attacker = _Connections(bench.port, headers=f"Authorization: Bearer {bench.attacker_key}\r\n")
     try:
-        target.own_request = (await _gateway(attacker, prompts[0][0], 4)).request_id
-        await _phase("", None, target, victim, prompts[0], args.max_tokens)  # warm-up
+        bench.own_request = (await _gateway(attacker, prompts[0][0], 4)).request_id
+        await _phase(bench, "", prompts[0])  # warm-up
         phases: list[Phase] = []
         batch = iter(prompts[1:])
-        for _ in range(args.repeat):
-            for name, attack in attackers:
-                phases.append(await _phase("", None, target, victim, next(batch), args.max_tokens))
-                phases.append(
-                    await _phase(name, attack, target, victim, next(batch), args.max_tokens)
-                )
-        phases.append(await _phase("", None, target, victim, next(batch), args.max_tokens))
+        for _ in range(repeat):
+            for name in attacks(0):
+                phases.append(await _phase(bench, "", next(batch)))
+                phases.append(await _phase(bench, name, next(batch)))
+        phases.append(await _phase(bench, "", next(batch)))
         return phases
     finally:
-        victim.close()
+        bench.victim.close()
         attacker.close()
+
+
+def _display(attack: str, idle_sockets: int) -> str:
+    """An attacker's name in the table: ``huge header``, ``1000 idle sockets``."""
+    if attack == "idle-sockets":
+        return f"{idle_sockets} idle sockets"
+    return attack.replace("-", " ")
+
+
+def _cores(values: list[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    return f"{statistics.median(known):.2f}" if known else "–"
 
 
 def format_isolation(phases: list[Phase]) -> str:
     rows, met = [], True
     names = list(dict.fromkeys(p.attacker for p in phases if p.attacker))
-    base_health = [s for p in phases if not p.attacker for s in p.health]
-    rows.append(f"| alone (baselines) | 1.00 | 1.00 | {pct(base_health, 0.99) * 1e3:.0f} | |")
+    bases = [p for p in phases if not p.attacker]
+    base_health = [s for p in bases for s in p.health]
+    rows.append(
+        f"| alone (baselines) | 1.00 | 1.00 | {pct(base_health, 0.99) * 1e3:.0f} | "
+        f"{_cores([p.gateway_cores for p in bases])} | {_cores([p.redis_cores for p in bases])} | "
+        f"{_cores([p.worker_cores for p in bases])} | | | |"
+    )
     for name in names:
         tokens, ttft, health, statuses = [], [], [], Counter[str]()
+        attacked: list[Phase] = []
         for i, phase in enumerate(phases):
             if phase.attacker != name:
                 continue
+            attacked.append(phase)
             before, after = phases[i - 1], phases[i + 1]
             tokens.append(
                 phase.tokens_per_second
@@ -255,24 +237,34 @@ def format_isolation(phases: list[Phase]) -> str:
         p99 = pct(health, 0.99)
         met = met and statistics.median(tokens) >= TOKENS_GOAL and p99 < HEALTH_GOAL_S
         got = ", ".join(f"{status} ×{count}" for status, count in statuses.most_common(4))
+        rate = statistics.median(p.exchanges_per_second for p in attacked)
         rows.append(
             f"| {name} | {statistics.median(tokens):.2f} | {statistics.median(ttft):.2f} | "
-            f"{p99 * 1e3:.0f} | {got} |"
+            f"{p99 * 1e3:.0f} | {_cores([p.gateway_cores for p in attacked])} | "
+            f"{_cores([p.redis_cores for p in attacked])} | "
+            f"{_cores([p.worker_cores for p in attacked])} | "
+            f"{_cores([p.attacker_cores for p in attacked])} | {rate:.0f} | {got} |"
         )
-    alone = statistics.median(p.tokens_per_second for p in phases if not p.attacker)
+    alone = statistics.median(p.tokens_per_second for p in bases)
     return "\n".join(
         [
             f"victim alone: {alone:.0f} tok/s (median of baselines)",
             "",
             "| attacker | victim tok/s ratio | victim TTFT p50 ratio | /health p99 ms | "
-            "attacker got |",
-            "|---|---:|---:|---:|---|",
+            "gateway cores | Redis cores | worker cores | attacker cores | "
+            "attacker exchanges/s | attacker got |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
             *rows,
             "",
             f"goals: victim tok/s ≥ {TOKENS_GOAL} × alone and /health p99 < "
             f"{HEALTH_GOAL_S * 1e3:.0f} ms under every attacker: {'met' if met else 'NOT met'}",
         ]
     )
+
+
+def _redis_pid(url: str) -> int:
+    with redis.Redis.from_url(url) as plain:
+        return int(plain.info("server")["process_id"])
 
 
 def _start_gateway(
@@ -287,9 +279,9 @@ def _start_gateway(
 
 def run_isolation_bench(args: argparse.Namespace) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the idle sockets need room
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the gateway's too (inherited)
     tokenizer = load_model(args.model)[1]
-    phases = 2 + args.repeat * 10
+    phases = 2 + args.repeat * 2 * len(attacks(0))
     prompts = [
         [tokenizer.decode(p) for p in make_prompts(tokenizer, args.concurrency, 32, seed=i)]
         for i in range(phases)
@@ -313,7 +305,18 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
             async with Client(url, prefix=prefix) as client:
                 await wait_ready(client, [worker])
             await gateway_ready(port, gateway)
-            return await _measure(port, victim, Target(port, attacker), prompts, args)
+            victim_connections = _Connections(port, headers=f"Authorization: Bearer {victim}\r\n")
+            bench = Bench(
+                port,
+                gateway.pid,
+                _redis_pid(url) if what.startswith("a private") else None,
+                worker.process.pid,
+                attacker,
+                victim_connections,
+                args.max_tokens,
+                args.idle_sockets,
+            )
+            return await _measure(bench, prompts, args.repeat)
 
         results = asyncio.run(run())
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

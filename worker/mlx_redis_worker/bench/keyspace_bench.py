@@ -29,8 +29,9 @@ import redis
 
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.messages import DeltaEvent
-from mlx_redis_worker.bench.e2e_bench import pct, stop_worker
-from mlx_redis_worker.bench.models_bench import Model, Worker, start_worker, wait_ready
+from mlx_redis_worker.bench.e2e_bench import pct
+from mlx_redis_worker.bench.models_bench import Model, start_worker
+from mlx_redis_worker.bench.worker_process import Worker, stop_worker, wait_ready
 from mlx_redis_worker.local_redis import RedisServer
 
 EMPTY, FILLED = "empty", "filled"

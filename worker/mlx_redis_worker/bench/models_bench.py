@@ -20,28 +20,19 @@ import asyncio
 import contextlib
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.connection import RedisClient
-from mlx_redis_protocol.heartbeat import decode_heartbeat
 from mlx_redis_protocol.identifiers import is_valid_id
 from mlx_redis_protocol.messages import Job
-from mlx_redis_worker.bench.e2e_bench import (
-    Run,
-    pct,
-    process_cpu,
-    ratio,
-    stop_worker,
-    through_redis,
-)
+from mlx_redis_worker.bench.e2e_bench import Run, pct, process_cpu, ratio, through_redis
 from mlx_redis_worker.bench.engine_bench import make_prompts
+from mlx_redis_worker.bench.worker_process import Worker, stop_worker, wait_ready
+from mlx_redis_worker.bench.worker_process import start_worker as start_process
 from mlx_redis_worker.local_redis import local_redis
 from mlx_redis_worker.models import load_model
 from mlx_redis_worker.models.paths import FIXTURES
@@ -50,7 +41,6 @@ SHARED = "shared"  # one worker process serving both models
 SEPARATE = "separate"  # one worker process per model
 LAYOUTS = (SHARED, SEPARATE)
 TOTAL = "total"
-READY_TIMEOUT = 180.0
 WARMUP_TOKENS = 8
 
 
@@ -60,14 +50,6 @@ class Model:
     source: str  # fixture name, folder or hub id
     prompts: list[list[int]]
     warmup: list[list[int]]
-
-
-@dataclass(slots=True)
-class Worker:
-    worker_id: str
-    models: list[Model]
-    process: subprocess.Popen[bytes]
-    log_path: str
 
 
 @dataclass(slots=True)
@@ -130,54 +112,9 @@ def _prepare(args: argparse.Namespace) -> list[Model]:
 def start_worker(
     url: str, prefix: str, worker_id: str, models: list[Model], concurrency: int
 ) -> Worker:
-    model_flags = [flag for m in models for flag in ("--model", f"{m.name}={m.source}")]
-    command = [
-        sys.executable,
-        "-m",
-        "mlx_redis_protocol.cli",
-        "--log-level",
-        "WARNING",
-        "run",
-        *model_flags,
-        "--redis-url",
-        url,
-        "--prefix",
-        prefix,
-        "--worker-id",
-        worker_id,
-        "--max-concurrency",
-        str(concurrency),
-    ]
-    log_path = os.path.join(tempfile.gettempdir(), f"mlxw-{worker_id}.log")
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    return Worker(worker_id, models, process, log_path)
-
-
-async def wait_ready(client: Client, workers: list[Worker]) -> None:
-    """Each worker answers a ping addressed to it and its heartbeat lists its models."""
-    deadline = time.monotonic() + READY_TIMEOUT
-    for worker in workers:
-        wanted = {m.name for m in worker.models}
-        while True:
-            if worker.process.poll() is not None:
-                raise RuntimeError(
-                    f"worker {worker.worker_id} exited during start-up (exit status "
-                    f"{worker.process.returncode}); its log: {worker.log_path}"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"worker {worker.worker_id} was not serving {sorted(wanted)} within "
-                    f"{READY_TIMEOUT:.0f} s; its log: {worker.log_path}"
-                )
-            with contextlib.suppress(Exception):  # not up yet
-                if await client.ping(worker_id=worker.worker_id, timeout=1):
-                    beat = decode_heartbeat(
-                        await client.redis.get(client.keys.worker(worker.worker_id))
-                    )
-                    if beat is not None and wanted <= set(beat.models):
-                        break
-            await asyncio.sleep(0.5)
+    """A worker process serving ``models`` (each under its fleet name)."""
+    flags = [f"{m.name}={m.source}" for m in models]
+    return start_process(url, prefix, worker_id, flags, concurrency)
 
 
 class _ModelClient(Client):

@@ -11,10 +11,13 @@ A schema llguidance refuses (``accepts`` false) is dropped and counted.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
+
+import jsonschema
 
 Schema = dict[str, Any]
 
@@ -162,6 +165,19 @@ def build_suite(
         topic = TOPICS[len(schemas) % len(TOPICS)]
         schemas.append(SuiteSchema(len(schemas), schema, describe(schema, topic)))
     return Suite(schemas, refused, oversized)
+
+
+def validation_error(schema: Schema, text: str) -> str:
+    """Why ``text`` is no instance of ``schema`` (jsonschema's best match, draft 2020-12);
+    "" when it is one."""
+    try:
+        instance = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return f"not JSON: {exc}"
+    error = jsonschema.exceptions.best_match(
+        jsonschema.Draft202012Validator(schema).iter_errors(instance)
+    )
+    return "" if error is None else f"{error.message} at {list(error.absolute_path)}"
 
 
 def llguidance_accepts(schema: Schema) -> bool:

@@ -28,16 +28,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import jsonschema
 import mlx.core as mx
 
-from mlx_redis_worker.bench.schema_suite import Suite, SuiteSchema, build_suite, llguidance_accepts
+from mlx_redis_worker.bench.engine_runs import bench_engine, run_on_engine
+from mlx_redis_worker.bench.schema_suite import (
+    Suite,
+    SuiteSchema,
+    build_suite,
+    llguidance_accepts,
+    validation_error,
+)
 from mlx_redis_worker.engine import (
-    EngineConfig,
     EngineCore,
     ResponseFormat,
     SamplingParams,
-    SchedulerConfig,
 )
 from mlx_redis_worker.engine.structured import GrammarProcessor
 from mlx_redis_worker.models import load_model
@@ -138,17 +142,6 @@ def params(args: argparse.Namespace, item: SuiteSchema, constrained: bool) -> Sa
     return SamplingParams(**limits, seed=item.index, response_format=fmt)
 
 
-def validation_error(item: SuiteSchema, text: str) -> str:
-    try:
-        instance = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return f"not JSON: {exc}"
-    error = jsonschema.exceptions.best_match(
-        jsonschema.Draft202012Validator(item.schema).iter_errors(instance)
-    )
-    return "" if error is None else f"{error.message} at {list(error.absolute_path)}"
-
-
 async def run_validity(
     engine: EngineCore, args: argparse.Namespace, prompts: list[str], results: Results
 ) -> None:
@@ -166,7 +159,7 @@ async def run_validity(
                 final = output
         assert final is not None
         reason, text = final.finish_reason, final.output_text
-        error = validation_error(item, text) if reason == "stop" else ""
+        error = validation_error(item.schema, text) if reason == "stop" else ""
         tokens = final.completion_tokens
         results.finals.append(Final(item, reason, final.output_valid, text, tokens, error))
 
@@ -238,10 +231,7 @@ def run_structured_bench(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     suite = build_suite(args.schemas, llguidance_accepts, seed=args.seed)
     prompts = [chat_prompt(tokenizer, item) for item in suite.schemas]
-    config = SchedulerConfig(max_num_seqs=args.batch, enable_prefix_cache=False)
-    engine = EngineCore(
-        model, tokenizer, EngineConfig(model_name=args.model, scheduler_config=config)
-    )
+    engine = bench_engine(args.model, model, tokenizer, max_num_seqs=args.batch)
     results = Results(suite)
     print(
         f"model {args.model}, {len(suite.schemas)} schemas (seed {args.seed}), batch "
@@ -251,21 +241,14 @@ def run_structured_bench(args: argparse.Namespace) -> int:
     )
 
     async def scenario() -> None:
-        await engine.start()
-        try:
-            await run_validity(engine, args, prompts, results)
-            print(f"validity pass: {results.validity_seconds:.0f} s", flush=True)
-            second_pass(engine, results)
-            started = time.perf_counter()
-            await run_speed(engine, args, prompts, results)
-            print(f"speed runs: {time.perf_counter() - started:.0f} s", flush=True)
-        finally:
-            await engine.stop()
+        await run_validity(engine, args, prompts, results)
+        print(f"validity pass: {results.validity_seconds:.0f} s", flush=True)
+        second_pass(engine, results)
+        started = time.perf_counter()
+        await run_speed(engine, args, prompts, results)
+        print(f"speed runs: {time.perf_counter() - started:.0f} s", flush=True)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        engine.close()
+    run_on_engine(engine, scenario)
     report, ok = format_report(results, args)
     print(report)
     return 0 if ok else 1

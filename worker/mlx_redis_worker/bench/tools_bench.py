@@ -21,17 +21,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import jsonschema
-
 from mlx_redis_protocol.messages import ChatMessage, Job, Tool, ToolChoice
-from mlx_redis_worker.bench.schema_suite import SuiteSchema, build_suite, llguidance_accepts
+from mlx_redis_worker.bench.engine_runs import bench_engine, run_on_engine
+from mlx_redis_worker.bench.schema_suite import (
+    SuiteSchema,
+    build_suite,
+    llguidance_accepts,
+    validation_error,
+)
 from mlx_redis_worker.daemon.job_prompt import JobPrompt, job_prompt
-from mlx_redis_worker.engine import EngineConfig, EngineCore, SamplingParams, SchedulerConfig
+from mlx_redis_worker.engine import EngineCore, SamplingParams
 from mlx_redis_worker.models import load_model
 
 PASSES = ("required", "auto")
@@ -80,14 +83,8 @@ def suite_slice(items: list[SuiteSchema], spec: str | None) -> list[SuiteSchema]
 def call_error(item: SuiteSchema, name: str, arguments: str) -> str:
     if name != function_of(item).name:
         return f"called {name!r}"
-    try:
-        instance = json.loads(arguments)
-    except json.JSONDecodeError as exc:
-        return f"arguments not JSON: {exc}"
-    error = jsonschema.exceptions.best_match(
-        jsonschema.Draft202012Validator(item.schema).iter_errors(instance)
-    )
-    return "" if error is None else f"{error.message} at {list(error.absolute_path)}"
+    error = validation_error(item.schema, arguments)
+    return f"arguments {error}" if error else ""
 
 
 async def run_pass(
@@ -145,10 +142,7 @@ def run_tools_bench(args: argparse.Namespace) -> int:
     unknown = set(passes) - set(PASSES)
     if unknown or not items:
         raise SystemExit(f"bench tools: unknown passes {sorted(unknown)} or an empty slice")
-    config = SchedulerConfig(max_num_seqs=args.batch, enable_prefix_cache=False)
-    engine = EngineCore(
-        model, tokenizer, EngineConfig(model_name=args.model, scheduler_config=config)
-    )
+    engine = bench_engine(args.model, model, tokenizer, max_num_seqs=args.batch)
     print(
         f"model {args.model}, schemas {items[0].index}..{items[-1].index} of a suite of "
         f"{len(suite.schemas)} (seed {args.seed}), batch {args.batch}, max_tokens "
@@ -159,19 +153,12 @@ def run_tools_bench(args: argparse.Namespace) -> int:
     results: list[PassResult] = []
 
     async def scenario() -> None:
-        await engine.start()
-        try:
-            for mode in passes:
-                results.append(await run_pass(engine, tokenizer, args, items, mode))
-                print(f"{mode} pass: {results[-1].seconds:.0f} s", flush=True)
-                print(format_report(results[-1:])[0], flush=True)  # what a cut-short run has
-        finally:
-            await engine.stop()
+        for mode in passes:
+            results.append(await run_pass(engine, tokenizer, args, items, mode))
+            print(f"{mode} pass: {results[-1].seconds:.0f} s", flush=True)
+            print(format_report(results[-1:])[0], flush=True)  # what a cut-short run has
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        engine.close()
+    run_on_engine(engine, scenario)
     report, ok = format_report(results)
     print(report)
     return 0 if ok else 1

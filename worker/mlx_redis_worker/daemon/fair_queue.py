@@ -66,11 +66,13 @@ MAX_WEIGHTS: Final = 1000
 # KEYS[1] the model's stream, KEYS[2] backlogged tenants (zset: start tag), KEYS[3] idle
 # tenants' finish tags (zset), KEYS[4] state (hash: vtime), KEYS[5] weights (hash), KEYS[6]
 # this minute's served tokens (hash, expiring). Per-tenant queues are ARGV[11]..'q:'..tenant
-# (zset: priority, lower first; ids in arrival order within one) and ..'age:'..tenant (zset:
-# arrival ms), in the same slot (same tag). ARGV: 1 group, 2 fair consumer, 3 this worker,
-# 4 intake count, 5 picks wanted, 6 now in ms (0: Redis' clock), 7 age bound in ms, 8 default
-# tenant, 9 max job bytes, 10 default cost, 11 queue key base, 12 served TTL, 13 number of
-# settlements, then (tenant, token delta, tokens served) for each.
+# (zset: priority, lower first; arrival order within one) and ..'age:'..tenant (zset: arrival
+# ms), in the same slot (same tag); their members are entry ids with both parts zero-padded to
+# 20 digits, so that members of one score sort as the ids do (as text, '5-10' < '5-9').
+# Unpadded members (queued by an older worker) are read as they are. ARGV: 1 group, 2 fair
+# consumer, 3 this worker, 4 intake count, 5 picks wanted, 6 now in ms (0: Redis' clock), 7 age
+# bound in ms, 8 default tenant, 9 max job bytes, 10 default cost, 11 queue key base, 12 served
+# TTL, 13 number of settlements, then (tenant, token delta, tokens served) for each.
 PICK: Final = """
 local stream, backlogged, idle, state, weights = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local group, fair, me = ARGV[1], ARGV[2], ARGV[3]
@@ -110,6 +112,16 @@ local function tenant_of(job)
   return default_tenant
 end
 
+local function member_of(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return string.rep('0', 20 - #ms) .. ms .. '-' .. string.rep('0', 20 - #seq) .. seq
+end
+
+local function id_of(member)
+  local ms, seq = string.match(member, '^(%d+)-(%d+)$')
+  return (string.gsub(ms, '^0+(%d)', '%1')) .. '-' .. (string.gsub(seq, '^0+(%d)', '%1'))
+end
+
 local function integer(value, low, high)
   if type(value) == 'number' and value == math.floor(value) and value >= low and value <= high then
     return value
@@ -142,8 +154,9 @@ if read then
     local job = job_of(fields)
     local tenant = tenant_of(job)
     local priority = integer(job and job['priority'], -100, 100) or 0
-    redis.call('ZADD', base .. 'q:' .. tenant, priority, id)
-    redis.call('ZADD', base .. 'age:' .. tenant, tonumber(string.match(id, '^(%d+)')), id)
+    local member = member_of(id)
+    redis.call('ZADD', base .. 'q:' .. tenant, priority, member)
+    redis.call('ZADD', base .. 'age:' .. tenant, tonumber(string.match(id, '^(%d+)')), member)
     if not redis.call('ZSCORE', backlogged, tenant) then
       local finish = tonumber(redis.call('ZSCORE', idle, tenant) or '-inf')
       redis.call('ZREM', idle, tenant)
@@ -162,17 +175,18 @@ while #picked < tonumber(ARGV[5]) and tries < tonumber(ARGV[5]) + 16 do
   if #head == 0 then break end
   local tenant, start = head[1], tonumber(head[2])
   local queue, ages = base .. 'q:' .. tenant, base .. 'age:' .. tenant
-  local id = nil
+  local member = nil
   local oldest = redis.call('ZRANGE', ages, 0, 0, 'WITHSCORES')
   if #oldest > 0 and now - tonumber(oldest[2]) >= age_bound then
-    id = oldest[1]
+    member = oldest[1]
   else
-    id = redis.call('ZRANGE', queue, 0, 0)[1]
+    member = redis.call('ZRANGE', queue, 0, 0)[1]
   end
   local cost = 0
-  if id then
-    redis.call('ZREM', queue, id)
-    redis.call('ZREM', ages, id)
+  if member then
+    redis.call('ZREM', queue, member)
+    redis.call('ZREM', ages, member)
+    local id = id_of(member)
     -- Only while it still waits for us: a worker that reclaimed it (one without fair share)
     -- runs it already; a deleted entry is gone.
     local waiting = redis.call('XPENDING', stream, group, id, id, 1, fair)

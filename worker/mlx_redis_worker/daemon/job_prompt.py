@@ -21,6 +21,7 @@ from mlx_redis_worker.engine.tool_calls import (
     template_tools,
     tool_grammar,
     tool_syntax,
+    with_call_ids,
 )
 
 # How many of the prompt's last tokens are read back to see whether it opened a thought.
@@ -69,6 +70,7 @@ def job_prompt(job: Job, tokenizer: Any) -> JobPrompt:
     tools = template_tools(job.tools or ()) if calls and syntax.native else None
     if not syntax.native and (calls or _has_tool_turns(messages)):
         messages = fallback_messages(messages, job.tools if calls else None)
+    messages = with_call_ids(messages, syntax)
     system_prefix = job.prefix_boundary == SYSTEM_PREFIX
     thought = thought_markers(tokenizer)
     # mlx-lm turns thinking off for a model whose vocabulary has no think tokens; a

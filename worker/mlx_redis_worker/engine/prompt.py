@@ -11,6 +11,8 @@ from __future__ import annotations
 from itertools import takewhile
 from typing import Any
 
+from jinja2 import TemplateError
+
 NO_CHAT_TEMPLATE = (
     "job.messages: the model has no chat template; send a `prompt` instead "
     "(mlx-worker submit --raw)"
@@ -109,9 +111,14 @@ def shared_prefix_length(a: list[int], b: list[int]) -> int:
 def _render(
     tokenizer: Any, messages: list[dict[str, Any]], *, generation_prompt: bool, **extra: Any
 ) -> str:
-    rendered: str = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=generation_prompt, tokenize=False, **extra
-    )
+    try:
+        rendered: str = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False, **extra
+        )
+    except TemplateError as exc:
+        # The template's own refusal (``raise_exception``: roles out of turn, more calls in a
+        # turn than the model takes): the sender's to fix, as any other bad chat.
+        raise ValueError(f"job.messages: the model's chat template refused them: {exc}") from exc
     return rendered
 
 

@@ -20,7 +20,9 @@ with ``auto`` it is lazy, free text until the model opens a call, constrained fr
 
 from __future__ import annotations
 
+import hashlib
 import json
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -47,11 +49,14 @@ class ToolSyntax:
     arguments_key: str = "arguments"
     array: bool = False
     native: bool = True
+    # The length of the call ids the model's templates accept (0: any id).
+    id_chars: int = 0
 
 
 HERMES: Final = ToolSyntax("hermes", "<tool_call>\n", "\n</tool_call>")
 LLAMA3_JSON: Final = ToolSyntax("llama3_json", "", "", arguments_key="parameters")
-MISTRAL: Final = ToolSyntax("mistral", "[TOOL_CALLS]", "", array=True)
+# Mistral's templates refuse a call id that is not 9 letters and digits (v3 and Tekken alike).
+MISTRAL: Final = ToolSyntax("mistral", "[TOOL_CALLS]", "", array=True, id_chars=9)
 FALLBACK: Final = ToolSyntax("hermes", "<tool_call>\n", "\n</tool_call>", native=False)
 
 # mlx-lm's parser modules for the syntaxes above.
@@ -84,6 +89,40 @@ def template_tools(tools: Sequence[Tool]) -> list[dict[str, Any]]:
         }
         for tool in tools
     ]
+
+
+def with_call_ids(messages: list[dict[str, Any]], syntax: ToolSyntax) -> list[dict[str, Any]]:
+    """``messages`` with each call id (and each tool turn's ``tool_call_id``) in the shape the
+    model's template accepts: an id it would refuse becomes a stable one of its shape (the
+    same id always gives the same, so a call and its result stay paired)."""
+    if not syntax.id_chars:
+        return messages
+    turns = []
+    for turn in messages:
+        turn = dict(turn)
+        if turn.get("tool_calls"):
+            turn["tool_calls"] = [
+                {**call, "id": _short_id(str(call.get("id", "")), syntax.id_chars)}
+                for call in turn["tool_calls"]
+            ]
+        if "tool_call_id" in turn:
+            turn["tool_call_id"] = _short_id(str(turn["tool_call_id"]), syntax.id_chars)
+        turns.append(turn)
+    return turns
+
+
+_ID_ALPHABET: Final = string.ascii_letters + string.digits
+
+
+def _short_id(call_id: str, chars: int) -> str:
+    if len(call_id) == chars and all(c in _ID_ALPHABET for c in call_id):
+        return call_id
+    number = int.from_bytes(hashlib.sha256(call_id.encode()).digest(), "big")
+    letters = []
+    for _ in range(chars):
+        number, digit = divmod(number, len(_ID_ALPHABET))
+        letters.append(_ID_ALPHABET[digit])
+    return "".join(letters)
 
 
 # -- the fallback prompt ---------------------------------------------------------------------
@@ -186,7 +225,8 @@ def tool_grammar(
     start, end = markers.literal(syntax.start), syntax.end
     if syntax.array or not syntax.start:
         # One region holds every call: mistral's array, llama's single object.
-        calls = f"{start} fn" if syntax.start else "fn"
+        # Mistral's v3 templates write a blank after the marker, Tekken's none: either.
+        calls = f'{start} " "? fn' if syntax.start else "fn"
         lines.append(f"calls: {calls}")
     else:
         body = f"fn {markers.literal(end)}" if end else "fn"

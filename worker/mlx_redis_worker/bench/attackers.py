@@ -1,0 +1,224 @@
+"""The abusive HTTP clients of ``mlx-worker bench isolation``, each run as a process of its own.
+
+``python -m mlx_redis_worker.bench.attackers NAME --port P --key K`` attacks the gateway on
+port P until SIGTERM, then prints one JSON line: what the attacker got back (statuses or
+connection errors, counted), how many exchanges it made, and its own CPU seconds. A process
+of its own, at the lowest CPU priority (Linux's ``SCHED_IDLE``, elsewhere niceness 19): the
+victim's client is not slowed by the attacker's coroutines in its event loop, and the
+attacker stands for a client on another host, so on a machine of a few cores it takes only
+the CPU the gateway, the worker and Redis leave idle. What its requests cost the gateway
+and Redis is what the bench measures.
+
+Attackers: ``huge-header`` (heads of 16 MB, one connection after another), ``huge-body``
+(bodies that say 500 MB, sent until refused), ``read-flood`` (200 connections reading random
+request ids with the attacker's key), ``resume-flood`` (200 connections resuming the
+attacker's own finished request, ``--own-request``), ``hostile-schema`` (4 connections
+asking ``--model`` for chat completions in a new deep ``anyOf`` schema each time, as large as
+the worker's default ``max_schema_bytes`` lets through: a compile each), ``idle-sockets``
+(``--idle-sockets`` connections that send nothing, reopened when closed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import signal
+import uuid
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from mlx_redis_worker.bench.hostile_schemas import deep_anyof
+
+FLOOD_CONNECTIONS = 200
+SCHEMA_CONNECTIONS = 4  # the attacker key's concurrency cap
+# 8 branches, 3 levels: 512 leaves, about 124 KiB (the default max_schema_bytes is 128 KiB).
+SCHEMA_WIDTH = 8
+HUGE_HEADER = 16 * 1024 * 1024
+HUGE_BODY = 500 * 1024 * 1024
+PIECE = b"a" * 65536
+
+
+class Target:
+    """The gateway under attack: its port and the attacker's key."""
+
+    def __init__(self, port: int, key: str, own_request: str = "", model: str = "") -> None:
+        self.port = port
+        self.auth = f"Authorization: Bearer {key}\r\n"
+        self.statuses: Counter[str] = Counter()
+        self.own_request = own_request  # the attacker's finished request, for the resume flood
+        self.model = model  # the model the hostile schemas are sent to
+
+    async def exchange(self, head: str, body_pieces: int = 0, body: bytes = b"") -> None:
+        """One request on a connection of its own (its ``body``, or ``body_pieces`` of
+        ``PIECE``); its status (or failure) is counted."""
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        except OSError as exc:
+            self.statuses[f"connect failed: {type(exc).__name__}"] += 1
+            await asyncio.sleep(0.05)
+            return
+        try:
+            # The gateway may refuse (and close) before it all arrived: then the answer is
+            # read all the same.
+            with contextlib.suppress(OSError):
+                writer.write(head.encode() + body)
+                for _ in range(body_pieces):
+                    writer.write(PIECE)
+                    await writer.drain()
+            status = await reader.readline()
+            self.statuses[status.split(b" ", 2)[1].decode() if status else "closed"] += 1
+            await reader.read()
+        except (OSError, IndexError) as exc:
+            self.statuses[type(exc).__name__] += 1
+        finally:
+            writer.close()
+
+
+Attack = Callable[[Target], Coroutine[Any, Any, None]]
+
+
+async def huge_header(target: Target) -> None:
+    head = "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: "
+    while True:
+        await target.exchange(head, HUGE_HEADER // len(PIECE))
+
+
+async def huge_body(target: Target) -> None:
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{target.auth}"
+        f"Content-Type: application/json\r\nContent-Length: {HUGE_BODY}\r\n\r\n"
+    )
+    while True:
+        await target.exchange(head, HUGE_BODY // len(PIECE))
+
+
+async def read_flood(target: Target) -> None:
+    async def reader() -> None:
+        while True:
+            path = f"/v1/requests/cmpl-{uuid.uuid4().hex}"
+            await target.exchange(get(path, target.auth))
+
+    await asyncio.gather(*(reader() for _ in range(FLOOD_CONNECTIONS)))
+
+
+async def resume_flood(target: Target) -> None:
+    async def resumer() -> None:
+        while True:
+            await target.exchange(get(f"/v1/requests/{target.own_request}/stream", target.auth))
+
+    await asyncio.gather(*(resumer() for _ in range(FLOOD_CONNECTIONS)))
+
+
+async def hostile_schema(target: Target) -> None:
+    async def sender(number: int) -> None:
+        while True:
+            salt = f"{number}{uuid.uuid4().hex[:8]}"
+            schema = deep_anyof(salt, width=SCHEMA_WIDTH, depth=3)
+            body = json.dumps(
+                {
+                    "model": target.model,
+                    "messages": [{"role": "user", "content": "fill it in"}],
+                    "max_tokens": 8,
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "hostile", "schema": schema},
+                    },
+                },
+                separators=(",", ":"),
+            ).encode()
+            head = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{target.auth}"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n"
+            )
+            await target.exchange(head, body=body)
+
+    await asyncio.gather(*(sender(number) for number in range(SCHEMA_CONNECTIONS)))
+
+
+def idle_sockets(count: int) -> Attack:
+    async def attack(target: Target) -> None:
+        async def hold() -> None:
+            while True:  # the gateway closes it after its header timeout: open another
+                try:
+                    reader, writer = await asyncio.open_connection("127.0.0.1", target.port)
+                except OSError as exc:
+                    target.statuses[f"connect failed: {type(exc).__name__}"] += 1
+                    await asyncio.sleep(0.5)
+                    continue
+                with contextlib.suppress(OSError):
+                    status = await reader.readline()
+                    target.statuses[status.split(b" ", 2)[1].decode() if status else "closed"] += 1
+                writer.close()
+
+        await asyncio.gather(*(hold() for _ in range(count)))
+
+    return attack
+
+
+def get(path: str, auth: str) -> str:
+    """A GET request's head that closes its connection."""
+    return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Connection: close\r\n\r\n"
+
+
+def attacks(idle: int) -> dict[str, Attack]:
+    return {
+        "huge-header": huge_header,
+        "huge-body": huge_body,
+        "read-flood": read_flood,
+        "resume-flood": resume_flood,
+        "hostile-schema": hostile_schema,
+        "idle-sockets": idle_sockets(idle),
+    }
+
+
+async def _run(attack: Attack, target: Target) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    task = asyncio.create_task(attack(target))
+    await stop.wait()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _lowest_priority() -> None:
+    """Run only on CPU nobody else wants (as far as the OS allows)."""
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    else:
+        os.nice(19)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlx_redis_worker.bench.attackers")
+    parser.add_argument("attack", choices=sorted(attacks(0)))
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--key", required=True, help="the attacker's API key")
+    parser.add_argument("--own-request", default="", help="the resume flood's request id")
+    parser.add_argument("--model", default="", help="the hostile schemas' model")
+    parser.add_argument("--idle-sockets", type=int, default=1000)
+    args = parser.parse_args(argv)
+    _lowest_priority()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the idle sockets need room
+    target = Target(args.port, args.key, args.own_request, args.model)
+    asyncio.run(_run(attacks(args.idle_sockets)[args.attack], target))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    report = {
+        "statuses": dict(target.statuses),
+        "exchanges": sum(target.statuses.values()),
+        "cpu_seconds": usage.ru_utime + usage.ru_stime,
+    }
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
