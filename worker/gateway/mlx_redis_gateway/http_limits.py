@@ -6,20 +6,21 @@ Two layers, because uvicorn's httptools parser has no limit of its own on a requ
   (request line and headers) larger than ``max_header_bytes`` is a 431 and the connection is
   closed before the read that carried it past the limit is parsed (httptools joins a
   header's pieces by concatenation, so an unbounded header costs more than linear time on
-  the event loop); a connection that has not
-  sent a whole head within ``header_timeout`` seconds of opening (or of its request's first
-  byte) is a 408 and closed (uvicorn's keep-alive timer only starts after a first response);
-  a connection beyond ``max_connections`` open at once is a 503 and closed at once, before
-  the process runs out of file descriptors; a connection serves at most
-  ``max_requests_per_connection`` requests, then says ``connection: close``.
-  httptools was kept over h11 (which bounds a head itself) for its speed: see
-  docs/gateway.md, "HTTP limits", for the figures.
-- ``RequestLimits``: ASGI middleware for what needs the parsed head: more than
-  ``max_headers`` headers is a 431, a ``content-length`` over ``max_body_bytes`` a 413 before
-  a byte of the body is read, a body that grows past it while read (chunked) a 413 too, and a
-  body not whole within ``body_timeout`` seconds of the request's start a 408 (a client
-  dripping its body cannot hold a connection and a route open for longer).
-  ``read_json`` parses a body with a bound on its nesting (400, not a RecursionError's 500).
+  the event loop); a ``content-length`` over ``max_body_bytes`` is a 413 as soon as the head
+  is parsed, before a route's task exists or a byte of the body is kept; a connection that
+  has not sent a whole head within ``header_timeout`` seconds of opening (or of its
+  request's first byte) is a 408 and closed (uvicorn's keep-alive timer only starts after a
+  first response); a connection beyond ``max_connections`` open at once is a 503 and closed
+  at once, before the process runs out of file descriptors; a connection serves at most
+  ``max_requests_per_connection`` requests, then says ``connection: close``. httptools was
+  kept over h11 (which bounds a head itself) for its speed: see docs/gateway.md, "HTTP
+  limits", for the figures.
+- ``RequestLimits``: ASGI middleware for what needs the request's task: more than
+  ``max_headers`` headers is a 431, a body that grows past ``max_body_bytes`` while read
+  (chunked) a 413, and a body not whole within ``body_timeout`` seconds of the request's
+  start a 408 (a client dripping its body cannot hold a connection and a route open for
+  longer). ``read_json`` parses a body with a bound on its nesting (400, not a
+  RecursionError's 500).
 
 Every refusal is OpenAI's error shape.
 """
@@ -138,6 +139,9 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
         _head_tail = b""
         _head_timer: asyncio.TimerHandle | None = None
         _served = 0
+        # A declared body over the limit was refused: what the parser still finds in the
+        # read is dropped.
+        _body_refused = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -195,10 +199,29 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
         def on_headers_complete(self) -> None:
             self._head_bytes = None
             self._cancel_head_timer()
+            declared = _content_length(self.headers)
+            answering = self.cycle is not None and not self.cycle.response_complete
+            if declared is not None and declared > limits.max_body_bytes and not answering:
+                # Refused before a route (and its task) exists and before the parser keeps
+                # any of the body: a flood of such requests costs the gateway a head each.
+                # (Behind a pipelined request still being answered, the body is refused as
+                # it is read instead, so that answer is not cut.)
+                self._body_refused = True
+                refusal = body_too_large(limits.max_body_bytes)
+                self._refuse(413, refusal.message, refusal.type, "body_too_large")
+                return
             super().on_headers_complete()
             self._served += 1
             if self._served >= limits.max_requests_per_connection and self.cycle is not None:
                 self.cycle.keep_alive = False
+
+        def on_body(self, body: bytes) -> None:
+            if not self._body_refused:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if not self._body_refused:
+                super().on_message_complete()
 
         def _arm_head_timer(self) -> None:
             self._head_timer = self.loop.call_later(limits.header_timeout, self._head_timed_out)
@@ -250,6 +273,10 @@ class BodyTooLarge(ApiError):
     """A body that grew past the limit while it was read (no content-length said so)."""
 
 
+def body_too_large(limit: int) -> ApiError:
+    return BodyTooLarge(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+
+
 class RequestLimits:
     """ASGI middleware: header count and body size, checked before a route runs."""
 
@@ -272,10 +299,6 @@ class RequestLimits:
                 ),
             )
             return
-        length = _content_length(headers)
-        if length is not None and length > self.limits.max_body_bytes:
-            await _send_error(send, self._too_large())
-            return
         deadline = asyncio.get_running_loop().time() + self.limits.body_timeout
         received, body_done, refused = 0, False, False
 
@@ -293,7 +316,7 @@ class RequestLimits:
                 received += len(message.get("body", b""))
                 if received > self.limits.max_body_bytes:
                     refused = True
-                    raise self._too_large()
+                    raise body_too_large(self.limits.max_body_bytes)
                 body_done = not message.get("more_body", False)
             return message
 
@@ -305,13 +328,6 @@ class RequestLimits:
             await send(message)
 
         await self.app(scope, bounded_receive, closing_send)
-
-    def _too_large(self) -> ApiError:
-        return BodyTooLarge(
-            413,
-            f"the request body exceeds {self.limits.max_body_bytes} bytes",
-            code="body_too_large",
-        )
 
     def _too_slow(self) -> ApiError:
         return ApiError(
