@@ -7,10 +7,11 @@ Scenarios (each prints the markdown table README's "Reliability" section quotes)
 * ``cluster``: 2 workers and one Client on a local 3-master Redis Cluster through node 0's
   URL, request ids spread over the three nodes, every job submitted and followed at once;
   then ``mlx-worker submit / stream / ctl stats`` for a request whose keys live elsewhere.
-* ``cluster-failover``: the same on 3 masters + 3 replicas, with the master of the job
-  stream's slot SIGKILLed once a third of the requests ended and the master of a running
-  request's log once two thirds did; subscribers, a submit after each promotion and an
-  ``mlx-worker stream`` across each kill must follow the promoted replicas by themselves.
+* ``cluster-failover``: the same on 3 masters + 3 replicas (through a replica's URL), with the
+  master of the job stream's slot SIGKILLed once a third of the requests ended and the master
+  of a running request's log once two thirds did; subscribers, a submit after each promotion
+  and an ``mlx-worker stream`` across each kill must follow the promoted replicas by
+  themselves.
 * ``sentinel``: workers and Client on a ``redis+sentinel://`` URL (lease 2 s); the queued jobs
   replicated (``WAIT 1 2000``), then the master SIGKILLed once a third are done; the workers
   must follow the promoted replica without a restart. ``--replica-lag S`` first cuts the

@@ -1,8 +1,8 @@
-"""A Cluster failover under clients: 3 masters + 3 replicas, workers and one Client on node 0's
-URL, every job followed live; the master of the job stream's slot SIGKILLed, then the master
-of a running request's log. Clients must follow the promoted replicas by themselves: no
-subscriber's stream may raise (the driver counts every resume), a submit through the same
-Client after each promotion must go through at its first try, and an ``mlx-worker stream``
+"""A Cluster failover under clients: 3 masters + 3 replicas, workers and one Client on a
+replica's URL, every job followed live; the master of the job stream's slot SIGKILLed, then
+the master of a running request's log. Clients must follow the promoted replicas by
+themselves: no subscriber's stream may raise (the driver counts every resume), a submit
+through the same Client after each promotion must go through, and an ``mlx-worker stream``
 process following a request across the kill must print its ``done``."""
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ def run_cluster_failover(config: FaultConfig, cluster: LocalCluster | None = Non
     two thirds did; see the module docstring for what must hold."""
     directory = config.workdir()
     with started(cluster, LocalCluster, replicas=1) as cluster:
-        stage = stage_for(config, cluster.url)
+        # Workers, Client, CLI and the final checks all use a replica's URL: a node that
+        # outlives both kills (node 0 may be a master that dies).
+        url = cluster.replica_url()
+        stage = stage_for(config, url)
         rids = [spec.rid for spec in stage.specs if spec.rid is not None]
         # The submit after each promotion: a prompt of the run, whose greedy text is known.
         prompt = stage.specs[0].prompt or ""
@@ -56,7 +59,7 @@ def run_cluster_failover(config: FaultConfig, cluster: LocalCluster | None = Non
                 key = client.keys.jobs if what == "job stream" else client.keys.log(rid)
                 done_at_kill = len(progress.ended)
                 kill, ending = await _kill_and_follow(
-                    cluster, client, config, key, rid, what, reference
+                    cluster, url, client, config, key, rid, what, reference
                 )
                 kills.append({**kill, "done_at_kill": done_at_kill})
                 endings.append(asyncio.create_task(ending))
@@ -67,7 +70,7 @@ def run_cluster_failover(config: FaultConfig, cluster: LocalCluster | None = Non
             return {"kills": kills}
 
         stage.fault = failovers
-        stage.workers += workers_for(config, cluster.url, directory)
+        stage.workers += workers_for(config, url, directory)
         outcome = run_stage(stage, "Cluster 3+3: SIGKILL of two masters mid-run", directory)
     result, values = outcome.result, outcome.result.values
     if values["stream_exceptions_caught"] or values["stream_exceptions_escaped"]:
@@ -102,6 +105,7 @@ def _owner(owners: dict[int, int], key: str) -> int:
 
 async def _kill_and_follow(
     cluster: LocalCluster,
+    url: str,
     client: Client,
     config: FaultConfig,
     key: str,
@@ -117,7 +121,7 @@ async def _kill_and_follow(
         "stream",
         rid,
         "--redis-url",
-        cluster.url,
+        url,
         "--prefix",
         config.prefix,
         "--json",

@@ -139,6 +139,15 @@ class LocalCluster:
         """The nodes still running (a killed one stays in ``nodes``, stopped)."""
         return [node for node in self.nodes if node.pid is not None]
 
+    def replica_url(self) -> str:
+        """The URL of a node that is a replica now: one that outlives ``kill_primary`` (a
+        cluster client finds every node from it, as from any other)."""
+        for node in self.live_nodes:
+            with connect(node.port) as client:
+                if client.role()[0] == "slave":
+                    return node.url
+        raise RuntimeError("no node of this cluster is a replica")
+
     def slot_owners(self) -> dict[int, int]:
         """slot -> port of the master serving it, as a live node sees it now."""
         with connect(self.live_nodes[0].port) as client:
