@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from mlx_redis_protocol.cli import build_parser
 from mlx_redis_worker.daemon.settings import WorkerSettings, default_worker_id, load_settings
 from tests.support.processes import mlx_worker
 
@@ -178,3 +179,16 @@ def test_grammar_limits_from_settings_default_to_the_engines() -> None:
     )
     with pytest.raises(ValueError, match="max_mask_us must be > 0"):
         load_settings({}, {"MLXW_MAX_MASK_US": "0"})
+
+
+def test_a_no_flag_turns_off_what_env_or_file_turn_on() -> None:
+    """Each boolean setting has --NAME and --no-NAME; without either, the other sources
+    decide."""
+    parse = build_parser().parse_args
+    assert parse(["run", "--fair-share"]).fair_share is True
+    assert parse(["run"]).fair_share is None
+    off = parse(["run", "--no-fair-share"]).fair_share
+    assert off is False
+    assert load_settings({"fair_share": off}, {"MLXW_FAIR_SHARE": "1"}).fair_share is False
+    assert load_settings({"fair_share": None}, {"MLXW_FAIR_SHARE": "1"}).fair_share is True
+    assert parse(["run", "--no-allow-eviction"]).allow_eviction is False

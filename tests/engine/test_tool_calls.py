@@ -27,7 +27,11 @@ from mlx_redis_worker.engine.tool_calls import (
     tool_syntax,
 )
 from mlx_redis_worker.models import load_model
-from tests.support.tool_models import MISTRAL_STYLE_TEMPLATE, with_template
+from tests.support.tool_models import (
+    LLAMA3_STYLE_TEMPLATE,
+    MISTRAL_STYLE_TEMPLATE,
+    with_template,
+)
 
 THINK = ("<think>", "</think>")
 LIGHT = '{"name": "set_light", "arguments": {"room": "hall \\"B\\"", "on": true}}'
@@ -304,3 +308,29 @@ def test_a_mistral_template_gets_call_ids_it_accepts(tiny_model_path: Path, tmp_
         ids = re.findall(r'"(?:call_)?id": "([^"]*)"', text)
         assert len(ids) == 2 and ids[0] == ids[1], text
         assert len(ids[0]) == 9 and ids[0].isalnum() and ids[0] == (expected or ids[0])
+
+
+def test_a_llama_template_gets_one_call_a_turn_each_followed_by_its_result(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """Llama 3.1's template refuses an assistant turn of several calls: such a turn is
+    rendered as one turn a call, each followed by its own result (whatever order the
+    results came in)."""
+    folder = with_template(tiny_model_path, tmp_path / "llama-style", LLAMA3_STYLE_TEMPLATE)
+    _, tokenizer = load_model(str(folder))
+    assert tool_syntax(tokenizer) is LLAMA3_JSON
+    calls = (
+        ToolCall("c1", "set_light", '{"on": true}'),
+        ToolCall("c2", "set_heat", '{"level": 2}'),
+    )
+    history = (
+        ChatMessage("user", "Light on, heat to 2"),
+        ChatMessage("assistant", "Both.", tool_calls=calls),
+        ChatMessage("tool", "heat set", tool_call_id="c2"),
+        ChatMessage("tool", "light on", tool_call_id="c1"),
+    )
+    job = Job(request_id="r", messages=history, tools=TOOLS, tool_choice=ToolChoice("required"))
+    text = tokenizer.decode(job_prompt(job, tokenizer).prompt)
+    light, heat = ('"name": "set_light", "parameters"', '"name": "set_heat", "parameters"')
+    order = [text.index(piece) for piece in (light, "light on", heat, "heat set")]
+    assert order == sorted(order), text

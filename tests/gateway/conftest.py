@@ -4,6 +4,7 @@ front of it (or gateways started per test), and the protocol's own answers to co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.messages import DoneEvent, Event, TerminalEvent
 from mlx_redis_worker.local_redis import RedisServer
 from tests.support.gateway import GatewayFactory, GatewayProcess
-from tests.support.processes import WorkerFactory, WorkerProcess
+from tests.support.processes import MODEL, WorkerFactory, WorkerProcess
 
 
 @dataclass
@@ -58,18 +59,27 @@ class Fleet:
         return end
 
 
-@pytest.fixture(scope="module")
-def fleet(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """A worker serving ``tiny`` (8 slots) under a prefix of this module's own."""
-    directory = tmp_path_factory.mktemp("fleet")
+@contextlib.contextmanager
+def running_fleet(
+    redis_server: RedisServer, directory: Path, model: str = MODEL, max_concurrency: int = 8
+) -> Iterator[Fleet]:
+    """A worker serving ``model`` (``mlx-worker run --model``) under a prefix of its own,
+    killed (and its log printed) at the end."""
     prefix = f"g{uuid.uuid4().hex[:12]}"
     factory = WorkerFactory(directory, redis_server.url, prefix)
     try:
-        worker = factory.start("gw-worker", max_concurrency=8)
+        worker = factory.start("gw-worker", model=model, max_concurrency=max_concurrency)
         yield Fleet(redis_server.url, prefix, worker)
     finally:
         factory.kill_all()
         print(factory.report())
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """A worker serving ``tiny`` (8 slots) under a prefix of this module's own."""
+    with running_fleet(redis_server, tmp_path_factory.mktemp("fleet")) as fleet:
+        yield fleet
 
 
 @pytest.fixture

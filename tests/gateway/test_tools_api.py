@@ -8,7 +8,6 @@ samples, the grammar makes every call parse and validate against its function's 
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -22,9 +21,8 @@ from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, SecretStr
 
 from mlx_redis_worker.local_redis import RedisServer
-from tests.gateway.conftest import Fleet
+from tests.gateway.conftest import Fleet, running_fleet
 from tests.support.gateway import GatewayProcess
-from tests.support.processes import WorkerFactory
 from tests.support.tool_models import with_template
 
 MODEL = "tiny"
@@ -58,14 +56,8 @@ def fleet(
     thinks and renders tools natively)."""
     directory = tmp_path_factory.mktemp("tools-fleet")
     thinker = with_template(tiny_model_path, directory / THINKER)
-    prefix = f"g{uuid.uuid4().hex[:12]}"
-    factory = WorkerFactory(directory, redis_server.url, prefix)
-    try:
-        worker = factory.start("gw-worker", model=f"{MODEL},{THINKER}={thinker}", max_concurrency=8)
-        yield Fleet(redis_server.url, prefix, worker)
-    finally:
-        factory.kill_all()
-        print(factory.report())
+    with running_fleet(redis_server, directory, f"{MODEL},{THINKER}={thinker}") as fleet:
+        yield fleet
 
 
 def _valid(calls: Any) -> list[tuple[str, dict[str, Any]]]:

@@ -1,7 +1,8 @@
 """Model folders for tool-calling and reasoning tests: an existing fixture's weights and
 tokenizer (linked, never copied or changed) under a chat template of the Qwen3 kind, which
 renders tools, asks for hermes ``<tool_call>`` blocks and opens a ``<think>`` (or, with
-``enable_thinking`` false, closes an empty one), or of Mistral's kind (``[TOOL_CALLS]``)."""
+``enable_thinking`` false, closes an empty one), of Mistral's kind (``[TOOL_CALLS]``) or of
+Llama 3.1's (a JSON call)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,27 @@ MISTRAL_STYLE_TEMPLATE = (
     '"call_id": "{{ message.tool_call_id }}"}[/TOOL_RESULTS]'
     "{% elif message.role == 'assistant' %} {{ message.content }}{{ eos_token }}"
     "{% endif %}{% endfor %}"
+)
+
+
+# Our own template in the shape of Llama 3.1's: tools and ``<|python_tag|>`` (which built-in
+# tools' code starts with) mark it as ``llama3_json``; like Llama's it refuses a turn of more
+# than one call.
+LLAMA3_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|start_header_id|>user<|end_header_id|>\n\n"
+    'Answer a call as {"name": function name, "parameters": its arguments}. Functions:\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
+    "{% for message in messages %}{% if message.tool_calls %}"
+    "{% if message.tool_calls | length != 1 %}{{ raise_exception('one call a turn') }}{% endif %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    '{"name": "{{ message.tool_calls[0].function.name }}", "parameters": '
+    "{{ message.tool_calls[0].function.arguments | tojson }}}<|eot_id|>"
+    "{% elif message.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n"
+    "{{ message.content }}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ message.role }}<|end_header_id|>\n\n"
+    "{{ message.content }}<|eot_id|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    "{# <|python_tag|> opens a built-in tool's code #}"
 )
 
 

@@ -344,9 +344,13 @@ def _add_worker_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | N
         if only is None or name in only:
             flag = "--" + name.replace("_", "-")
             help_text = f"{help_text} (env MLXW_{name.upper()})"
-            if kind is bool:
+            if kind is bool:  # --NAME and --no-NAME: a flag overrides the config file and env
                 parser.add_argument(
-                    flag, dest=name, action="store_true", default=None, help=help_text
+                    flag,
+                    dest=name,
+                    action=argparse.BooleanOptionalAction,
+                    default=None,
+                    help=help_text,
                 )
             elif kind is list:
                 parser.add_argument(flag, dest=name, action="append", default=None, help=help_text)

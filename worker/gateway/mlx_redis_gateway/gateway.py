@@ -17,7 +17,7 @@ from contextlib import aclosing, asynccontextmanager
 from typing import Any, Final, TypeVar
 
 import structlog
-from sse_starlette import EventSourceResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -341,11 +341,22 @@ def answer(shaper: Shaper) -> Response:
     return JSONResponse(shaper.completion(), headers={"x-request-id": shaper.request_id})
 
 
+class KeepAlive(ServerSentEvent):
+    """A quiet stream's keep-alive: one comment line and no blank line after it. A blank line
+    ends an event, and the openai SDK (which keeps the last ``id:``, as the SSE spec says)
+    hands on that empty event and fails to parse it as JSON: a stream quiet for
+    ``PING_SECONDS`` (a first token behind a long queue) broke every openai client."""
+
+    def encode(self) -> bytes:
+        return b": ping\r\n"
+
+
 def event_stream(messages: AsyncIterator[bytes], request_id: str) -> Response:
     """An SSE answer of ready-made messages, under the request's id."""
     return EventSourceResponse(
         messages,
         ping=PING_SECONDS,
+        ping_message_factory=KeepAlive,
         headers={"x-request-id": request_id, "cache-control": "no-cache"},
     )
 

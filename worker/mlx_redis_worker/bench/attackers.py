@@ -53,15 +53,29 @@ class Target:
         self.own_request = own_request  # the attacker's finished request, for the resume flood
         self.model = model  # the model the hostile schemas are sent to
 
+    async def connect(
+        self, pause: float
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A connection to the gateway, or None (counted, after ``pause`` seconds) when it
+        could not be made."""
+        try:
+            return await asyncio.open_connection("127.0.0.1", self.port)
+        except OSError as exc:
+            self.statuses[f"connect failed: {type(exc).__name__}"] += 1
+            await asyncio.sleep(pause)
+            return None
+
+    def answered(self, status_line: bytes) -> None:
+        """Count an answer by its status (``closed``: the connection closed unanswered)."""
+        self.statuses[status_line.split(b" ", 2)[1].decode() if status_line else "closed"] += 1
+
     async def exchange(self, head: str, body_pieces: int = 0, body: bytes = b"") -> None:
         """One request on a connection of its own (its ``body``, or ``body_pieces`` of
         ``PIECE``); its status (or failure) is counted."""
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-        except OSError as exc:
-            self.statuses[f"connect failed: {type(exc).__name__}"] += 1
-            await asyncio.sleep(0.05)
+        connection = await self.connect(pause=0.05)
+        if connection is None:
             return
+        reader, writer = connection
         try:
             # The gateway may refuse (and close) before it all arrived: then the answer is
             # read all the same.
@@ -70,8 +84,7 @@ class Target:
                 for _ in range(body_pieces):
                     writer.write(PIECE)
                     await writer.drain()
-            status = await reader.readline()
-            self.statuses[status.split(b" ", 2)[1].decode() if status else "closed"] += 1
+            self.answered(await reader.readline())
             await reader.read()
         except (OSError, IndexError) as exc:
             self.statuses[type(exc).__name__] += 1
@@ -145,15 +158,12 @@ def idle_sockets(count: int) -> Attack:
     async def attack(target: Target) -> None:
         async def hold() -> None:
             while True:  # the gateway closes it after its header timeout: open another
-                try:
-                    reader, writer = await asyncio.open_connection("127.0.0.1", target.port)
-                except OSError as exc:
-                    target.statuses[f"connect failed: {type(exc).__name__}"] += 1
-                    await asyncio.sleep(0.5)
+                connection = await target.connect(pause=0.5)
+                if connection is None:
                     continue
+                reader, writer = connection
                 with contextlib.suppress(OSError):
-                    status = await reader.readline()
-                    target.statuses[status.split(b" ", 2)[1].decode() if status else "closed"] += 1
+                    target.answered(await reader.readline())
                 writer.close()
 
         await asyncio.gather(*(hold() for _ in range(count)))

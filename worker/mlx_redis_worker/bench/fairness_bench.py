@@ -130,8 +130,8 @@ async def _load(client: Client, plan: Plan, mode: str) -> ModeRun:
 
 def _run_mode(url: str, mode: str, plan: Plan, args: argparse.Namespace) -> ModeRun:
     prefix = f"benchfair{uuid.uuid4().hex[:8]}"
-    fair = ["--fair-share"] if mode == FAIR else []
-    worker = start_worker(url, prefix, f"{prefix}-w", [args.model], args.slots, *fair)
+    fair = "--fair-share" if mode == FAIR else "--no-fair-share"  # whatever the default
+    worker = start_worker(url, prefix, f"{prefix}-w", [args.model], args.slots, fair)
     try:
 
         async def main() -> ModeRun:

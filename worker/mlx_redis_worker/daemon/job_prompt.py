@@ -19,9 +19,9 @@ from mlx_redis_worker.engine.tool_calls import (
     Markers,
     fallback_messages,
     template_tools,
+    template_turns,
     tool_grammar,
     tool_syntax,
-    with_call_ids,
 )
 
 # How many of the prompt's last tokens are read back to see whether it opened a thought.
@@ -70,7 +70,7 @@ def job_prompt(job: Job, tokenizer: Any) -> JobPrompt:
     tools = template_tools(job.tools or ()) if calls and syntax.native else None
     if not syntax.native and (calls or _has_tool_turns(messages)):
         messages = fallback_messages(messages, job.tools if calls else None)
-    messages = with_call_ids(messages, syntax)
+    messages = template_turns(messages, syntax)
     system_prefix = job.prefix_boundary == SYSTEM_PREFIX
     thought = thought_markers(tokenizer)
     # mlx-lm turns thinking off for a model whose vocabulary has no think tokens; a

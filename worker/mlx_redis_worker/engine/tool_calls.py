@@ -51,10 +51,14 @@ class ToolSyntax:
     native: bool = True
     # The length of the call ids the model's templates accept (0: any id).
     id_chars: int = 0
+    # The model's templates take one call an assistant turn (Llama 3.x's raise on more).
+    one_call_a_turn: bool = False
 
 
 HERMES: Final = ToolSyntax("hermes", "<tool_call>\n", "\n</tool_call>")
-LLAMA3_JSON: Final = ToolSyntax("llama3_json", "", "", arguments_key="parameters")
+LLAMA3_JSON: Final = ToolSyntax(
+    "llama3_json", "", "", arguments_key="parameters", one_call_a_turn=True
+)
 # Mistral's templates refuse a call id that is not 9 letters and digits (v3 and Tekken alike).
 MISTRAL: Final = ToolSyntax("mistral", "[TOOL_CALLS]", "", array=True, id_chars=9)
 FALLBACK: Final = ToolSyntax("hermes", "<tool_call>\n", "\n</tool_call>", native=False)
@@ -89,6 +93,37 @@ def template_tools(tools: Sequence[Tool]) -> list[dict[str, Any]]:
         }
         for tool in tools
     ]
+
+
+def template_turns(messages: list[dict[str, Any]], syntax: ToolSyntax) -> list[dict[str, Any]]:
+    """``messages`` in the shape the model's templates take: call ids they accept
+    (:func:`with_call_ids`) and, for a model that takes one call a turn, an assistant turn
+    of several calls split into one turn a call, each followed by its result."""
+    turns = with_call_ids(messages, syntax)
+    return _one_call_a_turn(turns) if syntax.one_call_a_turn else turns
+
+
+def _one_call_a_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    turns: list[dict[str, Any]] = []
+    at = 0
+    while at < len(messages):
+        turn = messages[at]
+        calls = turn.get("tool_calls") or []
+        at += 1
+        if len(calls) < 2:
+            turns.append(turn)
+            continue
+        results = []
+        while at < len(messages) and messages[at]["role"] == "tool":
+            results.append(messages[at])
+            at += 1
+        for index, call in enumerate(calls):
+            content = turn["content"] if index == 0 else ""
+            turns.append({**turn, "content": content, "tool_calls": [call]})
+            turns += [r for r in results if r.get("tool_call_id") == call.get("id")]
+        ids = {call.get("id") for call in calls}
+        turns += [r for r in results if r.get("tool_call_id") not in ids]
+    return turns
 
 
 def with_call_ids(messages: list[dict[str, Any]], syntax: ToolSyntax) -> list[dict[str, Any]]:
