@@ -42,9 +42,10 @@ chaos: models
 	$(BIN)/python -m tests.reliability.hostile --entries 10000
 	$(BIN)/python -m tests.reliability.subscribers
 	$(BIN)/python -m tests.reliability.soak --requests 2000
-	for scenario in cluster cluster-failover sentinel stall oom eviction; do \
+	for scenario in cluster sentinel stall oom eviction; do \
 		$(BIN)/python -m tests.reliability.faults $$scenario || exit 1; done
 	$(BIN)/python -m tests.reliability.faults sentinel --replica-lag 0.5
+	$(BIN)/python -m tests.reliability.faults cluster-failover
 
 setup: $(STAMP)/venv
 

@@ -131,6 +131,9 @@ async def _kill_and_follow(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
+    # Killed once the CLI follows (its first line: the queued marker), not while it connects.
+    assert cli.stdout is not None
+    first_line = await asyncio.wait_for(cli.stdout.readline(), 30)
     old_port = await asyncio.to_thread(cluster.kill_primary, key)
     killed_at = time.monotonic()
     new_port = await asyncio.to_thread(cluster.wait_promoted, key, old_port, 60.0)
@@ -156,7 +159,7 @@ async def _kill_and_follow(
             except Exception as exc:
                 problems.append(f"{what}: its wait raised {type(exc).__name__}: {exc}")
         stdout, stderr = await cli.communicate()
-        if cli.returncode != 0 or not _has_done(stdout.decode()):
+        if cli.returncode != 0 or not _has_done((first_line + stdout).decode()):
             problems.append(
                 f"{what}: mlx-worker stream exited {cli.returncode}: {stderr.decode()[-300:]}"
             )
