@@ -247,7 +247,15 @@ class ChannelHub:
         """A Cluster node's reader whose node holds none of our channels now: start readers
         for the nodes that do (waiting while redis-py moves them there), then tell every
         inbox that messages were missed meanwhile."""
+        pubsub = self._pubsub
+        assert isinstance(pubsub, ClusterPubSub)
         while not self._closed and self._inboxes:
+            if node_name in pubsub.node_pubsub_mapping:
+                # The node holds channels again (redis-py dropped its pub/sub while it held
+                # none, and a listener joined since): a fresh reader takes it over.
+                self._readers.pop(node_name, None)
+                self._start_readers()
+                return
             self._start_readers()
             if self._every_channel_read(node_name):
                 self._notify_missed()

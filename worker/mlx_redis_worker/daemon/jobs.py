@@ -139,7 +139,6 @@ class JobRunner:
         if await self._written(rid, written):
             await self._remember(rid)
             await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
-            self._count("completed")
             log.info("job_finished", seconds=round(time.monotonic() - started, 3))
 
     async def _begin(
@@ -225,11 +224,13 @@ class JobRunner:
         return None
 
     async def _written(self, rid: str, written: asyncio.Future[None]) -> bool:
-        """Wait for the running request's terminal event to be in the log: True. False (the
-        outcome counted) when the attempt ended without it: lost to another attempt, or
-        abandoned at shutdown."""
+        """Wait for the running request's terminal event to be in the log: True. False when
+        the attempt ended without it: lost to another attempt, or abandoned at shutdown. The
+        outcome is counted before the request leaves ``in_flight``, so that a stats reply
+        never shows a job neither running nor counted."""
         try:
             await written
+            self._count("completed")
         except AttemptLost as lost:
             # Another worker runs (or will run) it: stop here, publish nothing, keep pending.
             self._count_lost(lost)

@@ -56,8 +56,11 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        """The first node's URL: a cluster client finds the others from any one node."""
-        return self.urls[0]
+        """A live node's URL (the first node's while all run): a cluster client finds the
+        others from any one node, and one connecting after ``kill_primary`` must not be sent
+        to the dead node."""
+        live = [node.url for node in self.nodes if node.process is not None]
+        return (live or self.urls)[0]
 
     @property
     def urls(self) -> list[str]:
