@@ -40,7 +40,7 @@ import redis
 
 from mlx_redis_gateway.api_keys import add_key
 from mlx_redis_protocol.client import Client
-from mlx_redis_worker.bench.attackers import attacks, get
+from mlx_redis_worker.bench.attackers import attacks, get, source_address
 from mlx_redis_worker.bench.e2e_bench import pct
 from mlx_redis_worker.bench.engine_bench import make_prompts
 from mlx_redis_worker.bench.gateway_bench import MODEL_NAME, Stream, _Connections, _gateway
@@ -300,6 +300,12 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
         gateway = _start_gateway(url, prefix, port, keys, log)
         stack.callback(stop_worker, gateway)
         print(f"Redis: {what}; logs: {worker.log_path}, {log}")
+        source = source_address()
+        print(
+            f"attackers connect from {source}, the victim from 127.0.0.1"
+            if source
+            else "attackers connect from 127.0.0.1, as the victim does (127.0.0.2 cannot be bound)"
+        )
 
         async def run() -> list[Phase]:
             async with Client(url, prefix=prefix) as client:
