@@ -17,10 +17,10 @@ asking ``--model`` for chat completions in a new deep ``anyOf`` schema each time
 the worker's default ``max_schema_bytes`` lets through: a compile each), ``idle-sockets``
 (``--idle-sockets`` connections that send nothing, reopened when closed).
 
-Every attacker connects from ``ATTACKER_ADDRESS`` (Linux routes all of 127.0.0.0/8 to the
-loopback interface), so that the gateway sees it as a client of its own, as a client on
-another host would be, not as the victim's 127.0.0.1; where that address cannot be bound
-(macOS has only 127.0.0.1 by default) it connects from 127.0.0.1, and the report says so.
+Each attacker connects from ``--source`` (Linux routes all of 127.0.0.0/8 to the loopback
+interface), so that the gateway sees it as a client of its own, as a client on another host
+would be, not as the victim's 127.0.0.1; where that address cannot be bound (macOS has only
+127.0.0.1 by default) it connects from 127.0.0.1, and the report says so.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ SCHEMA_WIDTH = 8
 HUGE_HEADER = 16 * 1024 * 1024
 HUGE_BODY = 500 * 1024 * 1024
 PIECE = b"a" * 65536
-ATTACKER_ADDRESS = "127.0.0.2"
+# The first attacker's address; the bench gives each attack phase the next one (``source``).
+FIRST_SOURCE = 2
 
 
 class Target:
@@ -221,14 +222,20 @@ def _lowest_priority() -> None:
         os.nice(19)
 
 
-def source_address() -> str | None:
-    """``ATTACKER_ADDRESS`` where it can be bound, else None."""
+def source(number: int) -> str:
+    """The address attack phase ``number`` connects from: a client of its own, so that one
+    attacker's standing with the gateway (an address cooling down) is not the next one's."""
+    return f"127.0.0.{FIRST_SOURCE + number % 250}"
+
+
+def bindable(address: str) -> str | None:
+    """``address`` where a socket can be bound to it, else None."""
     with socket.socket() as probe:
         try:
-            probe.bind((ATTACKER_ADDRESS, 0))
+            probe.bind((address, 0))
         except OSError:
             return None
-    return ATTACKER_ADDRESS
+    return address
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,19 +246,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--own-request", default="", help="the resume flood's request id")
     parser.add_argument("--model", default="", help="the hostile schemas' model")
     parser.add_argument("--idle-sockets", type=int, default=1000)
+    parser.add_argument("--source", default=source(0), help="the address to connect from")
     args = parser.parse_args(argv)
     _lowest_priority()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the idle sockets need room
-    source = source_address()
-    target = Target(args.port, args.key, args.own_request, args.model, source)
+    address = bindable(args.source)
+    target = Target(args.port, args.key, args.own_request, args.model, address)
     asyncio.run(_run(attacks(args.idle_sockets)[args.attack], target))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     report = {
         "statuses": dict(target.statuses),
         "exchanges": sum(target.statuses.values()),
         "cpu_seconds": usage.ru_utime + usage.ru_stime,
-        "source": source or "127.0.0.1",
+        "source": address or "127.0.0.1",
     }
     print(json.dumps(report), flush=True)
     return 0
