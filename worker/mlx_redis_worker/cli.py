@@ -87,6 +87,13 @@ def _add_bench_commands(commands: Any) -> None:
         default=None,
         help="also run the async load through vllm-mlx's EngineCore (optional install)",
     )
+    engine.add_argument(
+        "--prompt-lengths",
+        default=None,
+        type=_length_range,
+        metavar="MIN-MAX",
+        help="mixed prompt lengths drawn from MIN..MAX (seeded) instead of --prompt-tokens each",
+    )
     engine.set_defaults(func=_lazy("mlx_redis_worker.bench.engine_bench", "run_bench"))
 
     e2e = benches.add_parser("e2e", help="Redis + worker + client vs engine alone")
@@ -267,6 +274,14 @@ def _add_bench_commands(commands: Any) -> None:
     speculative.set_defaults(
         func=_lazy("mlx_redis_worker.bench.speculative_bench", "run_speculative_bench")
     )
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    """``MIN-MAX`` with 1 <= MIN <= MAX (``bench engine --prompt-lengths``)."""
+    low, sep, high = text.partition("-")
+    if sep and low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high):
+        return int(low), int(high)
+    raise argparse.ArgumentTypeError(f"want MIN-MAX with 1 <= MIN <= MAX, got {text!r}")
 
 
 def _add_load_flags(bench: argparse.ArgumentParser) -> None:
