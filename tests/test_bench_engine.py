@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from mlx_redis_worker.bench.engine_bench import VLLM_MLX_PATH, PathResult, format_ratios
+from mlx_redis_worker.bench.engine_bench import (
+    VLLM_MLX_PATH,
+    PathResult,
+    format_ratios,
+    make_burst,
+)
 from tests.support.processes import mlx_worker
 
 ARGS = [
@@ -43,6 +49,37 @@ def test_the_ratios_compare_ttft_and_speed_within_each_rotation() -> None:
         "concurrency 4: engine add_request / vllm-mlx EngineCore: "
         "TTFT avg 0.40x, TTFT p99 0.40x, tok/s 2.00x"
     ) in text
+
+
+def test_a_mixed_burst_draws_every_length_in_range_the_same_way_each_time(
+    tiny_model: Any,
+) -> None:
+    _, tokenizer = tiny_model
+    burst = make_burst(tokenizer, 32, 32, (8, 512), seed=32)
+    lengths = [len(p) for p in burst]
+    assert all(8 <= n <= 512 for n in lengths)
+    assert len(set(lengths)) > 16  # mixed, not one length
+    assert burst == make_burst(tokenizer, 32, 32, (8, 512), seed=32)
+    assert burst != make_burst(tokenizer, 32, 32, (8, 512), seed=33)
+    assert [len(p) for p in make_burst(tokenizer, 4, 32, None, seed=4)] == [32] * 4
+
+
+def test_a_mixed_length_burst_runs_every_path_on_the_same_prompts() -> None:
+    out = mlx_worker(
+        "bench", "engine", "--model", "tiny", "--concurrency", "4", "--max-tokens", "3",
+        "--repeat", "1", "--skip", "sequential,sync", "--prompt-lengths", "8-64",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert "prompts of 8-64 tokens (uniform, seeded)" in out.stdout
+    assert "| 4 | engine add_request + stream_outputs | 12 |" in out.stdout
+    assert "| 4 | raw mlx-lm BatchGenerator | 12 |" in out.stdout
+
+
+def test_prompt_lengths_must_be_a_range() -> None:
+    for bad in ("8", "0-8", "9-8", "a-b"):
+        out = mlx_worker("bench", "engine", "--prompt-lengths", bad)
+        assert out.returncode == 2, bad
+        assert "want MIN-MAX with 1 <= MIN <= MAX" in out.stderr, bad
 
 
 def test_without_vllm_mlx_the_bench_says_so_and_runs_the_rest(tmp_path: Path) -> None:

@@ -86,6 +86,20 @@ def make_prompts(tokenizer: Any, count: int, length: int, seed: int = 0) -> list
     return [[rng.choice(vocab) for _ in range(length)] for _ in range(count)]
 
 
+def make_burst(
+    tokenizer: Any, count: int, length: int, lengths: tuple[int, int] | None, seed: int
+) -> list[list[int]]:
+    """The burst's prompts: all of ``length`` tokens, or with ``lengths`` (MIN, MAX) each of a
+    length drawn uniformly from that range by a generator seeded with ``seed``, so every path
+    and every run gets the same mix (real bursts mix lengths: where shortest-first pays)."""
+    if lengths is None:
+        return make_prompts(tokenizer, count, length, seed=seed)
+    rng = random.Random(seed)
+    drawn = [rng.randint(*lengths) for _ in range(count)]
+    longest = make_prompts(tokenizer, count, max(drawn), seed=seed)
+    return [prompt[:size] for prompt, size in zip(longest, drawn, strict=True)]
+
+
 def run_sequential(
     model: Any, tokenizer: Any, prompts: list[list[int]], max_tokens: int
 ) -> PathResult:
@@ -321,6 +335,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 "vllm-mlx==0.6.0` for --against vllm-mlx: that path is skipped"
             )
     skip = set(args.skip.split(",")) if args.skip else set()
+    lengths: tuple[int, int] | None = args.prompt_lengths
     print(_describe(args, model))
     warmup = make_prompts(tokenizer, 2, args.prompt_tokens, seed=999)
     for name, run_path in paths:
@@ -329,7 +344,7 @@ def run_bench(args: argparse.Namespace) -> int:
     runs: list[list[PathResult]] = []  # one list per (level, path), in rotation order
     try:
         for level in levels:
-            prompts = make_prompts(tokenizer, level, args.prompt_tokens, seed=level)
+            prompts = make_burst(tokenizer, level, args.prompt_tokens, lengths, seed=level)
             chosen = [
                 run_path
                 for name, run_path in paths
@@ -432,9 +447,14 @@ def _describe(args: argparse.Namespace, model: Any) -> str:
     from importlib.metadata import version
 
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    prompt = (
+        "prompts of {}-{} tokens (uniform, seeded)".format(*args.prompt_lengths)
+        if args.prompt_lengths
+        else f"prompt {args.prompt_tokens} tokens"
+    )
     return (
         f"{args.repeat} rotations; model {args.model} ({params / 1e6:.1f}M params), "
         f"device {mx.default_device()}, "
-        f"{platform.machine()} {platform.system()}, prompt {args.prompt_tokens} tokens, "
+        f"{platform.machine()} {platform.system()}, {prompt}, "
         f"max_tokens {args.max_tokens}, mlx {version('mlx')}, mlx-lm {version('mlx-lm')}"
     )
