@@ -192,3 +192,14 @@ def test_a_no_flag_turns_off_what_env_or_file_turn_on() -> None:
     assert load_settings({"fair_share": off}, {"MLXW_FAIR_SHARE": "1"}).fair_share is False
     assert load_settings({"fair_share": None}, {"MLXW_FAIR_SHARE": "1"}).fair_share is True
     assert parse(["run", "--no-allow-eviction"]).allow_eviction is False
+
+
+def test_a_draft_model_default_needs_a_draft_model() -> None:
+    with pytest.raises(ValueError, match="speculative draft_model needs a draft model"):
+        load_settings({}, {"MLXW_SPECULATIVE": "draft_model:3"})
+    settings = load_settings(
+        {"draft_model": "smollm2-draft"}, {"MLXW_SPECULATIVE": "draft_model:3"}
+    )
+    assert (settings.speculative, settings.draft_model) == ("draft_model:3", "smollm2-draft")
+    parsed = build_parser().parse_args(["run", "--draft-model", "smollm2-draft"])
+    assert parsed.draft_model == "smollm2-draft"

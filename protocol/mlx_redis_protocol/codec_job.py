@@ -35,7 +35,7 @@ MAX_SEED: Final = 2**64 - 1
 MIN_PRIORITY: Final = -100
 MAX_PRIORITY: Final = 100
 # A job's ``speculative.method``: how drafts are made, or "off" (not even the worker default).
-SPECULATIVE_METHODS: Final = ("prompt_lookup", "off")
+SPECULATIVE_METHODS: Final = ("prompt_lookup", "draft_model", "off")
 MAX_DRAFT_TOKENS: Final = 16
 
 

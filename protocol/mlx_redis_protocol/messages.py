@@ -182,8 +182,8 @@ class Job:
     # False: a model that reasons asks its chat template to skip it (None: the model's
     # default).
     thinking: bool | None = None
-    # Speculative decoding: {"method": "prompt_lookup" | "off", "num_draft_tokens": 1..16};
-    # None: the worker's default.
+    # Speculative decoding: {"method": "prompt_lookup" | "draft_model" | "off",
+    # "num_draft_tokens": 1..16}; None: the worker's default.
     speculative: Mapping[str, Any] | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:

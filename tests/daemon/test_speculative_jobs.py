@@ -3,10 +3,12 @@ default is on: each job's choice reaches the engine and the output is the plain 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mlx_redis_protocol.client import Client
-from mlx_redis_protocol.messages import DoneEvent
+from mlx_redis_protocol.messages import DoneEvent, ErrorEvent
 from tests.daemon.helpers import check_stream, collect
 from tests.support.processes import WorkerFactory
 from tests.support.waiting import run
@@ -47,5 +49,45 @@ def test_a_jobs_speculative_field_and_the_worker_default(
             new_rows = after_two["rows"] - after_default["rows"]
             assert 0 < new_drafts <= 2 * new_rows  # at most 2 drafts per row, as asked
             assert default == off and two == off
+            # This worker has no draft model: a job asking for one is refused, typed.
+            rid = await client.submit(PROMPT, max_tokens=8, speculative={"method": "draft_model"})
+            refused = check_stream(await collect(client, rid), rid).terminal
+            assert isinstance(refused, ErrorEvent) and refused.code == "invalid_job", refused
+            assert "no draft model" in refused.message
+
+    run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_with_a_draft_model_drafts_with_it_by_default(
+    workers: WorkerFactory, redis_url: str, prefix: str, tiny_model_path: Path
+) -> None:
+    """The tiny model as its own draft (named by the environment, loaded like the served
+    model): the default draft_model:3 applies and every draft is accepted, same output."""
+    env = {"MLXW_SPECULATIVE": "draft_model:3", "MLXW_DRAFT_MODEL": str(tiny_model_path)}
+    workers.start("w1", env=env)
+
+    async def main() -> None:
+        async with Client(redis_url, prefix=prefix) as client:
+
+            async def one(**options: object) -> str:
+                rid = await client.submit(
+                    PROMPT,
+                    max_tokens=24,
+                    temperature=0.0,
+                    **options,  # type: ignore[arg-type]
+                )
+                terminal = check_stream(await collect(client, rid), rid).terminal
+                assert isinstance(terminal, DoneEvent), terminal
+                return terminal.output_text
+
+            off = await one(speculative={"method": "off"})
+            drafted = await one()
+            (reply,) = await client.stats()
+            speculation = reply.result["engine"]["speculation"]
+            assert drafted == off
+            model_rows = speculation["draft_model"]
+            assert model_rows["draft_tokens"] == speculation["draft_tokens"] > 0
+            assert model_rows["accepted_tokens"] == model_rows["draft_tokens"]
 
     run(main())

@@ -56,6 +56,7 @@ SPECULATION_KEYS = [
     "batch_backoffs",
     "acceptance_rate",
     "tokens_per_step",
+    "draft_model",
 ]
 HEALTH_KEYS = [
     "healthy",

@@ -18,6 +18,7 @@ from mlx_redis_protocol.messages import Job
         {"method": "prompt_lookup"},
         {"method": "prompt_lookup", "num_draft_tokens": 1},
         {"method": "prompt_lookup", "num_draft_tokens": 16},
+        {"method": "draft_model", "num_draft_tokens": 3},
         {"method": "off"},
     ],
 )

@@ -37,11 +37,13 @@ PROMPTS = [
 
 
 def make_engine(model_and_tokenizer: tuple[Any, Any], **scheduler: Any) -> EngineCore:
-    """An engine over ``(model, tokenizer)``; ``stream_interval`` (default 1) goes to the engine,
-    every other keyword to its ``SchedulerConfig``. The caller closes it."""
+    """An engine over ``(model, tokenizer)``; ``stream_interval`` (default 1) and ``draft``
+    (a ``DraftModel``, default none) go to the engine, every other keyword to its
+    ``SchedulerConfig``. The caller closes it."""
     model, tokenizer = model_and_tokenizer
     config = EngineConfig(
         stream_interval=scheduler.pop("stream_interval", 1),
+        draft=scheduler.pop("draft", None),
         scheduler_config=SchedulerConfig(**scheduler),
     )
     return EngineCore(model, tokenizer, config)

@@ -49,12 +49,18 @@ def _add_model_commands(commands: Any) -> None:
     model = commands.add_parser("model", help="prepare offline model fixtures")
     model_commands = model.add_subparsers(dest="model_command", required=True)
     prepare = model_commands.add_parser("prepare", help="build an mlx-lm model folder")
-    prepare.add_argument("name", choices=["smollm2", "tiny"])
+    prepare.add_argument("name", choices=["smollm2", "smollm2-draft", "tiny"])
     prepare.add_argument("--dtype", choices=["float32", "bfloat16", "q4"], default="float32")
     prepare.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
     prepare.add_argument("--size", choices=["micro", "small", "medium"], default="small")
     prepare.add_argument(
         "--cache-dir", default=None, help="default: ~/.cache/mlx-redis-worker/models"
+    )
+    prepare.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="smollm2-draft: SmolLM2 layers the draft keeps (of 30; default: the measured one)",
     )
     prepare.add_argument("--force", action="store_true", help="rebuild even when present")
     prepare.set_defaults(func=_lazy("mlx_redis_worker.models.prepare", "run_prepare"))
@@ -254,8 +260,16 @@ def _add_bench_commands(commands: Any) -> None:
     speculative.add_argument("--prompts", type=int, default=6, help="input-grounded prompts")
     speculative.add_argument("--max-tokens", type=int, default=128, help="per batch-1 request")
     speculative.add_argument("--num-draft-tokens", type=int, default=4)
+    speculative.add_argument(
+        "--method", choices=["prompt_lookup", "draft_model"], default="prompt_lookup"
+    )
+    speculative.add_argument(
+        "--draft-model", default=None, help="with --method draft_model: smollm2-draft | a path"
+    )
     speculative.add_argument("--repeat", type=int, default=2, help="rotations at batch 1")
-    speculative.add_argument("--batch", type=int, default=32, help="requests added together")
+    speculative.add_argument(
+        "--batch", type=int, default=32, help="requests added together (0: batch 1 only)"
+    )
     speculative.add_argument("--batch-max-tokens", type=int, default=64)
     speculative.set_defaults(
         func=_lazy("mlx_redis_worker.bench.speculative_bench", "run_speculative_bench")
@@ -349,7 +363,12 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "speculative": (
         str,
         "speculative decoding for jobs that do not ask: off, or METHOD[:DRAFT_TOKENS] "
-        "(prompt_lookup, prompt_lookup:4)",
+        "(prompt_lookup, prompt_lookup:4, draft_model:4)",
+    ),
+    "draft_model": (
+        str,
+        "the draft model of speculative draft_model: a folder, hub id or fixture name "
+        "(smollm2-draft); it must share the served models' tokenizer",
     ),
 }
 

@@ -3,7 +3,8 @@
 Input-grounded prompts (edit this code, quote from this text, fill this JSON), with the
 model's chat template, greedy:
 
-- batch 1: each prompt alone, plain then speculative (prompt lookup), alternating over
+- batch 1: each prompt alone, plain then speculative (``--method``: prompt lookup, or a draft
+  model named by ``--draft-model``, e.g. ``smollm2-draft``), alternating over
   ``--repeat`` rotations after a warm-up of each. The speedup is decode tok/s (tokens 2..N of
   each request over the time from its first token to its last; prefill is the same work on both
   paths) summed over the prompts, speculative over plain; the outputs must be equal token for
@@ -32,7 +33,8 @@ from mlx_redis_worker.engine import (
     SchedulerConfig,
     SpeculativeParams,
 )
-from mlx_redis_worker.engine.stats import SpeculationStats
+from mlx_redis_worker.engine.config import DraftModel
+from mlx_redis_worker.engine.stats import DraftModelStats, SpeculationStats
 from mlx_redis_worker.models import load_model
 
 CODE = """def total_price(items, tax_rate):
@@ -104,11 +106,13 @@ async def _run(engine: EngineCore, prompts: list[str], params: SamplingParams) -
     return list(await asyncio.gather(*(one(r) for r in ids)))
 
 
-def _params(path: str, max_tokens: int, draft: int) -> SamplingParams:
+def _params(path: str, max_tokens: int, draft: int, method: str) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=0.0,
-        speculative=SpeculativeParams(num_draft_tokens=draft) if path == SPECULATIVE else None,
+        speculative=SpeculativeParams(method=method, num_draft_tokens=draft)  # type: ignore[arg-type]
+        if path == SPECULATIVE
+        else None,
     )
 
 
@@ -129,7 +133,7 @@ async def _bench(args: argparse.Namespace, engine: EngineCore, prompts: list[str
     await engine.start()
     # Warm-up: both paths once (MLX builds its kernels on first use).
     for path in (PLAIN, SPECULATIVE):
-        await _run(engine, prompts[:1], _params(path, 16, draft))
+        await _run(engine, prompts[:1], _params(path, 16, draft, args.method))
 
     # Batch 1, prompt by prompt, A B alternating over the rotations.
     decode = {PLAIN: [0, 0.0], SPECULATIVE: [0, 0.0]}
@@ -139,7 +143,9 @@ async def _bench(args: argparse.Namespace, engine: EngineCore, prompts: list[str
         order = (PLAIN, SPECULATIVE) if rotation % 2 == 0 else (SPECULATIVE, PLAIN)
         for index, prompt in enumerate(prompts):
             for path in order:
-                (done,) = await _run(engine, [prompt], _params(path, args.max_tokens, draft))
+                (done,) = await _run(
+                    engine, [prompt], _params(path, args.max_tokens, draft, args.method)
+                )
                 decode[path][0] += done.decode_tokens
                 decode[path][1] += done.decode_seconds
                 outputs[path].setdefault(index, done.tokens)
@@ -157,11 +163,15 @@ async def _bench(args: argparse.Namespace, engine: EngineCore, prompts: list[str
 
     # Batch N: all requests at once, plain then speculative, then once more in reverse.
     batch = [prompts[i % len(prompts)] for i in range(args.batch)]
+    if not batch:  # --batch 0: batch 1 only
+        return await _finish(engine, rates, equal)
     totals = {PLAIN: [0, 0.0], SPECULATIVE: [0, 0.0]}
     before = engine.stats().scheduler.speculation
     for path in (PLAIN, SPECULATIVE, SPECULATIVE, PLAIN):
         started = time.perf_counter()
-        finished = await _run(engine, batch, _params(path, args.batch_max_tokens, draft))
+        finished = await _run(
+            engine, batch, _params(path, args.batch_max_tokens, draft, args.method)
+        )
         totals[path][0] += sum(len(f.tokens) for f in finished)
         totals[path][1] += time.perf_counter() - started
     after = engine.stats().scheduler.speculation
@@ -172,6 +182,10 @@ async def _bench(args: argparse.Namespace, engine: EngineCore, prompts: list[str
         f"{_ratio(batch_rates[SPECULATIVE], batch_rates[PLAIN]):.2f} (goal >= 0.95)"
     )
     print(f"  speculation: {_describe(_since(before, after))}")
+    return await _finish(engine, rates, equal)
+
+
+async def _finish(engine: EngineCore, rates: dict[str, float], equal: bool) -> int:
     await engine.stop()
     speedup = _ratio(rates[SPECULATIVE], rates[PLAIN])
     print(
@@ -194,6 +208,11 @@ def _since(before: SpeculationStats, after: SpeculationStats) -> SpeculationStat
         batch_backoffs=after.batch_backoffs - before.batch_backoffs,
         acceptance_rate=_ratio(accepted, drafted),
         tokens_per_step=_ratio(rows + accepted, rows),
+        draft_model=DraftModelStats(
+            rows=after.draft_model.rows - before.draft_model.rows,
+            draft_tokens=after.draft_model.draft_tokens - before.draft_model.draft_tokens,
+            accepted_tokens=after.draft_model.accepted_tokens - before.draft_model.accepted_tokens,
+        ),
     )
 
 
@@ -214,12 +233,22 @@ def run_speculative_bench(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     prompts = chat_prompts(tokenizer)[: args.prompts]
     config = SchedulerConfig(max_num_seqs=max(args.batch, 1), enable_prefix_cache=False)
+    draft = None
+    if args.method == "draft_model":
+        if not args.draft_model:
+            raise SystemExit(
+                "mlx-worker bench speculative: --method draft_model needs --draft-model"
+            )
+        draft = DraftModel(args.draft_model, *load_model(args.draft_model))
     engine = EngineCore(
-        model, tokenizer, EngineConfig(model_name=args.model, scheduler_config=config)
+        model,
+        tokenizer,
+        EngineConfig(model_name=args.model, scheduler_config=config, draft=draft),
     )
+    source = "prompt lookup" if draft is None else f"draft model {args.draft_model}"
     print(
         f"model {args.model}, {len(prompts)} prompts, max_tokens {args.max_tokens}, "
-        f"{args.num_draft_tokens} draft tokens (prompt lookup), {args.repeat} rotations, "
+        f"{args.num_draft_tokens} draft tokens ({source}), {args.repeat} rotations, "
         f"batch {args.batch} x {args.batch_max_tokens} tokens, device {mx.default_device()}",
         flush=True,
     )

@@ -134,6 +134,9 @@ class WorkerSettings:
     # Speculative decoding for jobs that do not ask for it or against it: "off", or
     # METHOD[:DRAFT_TOKENS] ("prompt_lookup:4"); see parse_speculative.
     speculative: str = "off"
+    # The draft model of speculative draft_model (a fixture name, folder or hub id, loaded like
+    # the served models); it must share the tokenizer of every model this worker serves.
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         positive = (
@@ -177,7 +180,9 @@ class WorkerSettings:
             raise ValueError(f"default_model must be {ID_RULE}, got {self.default_model!r}")
         if self.memory_limit_mb is not None and self.memory_limit_mb <= 0:
             raise ValueError("memory_limit_mb must be > 0")
-        parse_speculative(self.speculative)
+        speculative = parse_speculative(self.speculative)
+        if speculative is not None and speculative[0] == "draft_model" and not self.draft_model:
+            raise ValueError("speculative draft_model needs a draft model: set draft_model")
 
     @property
     def models(self) -> tuple[ServedModel, ...]:

@@ -36,8 +36,9 @@ from mlx_redis_worker.daemon.publisher import EventPublisher
 from mlx_redis_worker.daemon.serving import Serving
 from mlx_redis_worker.daemon.settings import WorkerSettings, parse_speculative
 from mlx_redis_worker.engine import EngineConfig, EngineCore, SchedulerConfig
-from mlx_redis_worker.engine.config import GrammarLimits
-from mlx_redis_worker.models import load_model
+from mlx_redis_worker.engine.config import DraftModel, GrammarLimits
+from mlx_redis_worker.engine.speculative_batch import check_draft_model
+from mlx_redis_worker.models import ModelUnavailable, load_model
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -113,14 +114,20 @@ class Worker:
                 limits=DEFAULT_LIMITS,
                 grammar_limits=settings.grammar_limits,
             )
+            draft = self._draft_model()
             for served in self._loaded_models():
                 if self._stop.is_set():
                     log.info("worker_stopped_before_serving", waiting_for="model")
                     return 0
+                if draft is not None:
+                    try:
+                        check_draft_model(served.model, served.tokenizer, draft)
+                    except ValueError as exc:
+                        raise ModelUnavailable(f"model {served.name!r}: {exc}") from exc
                 engines[served.name] = EngineCore(
                     served.model,
                     served.tokenizer,
-                    EngineConfig(model_name=served.source, scheduler_config=scheduler),
+                    EngineConfig(model_name=served.source, scheduler_config=scheduler, draft=draft),
                 )
             return await self._serve(redis, hub, forwarding, queues, engines)
         finally:
@@ -138,6 +145,15 @@ class Worker:
             lease_ms=int(settings.lease_seconds * 1000),
             dead_letter_maxlen=settings.dead_letter_maxlen,
         )
+
+    def _draft_model(self) -> DraftModel | None:
+        """The draft model of speculative draft_model, when the settings name one."""
+        name = self.settings.draft_model
+        if not name:
+            return None
+        model, tokenizer = load_model(name)
+        log.info("draft_model_loaded", draft_model=name)
+        return DraftModel(name, model, tokenizer)
 
     def _loaded_models(self) -> Iterator[LoadedModel]:
         """Each model to serve, loaded in turn, after checking that all their weights fit."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from mlx_redis_worker.engine.request import SamplingParams
 
@@ -90,6 +91,17 @@ class SchedulerConfig:
             raise ValueError("SchedulerConfig.max_kv_size must be >= 1 or None")
 
 
+@dataclass(frozen=True, slots=True)
+class DraftModel:
+    """A small model of the target's tokenizer that drafts for ``SpeculativeParams(method=
+    "draft_model")`` requests (loaded like the target, ``mlx_redis_worker.models.load_model``;
+    ``name`` is what the operator gave, for messages and stats)."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Configuration for the engine (names and defaults match the reference API).
@@ -99,7 +111,9 @@ class EngineConfig:
     blocks until a request, command or stop arrives, and steps back to back while there is
     work. ``stream_interval`` coalesces that many tokens per streamed output (no token is
     lost); ``gpu_memory_utilization`` is the share of device memory above which the engine
-    thread frees MLX's buffer cache.
+    thread frees MLX's buffer cache. ``draft``: the draft model for requests that speculate
+    with ``draft_model`` (none: such a request is refused with a ``ValueError``); the engine
+    refuses one whose vocabulary differs from the target's.
     """
 
     model_name: str = ""
@@ -107,6 +121,7 @@ class EngineConfig:
     step_interval: float = 0.001
     stream_interval: int = 1
     gpu_memory_utilization: float = 0.9
+    draft: DraftModel | None = None
 
     def __post_init__(self) -> None:
         if self.step_interval < 0:

@@ -40,6 +40,7 @@ from mlx_redis_worker.engine.reference_api import AsyncEngineCore, ReferenceApi,
 from mlx_redis_worker.engine.registry import ModelOwnershipError, get_registry
 from mlx_redis_worker.engine.request import Request, RequestOutput, SamplingParams
 from mlx_redis_worker.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from mlx_redis_worker.engine.speculative_batch import check_draft_model
 from mlx_redis_worker.engine.stats import EngineStats, MlxMemory, PrefixCacheStats, read_mlx_memory
 from mlx_redis_worker.engine.structured import CompiledGrammar
 
@@ -70,7 +71,15 @@ class EngineCore(CacheControl, ReferenceApi):
         self._owns_model = True
 
         scheduler_config = self.config.scheduler_config or SchedulerConfig()
-        self.scheduler = Scheduler(model=model, tokenizer=tokenizer, config=scheduler_config)
+        draft = self.config.draft
+        if draft is not None:
+            check_draft_model(model, tokenizer, draft)
+        self.scheduler = Scheduler(
+            model=model,
+            tokenizer=tokenizer,
+            config=scheduler_config,
+            draft_model=draft.model if draft is not None else None,
+        )
         self._engine_thread = EngineThread(self.scheduler, self._on_engine_output, self.config)
         self._max_open = scheduler_config.max_num_seqs + scheduler_config.max_waiting_requests
         self._max_prompt_tokens = scheduler_config.max_prompt_tokens
@@ -160,6 +169,16 @@ class EngineCore(CacheControl, ReferenceApi):
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise ValueError("request_id must be a non-empty string")
         params = sampling_params if sampling_params is not None else SamplingParams()
+        speculative = params.speculative
+        if (
+            speculative is not None
+            and speculative.method == "draft_model"
+            and not self.config.draft
+        ):
+            raise ValueError(
+                "speculative method draft_model: this engine has no draft model (a worker "
+                "names one with --draft-model)"
+            )
         if params.logprobs is not None and params.logprobs > self._max_logprobs:
             raise ValueError(
                 f"logprobs {params.logprobs} is over this engine's limit of {self._max_logprobs}"

@@ -56,15 +56,16 @@ class ResponseFormat:
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-SpeculativeMethod = Literal["prompt_lookup"]
-SPECULATIVE_METHODS: Final[tuple[SpeculativeMethod, ...]] = ("prompt_lookup",)
+SpeculativeMethod = Literal["prompt_lookup", "draft_model"]
+SPECULATIVE_METHODS: Final[tuple[SpeculativeMethod, ...]] = ("prompt_lookup", "draft_model")
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeParams:
     """Speculative decoding for one request: ``method`` drafts up to ``num_draft_tokens``
     tokens per step (``prompt_lookup``: from n-gram matches against the prompt and the output
-    so far) and the model checks them all in one forward pass. The output is the one the
+    so far; ``draft_model``: from the engine's draft model, ``EngineConfig.draft``) and the
+    model checks them all in one forward pass. The output is the one the
     request would get without it: greedy token for token, sampled in distribution."""
 
     method: SpeculativeMethod = "prompt_lookup"

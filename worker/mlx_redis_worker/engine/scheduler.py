@@ -43,6 +43,7 @@ from mlx_redis_worker.engine.sampling import (
 )
 from mlx_redis_worker.engine.sequence import Sequence, token_logprob
 from mlx_redis_worker.engine.speculative_batch import (
+    ModelDrafter,
     SpeculationCounters,
     SpeculativeBatchGenerator,
     SpeculativeSequence,
@@ -72,8 +73,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, model: Any, tokenizer: Any, config: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: SchedulerConfig | None = None,
+        draft_model: Any = None,
+    ) -> None:
         self.model = model
+        # Drafts for draft_model requests (EngineCore checked that it shares the tokenizer).
+        self.draft_model = draft_model
         self.tokenizer = tokenizer
         self.config = config or SchedulerConfig()
         self.waiting: deque[Sequence] = deque()
@@ -265,8 +274,16 @@ class Scheduler:
             and not processors
             and (sampler is None or isinstance(sampler, CategoricalSampler))
         ):
+            drafter = None
+            if speculative.method == "draft_model":
+                # EngineCore refuses draft_model requests on an engine without a draft.
+                assert self.draft_model is not None
+                drafter = ModelDrafter(self.draft_model)
             generator.speculate(
-                uid, SpeculativeSequence(speculative.num_draft_tokens, sampler, sequence.fail)
+                uid,
+                SpeculativeSequence(
+                    speculative.num_draft_tokens, sampler, sequence.fail, drafter=drafter
+                ),
             )
         request.status = RequestStatus.RUNNING
         self.running[uid] = sequence

@@ -1,16 +1,19 @@
 """Speculative decoding inside mlx-lm's continuous batch.
 
-A speculating sequence drafts up to k tokens (engine/prompt_lookup.py) and the whole batch is
+A speculating sequence drafts up to k tokens, from prompt lookup (engine/prompt_lookup.py) or
+from a small draft model of the same tokenizer (``ModelDrafter`` below), and the whole batch is
 verified in one forward pass of the model: each row feeds its pending token and its drafts
 (rows with fewer drafts are padded; padding is never accepted). Position j's logits are the
 model's distribution after the j-th draft, so one pass checks every draft and also yields the
 token after the last accepted one:
 
 - greedy: a draft is accepted while it equals the argmax at its position;
-- sampled: a draft d is accepted with probability p(d) (the draft is one token, q(d) = 1) and
-  on rejection the token is drawn from p with d removed, renormalised; the standard rule, so
-  the output keeps the distribution of the request's own sampler (same filters, temperature and
-  PRNG key; the key is split differently, so a seed gives other, equally likely, tokens);
+- sampled: a draft d is accepted with probability min(1, p(d) / q(d)) and on rejection the
+  token is drawn from norm(max(0, p - q)); the standard rule, so the output keeps the
+  distribution of the request's own sampler (same filters, temperature and PRNG key; the key
+  is split differently, so a seed gives other, equally likely, tokens). q is the draft model's
+  distribution under the same sampler; a prompt-lookup draft is one token, q(d) = 1, so it is
+  accepted with probability p(d) and a rejection draws from p with d removed;
 - a row without drafts (speculation off, logits processors, a grammar) is sampled from
   position 0 exactly as the plain step does.
 
@@ -36,9 +39,16 @@ from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
+from mlx_redis_worker.engine.config import DraftModel
 from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator
+from mlx_redis_worker.engine.prompt import model_vocab_size
 from mlx_redis_worker.engine.prompt_lookup import PromptLookup
 from mlx_redis_worker.engine.sampling import CategoricalSampler
 
@@ -52,15 +62,118 @@ FIRST_PAUSE = 4
 MAX_PAUSE = 128
 
 
+# Tokens a draft model takes in one forward pass while it catches up with a sequence (its
+# prompt, or what was emitted while drafting paused): bounds the pass's activations.
+DRAFT_PREFILL_CHUNK = 512
+
+
+def check_draft_model(model: Any, tokenizer: Any, draft: DraftModel) -> None:
+    """``ValueError`` unless ``draft`` can draft for ``model``: the same tokens under the same
+    ids (its drafts are fed to the target as they are), logits of the same width (q and p are
+    compared token by token), and a KV cache that can be trimmed (rejected drafts leave it)."""
+    if draft.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"draft model {draft.name!r} has another tokenizer than the model it drafts for "
+            "(its vocabulary differs): a draft must share the target's tokenizer"
+        )
+    sizes = model_vocab_size(draft.model, draft.tokenizer), model_vocab_size(model, tokenizer)
+    if sizes[0] != sizes[1]:
+        raise ValueError(
+            f"draft model {draft.name!r} has {sizes[0]} logits per token, the model it drafts "
+            f"for {sizes[1]}: a draft must share the target's vocabulary"
+        )
+    if not can_trim_prompt_cache(make_prompt_cache(draft.model)):
+        raise ValueError(
+            f"draft model {draft.name!r} has a KV cache that cannot be trimmed (a sliding "
+            "window?): its rejected drafts could not be taken back"
+        )
+
+
+class ModelDrafter:
+    """A draft model's batch-1 KV cache for one sequence and the tokens in it.
+
+    The target's context only grows by appending (prompt, then emitted tokens); the draft's
+    cache holds a prefix of it plus the drafts of the last step. Before drafting, the cache is
+    trimmed back to what the two share (the accepted drafts stay, the rejected ones go) and
+    catches up on the rest, so it is in step with the target whatever happened in between
+    (a rejection, a pause, steps without drafts). A finished or aborted sequence drops its
+    drafter with its ``SpeculativeSequence``. Engine thread only.
+    """
+
+    __slots__ = ("_agreed", "_cache", "_fed", "_model")
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._cache: list[Any] = make_prompt_cache(model)
+        # The tokens in the cache, and how many of them are known to be the target's context.
+        self._fed: list[int] = []
+        self._agreed = 0
+
+    def __len__(self) -> int:
+        return len(self._fed)
+
+    def draft(
+        self,
+        context: list[int],
+        pending: int,
+        limit: int,
+        sampler: CategoricalSampler | None,
+    ) -> tuple[mx.array, mx.array | None]:
+        """Lazy: ``limit`` (>= 1) draft tokens after ``context`` + ``pending``, argmax for a
+        greedy request, else drawn from the request's sampler over the draft's logits; and for
+        a sampled request the distributions q they were drawn from, (limit, vocab). The caller
+        evaluates them and hands the tokens to ``drafted``."""
+        target = [*context, pending]
+        fed = self._fed
+        common = min(self._agreed, len(fed))
+        end = min(len(fed), len(target))
+        while common < end and fed[common] == target[common]:
+            common += 1
+        if common == len(target):  # the cache holds all of it: feed the last token again
+            common -= 1
+        if common < len(fed):
+            trim_prompt_cache(self._cache, len(fed) - common)
+            del fed[common:]
+        rest = target[common:]
+        for start in range(0, len(rest) - DRAFT_PREFILL_CHUNK, DRAFT_PREFILL_CHUNK):
+            self._model(mx.array([rest[start : start + DRAFT_PREFILL_CHUNK]]), cache=self._cache)
+            mx.eval([c.state for c in self._cache])
+        tail = len(rest) - (len(rest) - 1) % DRAFT_PREFILL_CHUNK - 1
+        logits = self._model(mx.array([rest[tail:]]), cache=self._cache)[:, -1, :]
+        fed += target[common:]
+        self._agreed = len(target)
+        tokens: list[mx.array] = []
+        dists: list[mx.array] = []
+        for j in range(limit):
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            if sampler is None:
+                token = mx.argmax(logprobs, axis=-1)
+            else:
+                scaled = sampler.logits(logprobs)
+                token = mx.random.categorical(scaled, key=sampler.next_key())
+                dists.append(mx.softmax(scaled, axis=-1))
+            tokens.append(token)
+            if j + 1 < limit:  # the last draft is verified by the target, never fed here
+                logits = self._model(token.reshape(1, 1), cache=self._cache)[:, -1, :]
+        drafted = mx.concatenate(tokens)
+        return drafted, mx.concatenate(dists) if dists else None
+
+    def drafted(self, tokens: list[int]) -> None:
+        """The evaluated drafts of the last ``draft``: all but the last are in the cache."""
+        self._fed += tokens[:-1]
+
+
 @dataclass(slots=True)
 class SpeculativeSequence:
     """A sequence's drafting state beside mlx-lm's: its draft length, its sampler (None for
-    greedy), its n-gram index and its backoff."""
+    greedy), its draft source (the draft model's ``drafter``, else its n-gram index) and its
+    backoff."""
 
     num_draft_tokens: int
     sampler: CategoricalSampler | None
     on_error: Callable[[BaseException], None]
     lookup: PromptLookup = field(default_factory=PromptLookup)
+    drafter: ModelDrafter | None = None
     # Optimistic at first: a sequence drafts until its own drafts say otherwise.
     acceptance: float = 1.0
     paused_until: int = 0
@@ -98,6 +211,10 @@ class SpeculationCounters:
     # the decode batch was over max_batch.
     backoffs: int = 0
     batch_backoffs: int = 0
+    # Of rows, drafted and accepted: those of draft-model rows (the rest are prompt lookup's).
+    model_rows: int = 0
+    model_drafted: int = 0
+    model_accepted: int = 0
 
 
 @dataclass
@@ -143,8 +260,9 @@ class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
 
     # -- drafting ----------------------------------------------------------------------------
 
-    def _drafts(self) -> tuple[list[int], list[list[int]]] | None:
-        """Each row's pending token and drafts; None when no row drafts (a plain step)."""
+    def _drafts(self) -> tuple[list[int], list[list[int]], list[mx.array | None]] | None:
+        """Each row's pending token, drafts, and (a draft model's sampled rows) the draft
+        distributions q; None when no row drafts (a plain step)."""
         speculating = self.speculating
         entries = [speculating.get(uid) for uid in self.uids]
         if not any(entries) or not all(type(c) is BatchKVCache for c in self.prompt_cache):
@@ -155,21 +273,42 @@ class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
         mx.eval(self._next_tokens)
         pending = cast(list[int], self._next_tokens.tolist())
         drafts: list[list[int]] = []
+        dists: list[mx.array | None] = [None] * len(entries)
+        # A draft model's rows: drafted lazily, all evaluated together below.
+        modelled: list[tuple[int, SpeculativeSequence, mx.array]] = []
         for i, entry in enumerate(entries):
+            drafts.append([])
             if entry is None or entry.paused_until > self.step_count:
-                drafts.append([])
                 continue
             # The pending token is emitted too: drafts past max_tokens would be thrown away.
-            room = self.max_tokens[i] - self._num_tokens[i] - 1
-            entry.lookup.sync(self.tokens[i])
-            drafts.append(entry.lookup.draft(pending[i], min(entry.num_draft_tokens, room)))
+            limit = min(entry.num_draft_tokens, self.max_tokens[i] - self._num_tokens[i] - 1)
+            if entry.drafter is None:
+                entry.lookup.sync(self.tokens[i])
+                drafts[i] = entry.lookup.draft(pending[i], limit)
+            elif limit > 0:
+                try:
+                    tokens, dists[i] = entry.drafter.draft(
+                        self.tokens[i], pending[i], limit, entry.sampler
+                    )
+                except Exception as exc:  # the draft model failed: this sequence only
+                    entry.on_error(exc)
+                    continue
+                modelled.append((i, entry, tokens))
+        if modelled:
+            mx.eval([tokens for _, _, tokens in modelled])
+            for i, entry, tokens in modelled:
+                drafts[i] = cast(list[int], tokens.tolist())
+                assert entry.drafter is not None
+                entry.drafter.drafted(drafts[i])
         if not any(drafts):
             return None
-        return pending, drafts
+        return pending, drafts, dists
 
     # -- verifying ---------------------------------------------------------------------------
 
-    def _verify(self, pending: list[int], drafts: list[list[int]]) -> list[Any]:
+    def _verify(
+        self, pending: list[int], drafts: list[list[int]], dists: list[mx.array | None]
+    ) -> list[Any]:
         width = max(len(d) for d in drafts)
         inputs = mx.array(
             [
@@ -181,7 +320,9 @@ class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
         logits = self.model(inputs, cache=self.prompt_cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = mx.argmax(logprobs, axis=-1)
-        decide = [self._decision(e, inputs, logits, logprobs, d) for e, d in enumerate(drafts)]
+        decide = [
+            self._decision(e, inputs, logits, logprobs, d, dists[e]) for e, d in enumerate(drafts)
+        ]
         mx.eval(logprobs, greedy, [lazy for _, lazy in decide])
         greedy_rows = cast(list[list[int]], greedy.tolist())
         verdicts = [
@@ -191,7 +332,13 @@ class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
         return self._emit(pending, drafts, logprobs, verdicts)
 
     def _decision(
-        self, e: int, inputs: mx.array, logits: mx.array, logprobs: mx.array, draft: list[int]
+        self,
+        e: int,
+        inputs: mx.array,
+        logits: mx.array,
+        logprobs: mx.array,
+        draft: list[int],
+        dist: mx.array | None,
     ) -> tuple[Callable[[list[int], list[int], Any], _Verdict], Any]:
         """Row ``e``'s lazy arrays to evaluate and how to turn them (with the row's argmax)
         into a verdict, so that the whole batch is evaluated once."""
@@ -205,7 +352,7 @@ class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
         if entry.sampler is None:
             return (lambda g, d, _t: _greedy_verdict(g, d, logprobs[e])), None
         try:
-            lazy = _rejection_arrays(entry.sampler, logprobs[e, : len(draft) + 1], draft)
+            lazy = _rejection_arrays(entry.sampler, logprobs[e, : len(draft) + 1], draft, dist)
         except Exception as exc:
             entry.on_error(exc)
             return (lambda g, _d, _t: _Verdict(0, g[0], logprobs[e, 0])), None
@@ -254,6 +401,10 @@ class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
                 counters.drafted += len(drafts[e])
                 counters.accepted += a
                 entry = self.speculating.get(self.uids[e])
+                if entry is not None and entry.drafter is not None:
+                    counters.model_rows += 1
+                    counters.model_drafted += len(drafts[e])
+                    counters.model_accepted += a
                 if entry is not None and entry.observe(a, len(drafts[e]), self.step_count):
                     counters.backoffs += 1
             self.tokens[e].extend(emitted)
@@ -316,18 +467,28 @@ def _greedy_verdict(targets: list[int], draft: list[int], logprobs: mx.array) ->
 
 
 def _rejection_arrays(
-    sampler: CategoricalSampler, logprobs: mx.array, draft: list[int]
+    sampler: CategoricalSampler,
+    logprobs: mx.array,
+    draft: list[int],
+    dist: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """Lazy: for each draft whether it is accepted (u < p(d)), and for each position the token
-    drawn on rejection there (p without the draft; after the last draft, p itself)."""
+    """Lazy: for each draft whether it is accepted (u < p(d) / q(d)), and for each position
+    the token drawn on rejection there (norm(max(0, p - q)); after the last draft, p itself).
+
+    ``dist``: the distributions q the drafts were drawn from, (k, vocab); None for drafts that
+    are one token each (prompt lookup), q(d) = 1: accepted with p(d), redrawn from p without d.
+    """
     k = len(draft)
     logits = sampler.logits(logprobs)  # (k + 1, vocab): the sampler's own distribution
     probs = mx.softmax(logits, axis=-1)
     drafted = mx.array(draft, dtype=mx.uint32)
+    if dist is None:
+        dist = (mx.arange(logits.shape[-1])[None, :] == drafted[:, None]).astype(probs.dtype)
     p_draft = mx.take_along_axis(probs[:k], drafted[:, None], axis=-1)[:, 0]
-    accept = mx.random.uniform(shape=(k,), key=sampler.next_key()) < p_draft
-    is_draft = mx.arange(logits.shape[-1])[None, :] == drafted[:, None]
-    residual = mx.where(is_draft, -mx.inf, logits[:k])
+    q_draft = mx.take_along_axis(dist, drafted[:, None], axis=-1)[:, 0]
+    # u < p / q without dividing (q(d) > 0: d was drawn from q).
+    accept = mx.random.uniform(shape=(k,), key=sampler.next_key()) * q_draft < p_draft
+    residual = mx.log(mx.maximum(probs[:k] - dist, 0.0))
     redraw = mx.random.categorical(
         mx.concatenate([residual, logits[k:]], axis=0), key=sampler.next_key()
     )

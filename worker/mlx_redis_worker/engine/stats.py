@@ -60,7 +60,9 @@ class SpeculationStats:
     them that drafted, draft tokens fed and accepted, backoffs (a sequence pausing its drafts
     for low acceptance; a step drafting nothing because the batch was too large).
     ``acceptance_rate``: accepted / drafted; ``tokens_per_step``: tokens a drafting sequence
-    got per verify step (1 + its accepted drafts, on average)."""
+    got per verify step (1 + its accepted drafts, on average). ``draft_model``: the share of
+    rows, draft tokens and accepted tokens that came from the draft model (the rest from
+    prompt lookup)."""
 
     steps: int
     rows: int
@@ -70,6 +72,7 @@ class SpeculationStats:
     batch_backoffs: int
     acceptance_rate: float
     tokens_per_step: float
+    draft_model: DraftModelStats
 
     @classmethod
     def of(cls, counters: Any) -> SpeculationStats:
@@ -84,7 +87,25 @@ class SpeculationStats:
             batch_backoffs=counters.batch_backoffs,
             acceptance_rate=accepted / drafted if drafted else 0.0,
             tokens_per_step=(rows + accepted) / rows if rows else 0.0,
+            draft_model=DraftModelStats(
+                rows=counters.model_rows,
+                draft_tokens=counters.model_drafted,
+                accepted_tokens=counters.model_accepted,
+            ),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class DraftModelStats:
+    """Speculation rows drafted by the draft model, their drafts and accepted drafts."""
+
+    rows: int
+    draft_tokens: int
+    accepted_tokens: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """Where offline model fixtures live, and how short fixture names map to folders.
 
 The cache root is ``$MLXW_MODEL_CACHE`` when set, else ``~/.cache/mlx-redis-worker/models``.
-Short names (``tiny``, ``tiny-qwen3``, ``tiny-medium``, ``tiny-micro``, ``smollm2``) resolve to
+Short names (``tiny``, ``tiny-qwen3``, ``tiny-medium``, ``tiny-micro``, ``smollm2``,
+``smollm2-draft``) resolve to
 prepared folders there, preparing them on first use; anything else (a local path, a hub id)
 passes through unchanged so ``mlx_lm.load`` keeps its usual meaning.
 """
@@ -73,6 +74,18 @@ def _prepare_smollm2(dtype: Dtype) -> Callable[[], Path]:
     return prepare
 
 
+def _smollm2_draft_dir() -> Path:
+    from mlx_redis_worker.models.draft import SMOLLM2_DRAFT_LAYERS, truncated_dir
+
+    return truncated_dir(smollm2_dir("float32"), SMOLLM2_DRAFT_LAYERS)
+
+
+def _prepare_smollm2_draft() -> Path:
+    from mlx_redis_worker.models.draft import prepare_smollm2_draft
+
+    return prepare_smollm2_draft()
+
+
 # Short name -> (folder in the default cache, how to build it when missing).
 FIXTURES: dict[str, tuple[Callable[[], Path], Callable[[], Path]]] = {
     "tiny": (lambda: tiny_dir("llama", "small"), _prepare_tiny("llama", "small")),
@@ -82,6 +95,8 @@ FIXTURES: dict[str, tuple[Callable[[], Path], Callable[[], Path]]] = {
     # the engine's own per-token host work.
     "tiny-micro": (lambda: tiny_dir("llama", "micro"), _prepare_tiny("llama", "micro")),
     "smollm2": (lambda: smollm2_dir("float32"), _prepare_smollm2("float32")),
+    # SmolLM2's first layers as its draft model (models/draft.py).
+    "smollm2-draft": (_smollm2_draft_dir, _prepare_smollm2_draft),
 }
 
 

@@ -1,4 +1,5 @@
-"""``mlx-worker model prepare {smollm2|tiny}``: build a fixture folder and print its path."""
+"""``mlx-worker model prepare {smollm2|smollm2-draft|tiny}``: build a fixture folder and print
+its path."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def _prepare(args: argparse.Namespace) -> Path:
         from mlx_redis_worker.models.smollm2 import prepare_smollm2
 
         return prepare_smollm2(dtype=args.dtype, cache_dir=args.cache_dir, force=args.force)
+    if args.name == "smollm2-draft":
+        from mlx_redis_worker.models.draft import SMOLLM2_DRAFT_LAYERS, prepare_smollm2_draft
+
+        layers = args.layers if args.layers is not None else SMOLLM2_DRAFT_LAYERS
+        return prepare_smollm2_draft(layers=layers, cache_dir=args.cache_dir, force=args.force)
     if args.name == "tiny":
         from mlx_redis_worker.models.tiny import prepare_tiny
 
