@@ -48,3 +48,5 @@ def test_cli_runs_every_attacker_and_prints_the_table() -> None:
         row = rf"^\| {attacker} \| [0-9.]+ \| [0-9.]+ \| [0-9]+ \| .*\|$"
         assert re.search(row, done.stdout, re.M), done.stdout
     assert re.search(r"^goals: .*: (met|NOT met)$", done.stdout, re.M), done.stdout
+    # The attackers are clients of their own, as on another host (Linux: all of 127/8 is lo).
+    assert "connects from an address of its own (127.0.0.2, 127.0.0.3, …)" in done.stdout

@@ -115,6 +115,9 @@ def run_gateway(args: argparse.Namespace) -> int:
             body_timeout=args.body_timeout,
             max_connections=args.max_connections,
             max_requests_per_connection=args.max_requests_per_connection,
+            cooldown_after_refusals=args.cooldown_after_refusals,
+            cooldown_seconds=args.cooldown_seconds,
+            max_held_per_address=args.max_held_per_address,
         )
         settings = GatewaySettings(
             redis_url=args.redis_url,
@@ -202,6 +205,28 @@ def _add_http_limits(gateway: argparse.ArgumentParser) -> None:
         default=limits.max_requests_per_connection,
         help="requests a keep-alive connection serves before it is closed "
         f"(default {limits.max_requests_per_connection})",
+    )
+    gateway.add_argument(
+        "--cooldown-after-refusals",
+        type=int,
+        default=limits.cooldown_after_refusals,
+        help="a client address refused this many times for size (431, 413) within "
+        "--cooldown-seconds cools down: its connections are a 429, held unread, then reset "
+        f"(0: never; behind a reverse proxy, which has one address; default "
+        f"{limits.cooldown_after_refusals})",
+    )
+    gateway.add_argument(
+        "--cooldown-seconds",
+        type=float,
+        default=limits.cooldown_seconds,
+        help=f"how long an address cools down (default {limits.cooldown_seconds:g})",
+    )
+    gateway.add_argument(
+        "--max-held-per-address",
+        type=int,
+        default=limits.max_held_per_address,
+        help="connections of a cooling address held open at once; more are reset at accept "
+        f"(default {limits.max_held_per_address})",
     )
 
 

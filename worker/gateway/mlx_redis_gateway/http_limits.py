@@ -12,7 +12,9 @@ Two layers, because uvicorn's httptools parser has no limit of its own on a requ
   request's first byte) is a 408 and closed (uvicorn's keep-alive timer only starts after a
   first response); a connection beyond ``max_connections`` open at once is a 503 and closed
   at once, before the process runs out of file descriptors; a connection serves at most
-  ``max_requests_per_connection`` requests, then says ``connection: close``. httptools was
+  ``max_requests_per_connection`` requests, then says ``connection: close``; a client address
+  refused for size ``cooldown_after_refusals`` times within ``cooldown_seconds`` cools down
+  (``address_cooldown``: its next connections are a 429, held unread, then reset). httptools was
   kept over h11 (which bounds a head itself) for its speed: see docs/gateway.md, "HTTP
   limits", for the figures.
 - ``RequestLimits``: ASGI middleware for what needs the request's task: more than
@@ -28,8 +30,12 @@ Every refusal is OpenAI's error shape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import math
 import resource
+import socket
+import struct
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -41,6 +47,7 @@ import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from mlx_redis_gateway.address_cooldown import AddressCooldowns
 from mlx_redis_gateway.errors import ApiError
 
 log = structlog.get_logger(__name__)
@@ -76,6 +83,14 @@ class HttpLimits:
     # Connections open at once; None: derived from the file-descriptor limit.
     max_connections: int | None = None
     max_requests_per_connection: int = 1000
+    # An address refused for size (431, 413) this many times within ``cooldown_seconds``
+    # cools down for ``cooldown_seconds`` (0: never). A client that hits a size limit by
+    # mistake gets its error twice before the third refusal; none hits it three times in
+    # 10 s but in a loop.
+    cooldown_after_refusals: int = 3
+    cooldown_seconds: float = 10.0
+    # Connections of a cooling address held open (unread) at once; more are reset at accept.
+    max_held_per_address: int = 16
 
     def __post_init__(self) -> None:
         for name in ("max_header_bytes", "max_headers", "max_body_bytes", "max_json_depth"):
@@ -87,6 +102,16 @@ class HttpLimits:
             raise ValueError(f"--body-timeout must be positive, got {self.body_timeout}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
+        if self.cooldown_after_refusals < 0:
+            raise ValueError(
+                f"--cooldown-after-refusals must be 0 or more, got {self.cooldown_after_refusals}"
+            )
+        if self.cooldown_seconds <= 0:
+            raise ValueError(f"--cooldown-seconds must be positive, got {self.cooldown_seconds}")
+        if self.max_held_per_address < 0:
+            raise ValueError(
+                f"--max-held-per-address must be 0 or more, got {self.max_held_per_address}"
+            )
         if self.max_requests_per_connection < 1:
             raise ValueError(
                 "--max-requests-per-connection must be at least 1, "
@@ -126,11 +151,19 @@ class _RefusalLog:
 
 
 _refusals = _RefusalLog()
+# What a refused connection is closed with: SO_LINGER on with a zero timeout makes close()
+# send a reset and drop what is queued, with no FIN_WAIT or TIME_WAIT left behind.
+_RESET_ON_CLOSE: Final = struct.pack("ii", 1, 0)
+# Refusals that count toward an address's cool-down: those a client can repeat at no cost.
+_SIZE_REFUSALS: Final = frozenset({"headers_too_large", "body_too_large"})
 
 
 def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol class with ``limits``' connection guards."""
     cap = limits.connection_cap()
+    cooldowns = AddressCooldowns(
+        limits.cooldown_after_refusals, limits.cooldown_seconds, limits.max_held_per_address
+    )
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         # Bytes of the current head received so far; None once the head is complete.
@@ -142,6 +175,10 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
         # A declared body over the limit was refused: what the parser still finds in the
         # read is dropped.
         _body_refused = False
+        # The cooling address this connection is held for (None: not held), and the timer
+        # that resets it when the cool-down ends.
+        _held_for: str | None = None
+        _hold_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -153,13 +190,59 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
                     "too_many_connections",
                 )
                 return
+            if self.client is not None:
+                cooling = cooldowns.cooling(self.client[0])
+                if cooling > 0:
+                    self._turn_away(self.client[0], cooling)
+                    return
             self._arm_head_timer()
+
+        def _turn_away(self, address: str, cooling: float) -> None:
+            """A connection from a cooling address: a 429, then held unread until the
+            cool-down ends (or reset at once when the address holds its share)."""
+            _refusals.note("address_cooling_down")
+            if not cooldowns.hold(address):
+                self._reset()
+                return
+            self._held_for = address
+            body = error_body(
+                f"this address sent too many oversized requests: retry in {cooling:.0f} s",
+                "rate_limit_error",
+                "address_cooling_down",
+            )
+            head = (
+                "HTTP/1.1 429 Too Many Requests\r\n"
+                "content-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n"
+                f"retry-after: {math.ceil(cooling)}\r\n"
+                "connection: close\r\n\r\n"
+            )
+            self.transport.write(head.encode() + body)
+            self.transport.pause_reading()
+            self._hold_timer = self.loop.call_later(cooling, self._reset)
+
+        def _reset(self) -> None:
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+            self.transport.abort()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_head_timer()
+            if self._held_for is not None:
+                cooldowns.release(self._held_for)
+                self._held_for = None
+                if self._hold_timer is not None:
+                    self._hold_timer.cancel()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self._held_for is not None:
+                # uvloop starts reading after connection_made whatever it paused: pause
+                # again, and what came is dropped unparsed.
+                self.transport.pause_reading()
+                return
             if self._head_bytes is not None:
                 room = limits.max_header_bytes - self._head_bytes
                 # A chunk that carries the head past the limit with no end of head inside
@@ -249,6 +332,8 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
 
         def _refuse(self, status: int, message: str, kind: str, code: str) -> None:
             _refusals.note(code)
+            if code in _SIZE_REFUSALS and self.client is not None:
+                cooldowns.refused(self.client[0])
             body = error_body(message, kind, code)
             head = (
                 f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"

@@ -16,6 +16,11 @@ attacker's own finished request, ``--own-request``), ``hostile-schema`` (4 conne
 asking ``--model`` for chat completions in a new deep ``anyOf`` schema each time, as large as
 the worker's default ``max_schema_bytes`` lets through: a compile each), ``idle-sockets``
 (``--idle-sockets`` connections that send nothing, reopened when closed).
+
+Each attacker connects from ``--source`` (Linux routes all of 127.0.0.0/8 to the loopback
+interface), so that the gateway sees it as a client of its own, as a client on another host
+would be, not as the victim's 127.0.0.1; where that address cannot be bound (macOS has only
+127.0.0.1 by default) it connects from 127.0.0.1, and the report says so.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -41,13 +47,23 @@ SCHEMA_WIDTH = 8
 HUGE_HEADER = 16 * 1024 * 1024
 HUGE_BODY = 500 * 1024 * 1024
 PIECE = b"a" * 65536
+# The first attacker's address; the bench gives each attack phase the next one (``source``).
+FIRST_SOURCE = 2
 
 
 class Target:
     """The gateway under attack: its port and the attacker's key."""
 
-    def __init__(self, port: int, key: str, own_request: str = "", model: str = "") -> None:
+    def __init__(
+        self,
+        port: int,
+        key: str,
+        own_request: str = "",
+        model: str = "",
+        source: str | None = None,
+    ) -> None:
         self.port = port
+        self.local_addr = (source, 0) if source else None  # None: the OS's choice
         self.auth = f"Authorization: Bearer {key}\r\n"
         self.statuses: Counter[str] = Counter()
         self.own_request = own_request  # the attacker's finished request, for the resume flood
@@ -59,7 +75,7 @@ class Target:
         """A connection to the gateway, or None (counted, after ``pause`` seconds) when it
         could not be made."""
         try:
-            return await asyncio.open_connection("127.0.0.1", self.port)
+            return await asyncio.open_connection("127.0.0.1", self.port, local_addr=self.local_addr)
         except OSError as exc:
             self.statuses[f"connect failed: {type(exc).__name__}"] += 1
             await asyncio.sleep(pause)
@@ -206,6 +222,22 @@ def _lowest_priority() -> None:
         os.nice(19)
 
 
+def source(number: int) -> str:
+    """The address attack phase ``number`` connects from: a client of its own, so that one
+    attacker's standing with the gateway (an address cooling down) is not the next one's."""
+    return f"127.0.0.{FIRST_SOURCE + number % 250}"
+
+
+def bindable(address: str) -> str | None:
+    """``address`` where a socket can be bound to it, else None."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return None
+    return address
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlx_redis_worker.bench.attackers")
     parser.add_argument("attack", choices=sorted(attacks(0)))
@@ -214,17 +246,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--own-request", default="", help="the resume flood's request id")
     parser.add_argument("--model", default="", help="the hostile schemas' model")
     parser.add_argument("--idle-sockets", type=int, default=1000)
+    parser.add_argument("--source", default=source(0), help="the address to connect from")
     args = parser.parse_args(argv)
     _lowest_priority()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the idle sockets need room
-    target = Target(args.port, args.key, args.own_request, args.model)
+    address = bindable(args.source)
+    target = Target(args.port, args.key, args.own_request, args.model, address)
     asyncio.run(_run(attacks(args.idle_sockets)[args.attack], target))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     report = {
         "statuses": dict(target.statuses),
         "exchanges": sum(target.statuses.values()),
         "cpu_seconds": usage.ru_utime + usage.ru_stime,
+        "source": address or "127.0.0.1",
     }
     print(json.dumps(report), flush=True)
     return 0

@@ -9,8 +9,9 @@ Phases alternate with baselines (base, A, base, B, …, base), so each attacker'
 against the baselines on either side of it, in the same run.
 
 Each attacker (``attackers``: huge header, huge body, read flood, resume flood, hostile
-schema, idle sockets) is a process of its own at the lowest CPU priority, standing for a
-client on another host: the bench measures what its requests cost the gateway, Redis and the
+schema, idle sockets) is a process of its own at the lowest CPU priority, connecting from an
+address of its own (127.0.0.2, 127.0.0.3, …: one per attack phase), standing for a client on
+another host: the bench measures what its requests cost the gateway, Redis and the
 worker, not what sending them costs the attacker. Reported per attacker: the victim's tok/s
 and TTFT p50 as ratios to the baselines (goal ≥ 0.8 for tok/s), ``/health`` p99 (goal < 1 s),
 the cores the gateway, Redis (when the bench started it), the worker and the attacker used
@@ -40,7 +41,7 @@ import redis
 
 from mlx_redis_gateway.api_keys import add_key
 from mlx_redis_protocol.client import Client
-from mlx_redis_worker.bench.attackers import attacks, get
+from mlx_redis_worker.bench.attackers import attacks, bindable, get, source
 from mlx_redis_worker.bench.e2e_bench import pct
 from mlx_redis_worker.bench.engine_bench import make_prompts
 from mlx_redis_worker.bench.gateway_bench import MODEL_NAME, Stream, _Connections, _gateway
@@ -74,9 +75,12 @@ class Phase:
 class Attacker:
     """One attacker process (``attackers``), started for a phase and stopped at its end."""
 
-    def __init__(self, name: str, port: int, key: str, own_request: str, idle: int) -> None:
+    def __init__(
+        self, name: str, port: int, key: str, own_request: str, idle: int, address: str
+    ) -> None:
         command = [sys.executable, "-m", "mlx_redis_worker.bench.attackers", name]
         command += ["--port", str(port), "--key", key, "--own-request", own_request]
+        command += ["--source", address]
         command += ["--idle-sockets", str(idle), "--model", MODEL_NAME]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE)
 
@@ -133,6 +137,7 @@ class Bench:
     max_tokens: int
     idle_sockets: int
     own_request: str = ""
+    attacks_run: int = 0  # numbers each attack phase's source address
 
 
 async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
@@ -142,8 +147,14 @@ async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
     attacker = None
     if attack:
         attacker = Attacker(
-            attack, bench.port, bench.attacker_key, bench.own_request, bench.idle_sockets
+            attack,
+            bench.port,
+            bench.attacker_key,
+            bench.own_request,
+            bench.idle_sockets,
+            source(bench.attacks_run),
         )
+        bench.attacks_run += 1
         await asyncio.sleep(ATTACK_LEAD_SECONDS)
     pids = [bench.gateway_pid, bench.redis_pid, bench.worker_pid]
     cpu_before = [_cpu_seconds(pid) for pid in pids]
@@ -300,6 +311,13 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
         gateway = _start_gateway(url, prefix, port, keys, log)
         stack.callback(stop_worker, gateway)
         print(f"Redis: {what}; logs: {worker.log_path}, {log}")
+        print(
+            f"each attack phase connects from an address of its own ({source(0)}, "
+            f"{source(1)}, …), the victim from 127.0.0.1"
+            if bindable(source(0))
+            else f"attackers connect from 127.0.0.1, as the victim does ({source(0)} cannot be "
+            "bound here: the gateway's per-address cool-down then turns the victim away too)"
+        )
 
         async def run() -> list[Phase]:
             async with Client(url, prefix=prefix) as client:

@@ -1,0 +1,146 @@
+"""A client address refused for size again and again cools down: its next connections are a
+429 held unread until the cool-down ends (or reset at accept beyond its share), while every
+other address is served as before. A real gateway over real sockets: the offender connects
+from 127.0.0.2 (Linux routes all of 127.0.0.0/8 to loopback), everyone else from 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+import pytest
+
+from mlx_redis_gateway.address_cooldown import MAX_ADDRESSES, AddressCooldowns
+from tests.gateway.test_http_limits import closed, health, openai_error, read_answer
+from tests.support.gateway import GatewayFactory, GatewayProcess
+
+OFFENDER = "127.0.0.2"
+COOLDOWN = 3.0
+OVERSIZED_BODY_HEAD = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 999999999\r\n\r\n"
+)
+
+
+def connect_from(gateway: GatewayProcess, address: str) -> socket.socket:
+    return socket.create_connection(
+        ("127.0.0.1", gateway.port), timeout=60, source_address=(address, 0)
+    )
+
+
+def refused_for_size(gateway: GatewayProcess, address: str) -> int:
+    with connect_from(gateway, address) as sock:
+        sock.sendall(OVERSIZED_BODY_HEAD)
+        return read_answer(sock)[0]
+
+
+def held_open(sock: socket.socket, seconds: float) -> bool:
+    """Whether the gateway neither sends more nor closes ``sock`` within ``seconds``."""
+    sock.settimeout(seconds)
+    try:
+        sock.recv(1)
+    except TimeoutError:
+        return True
+    finally:
+        sock.settimeout(60)
+    return False
+
+
+@pytest.fixture
+def gateway(lone_gateways: GatewayFactory) -> GatewayProcess:
+    return lone_gateways.start(
+        "--cooldown-after-refusals",
+        "3",
+        "--cooldown-seconds",
+        str(COOLDOWN),
+        "--max-held-per-address",
+        "2",
+    )
+
+
+def test_an_address_refused_for_size_three_times_is_held_off_until_its_cooldown_ends(
+    gateway: GatewayProcess,
+) -> None:
+    assert [refused_for_size(gateway, OFFENDER) for _ in range(3)] == [413, 413, 413]
+    started = time.monotonic()
+    held = connect_from(gateway, OFFENDER)
+    with held:
+        # Answered before it sent a byte, then held: what it sends is never read.
+        status, headers, body = read_answer(held)
+        assert status == 429 and headers["connection"] == "close"
+        assert 1 <= int(headers["retry-after"]) <= COOLDOWN
+        assert openai_error(body)["code"] == "address_cooling_down"
+        held.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert held_open(held, 1.0)
+        # Another address is served meanwhile.
+        assert health(gateway) == 200
+        # Reset when the cool-down ends, and the address is served again.
+        assert closed(held)
+    assert time.monotonic() - started >= COOLDOWN - 0.5
+    with connect_from(gateway, OFFENDER) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        assert read_answer(sock)[0] == 200
+
+
+def test_a_cooling_address_beyond_its_held_share_is_reset_at_accept(
+    gateway: GatewayProcess,
+) -> None:
+    for _ in range(3):
+        refused_for_size(gateway, OFFENDER)
+    held = [connect_from(gateway, OFFENDER) for _ in range(2)]
+    try:
+        assert [read_answer(sock)[0] for sock in held] == [429, 429]
+        with connect_from(gateway, OFFENDER) as sock:
+            sock.settimeout(1.0)  # a held connection would time out here
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(65536) == b""  # no answer: closed at once
+        assert all(held_open(sock, 0.2) for sock in held)
+    finally:
+        for sock in held:
+            sock.close()
+    assert health(gateway) == 200
+
+
+def test_size_refusals_spread_wider_than_the_cooldown_start_none(
+    lone_gateways: GatewayFactory,
+) -> None:
+    gateway = lone_gateways.start("--cooldown-seconds", "0.5")
+    for _ in range(4):
+        # Two size refusals within each 0.5 s window, three overall.
+        assert refused_for_size(gateway, OFFENDER) == 413
+        time.sleep(0.3)
+    with connect_from(gateway, OFFENDER) as sock:
+        sock.sendall(b"GET /nowhere HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        assert read_answer(sock)[0] == 404
+
+
+def test_cooldowns_can_be_turned_off(lone_gateways: GatewayFactory) -> None:
+    gateway = lone_gateways.start("--cooldown-after-refusals", "0")
+    assert [refused_for_size(gateway, OFFENDER) for _ in range(6)] == [413] * 6
+    assert health(gateway) == 200
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_address_table_is_bounded_and_forgets_the_least_recent() -> None:
+    clock = Clock()
+    cooldowns = AddressCooldowns(refusals=2, seconds=10.0, max_held=1, clock=clock)
+    cooldowns.refused("first")
+    for number in range(MAX_ADDRESSES):
+        cooldowns.refused(f"10.0.{number // 256}.{number % 256}")
+    cooldowns.refused("first")  # its earlier refusal was forgotten: one so far
+    assert cooldowns.cooling("first") == 0
+    cooldowns.refused("10.0.15.255")
+    assert cooldowns.cooling("10.0.15.255") == 10.0
+    clock.now += 4
+    assert cooldowns.cooling("10.0.15.255") == 6.0
+    assert cooldowns.hold("10.0.15.255") and not cooldowns.hold("10.0.15.255")
+    cooldowns.release("10.0.15.255")
+    assert cooldowns.hold("10.0.15.255")
