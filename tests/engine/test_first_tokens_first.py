@@ -157,10 +157,11 @@ def test_groups_are_prefilled_shortest_first_and_each_first_token_leaves_with_it
         **{r: 1 for r in ("r3", "r7", "r1", "r6")},
         **{r: 2 for r in ("r4", "r2", "r5", "r0")},
     }
-    # Prefill first: the first group's second token waits for the second group's prefill,
-    # and from then on every step decodes everyone.
-    assert steps["r3"] == [1, 3, 4, 5]
-    assert steps["r0"] == [2, 3, 4, 5]
+    # Prefill first: the first group's second token waits for the second group's prefill.
+    # Then every step decodes everyone; the first decode step runs the first tokens (handed
+    # out already) through the model, so second tokens leave from the step after it.
+    assert steps["r3"] == [1, 4, 5, 6]
+    assert steps["r0"] == [2, 4, 5, 6]
 
 
 def test_without_prefill_priority_every_step_decodes(tiny_model: Any, on_a_stream: Any) -> None:
@@ -174,8 +175,9 @@ def test_without_prefill_priority_every_step_decodes(tiny_model: Any, on_a_strea
         prefill_batch_size=4,
         max_consecutive_prefills=0,
     )
-    assert steps["r3"] == [1, 2, 3, 4]
-    assert steps["r0"] == [2, 3, 4, 5]
+    # Each decode step after a group's prefill runs its first tokens through the model.
+    assert steps["r3"] == [1, 3, 4, 5]
+    assert steps["r0"] == [2, 4, 5, 6]
 
 
 def test_a_bounded_run_of_prefills_lets_the_running_batch_decode(
@@ -192,10 +194,11 @@ def test_a_bounded_run_of_prefills_lets_the_running_batch_decode(
         max_consecutive_prefills=1,
     )
     # Groups of two, one prefilled per step; the running batch decodes every other step
-    # while prompts wait.
+    # while prompts wait (step 3's decode runs the first tokens through the model, step 5's
+    # hands the second ones out).
     firsts = [steps[r][0] for r in ("r3", "r7", "r1", "r6", "r4", "r2", "r5", "r0")]
     assert firsts == [1, 1, 2, 2, 3, 3, 4, 4]
-    assert steps["r3"] == [1, 3, 5, 6]
+    assert steps["r3"] == [1, 5, 6, 7]
 
 
 def test_greedy_tokens_are_those_of_mlx_lm_whatever_the_grouping(
@@ -248,3 +251,89 @@ def test_a_cache_hit_and_a_cold_prompt_share_a_prefill_group(
     assert outputs[0].cached_tokens > 0 and outputs[1].cached_tokens == 0
     for prompt, output in zip([hot, cold], outputs, strict=True):
         assert output.output_token_ids == reference_tokens(tiny_model, prompt, 6)
+
+
+class CountingModel:
+    """The tiny model, recording the shape of each forward pass it is asked for."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.passes: list[tuple[int, ...]] = []
+
+    def __call__(self, inputs: mx.array, **kwargs: Any) -> mx.array:
+        self.passes.append(tuple(inputs.shape))
+        return self._model(inputs, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def test_a_first_token_leaves_before_it_is_run_through_the_model(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """mlx-lm runs each new sequence's first token through the model before handing it out:
+    a pass per prefill group. Here that pass waits for the next decode step, batched with
+    every running sequence, and the decode step does not hand the first token out again."""
+    model, tokenizer = tiny_model
+    counting = CountingModel(model)
+    prompts = prompts_of_lengths(tokenizer, [12, 12, 7])
+    phased = PhasedBatchGenerator(counting, stream=on_a_stream, prefill_batch_size=2)
+    uids = phased.insert(prompts, [4, 4, 4])
+    phased.prefill()
+    first = {r.uid: r.token for r in phased.start_generation()}
+    assert counting.passes == [(2, 11), (2, 1)]  # all but the last tokens, then the last ones
+    phased.prefill()
+    first.update({r.uid: r.token for r in phased.start_generation()})
+    assert counting.passes[2:] == [(1, 6), (1, 1)]
+    assert phased.num_decoding == 3
+    tokens: dict[int, list[int]] = {uid: [first[uid]] for uid in uids}
+    while phased.num_decoding:
+        passes = len(counting.passes)
+        for response in phased.decode():
+            tokens[response.uid].append(response.token)
+        assert counting.passes[passes] == (3, 1) or phased.num_decoding < 3
+    assert tokens == {
+        uid: reference_tokens(tiny_model, p, 4) for uid, p in zip(uids, prompts, strict=True)
+    }
+    phased.close()
+
+
+def test_a_first_token_that_ends_its_request_finishes_it_as_mlx_lm_does(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """A first token that is a stop token, or the last of max_tokens, is handed out by mlx-lm's
+    own step with its finish reason; the rest of the group is unchanged."""
+    prompts = prompts_of_lengths(tiny_model[1], [10, 14, 6])
+    stop_first = reference_tokens(tiny_model, prompts[1], 1)[0]
+    model, tokenizer = tiny_model
+    scheduler = Scheduler(
+        model, tokenizer, SchedulerConfig(enable_prefix_cache=False, max_prefill_wait=3600.0)
+    )
+    scheduler.attach_stream(on_a_stream)
+    requests = [
+        Request("long", prompts[0], SamplingParams(max_tokens=5, temperature=0.0)),
+        Request(
+            "stop",
+            prompts[1],
+            SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[stop_first]),
+        ),
+        Request("one", prompts[2], SamplingParams(max_tokens=1, temperature=0.0)),
+    ]
+    for request in requests:
+        scheduler.add_request(request)
+    outputs: dict[str, list[Any]] = {r.request_id: [] for r in requests}
+    while scheduler.has_requests():
+        for output in scheduler.step().outputs:
+            outputs[output.request_id].append(output)
+    scheduler.close()
+    tokens = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in outputs.items()}
+    assert tokens == {
+        "long": reference_tokens(tiny_model, prompts[0], 5),
+        "stop": [],
+        "one": reference_tokens(tiny_model, prompts[2], 1),
+    }
+    assert {rid: outs[-1].finish_reason for rid, outs in outputs.items()} == {
+        "long": "length",
+        "stop": "stop",
+        "one": "length",
+    }

@@ -25,7 +25,7 @@ from mlx_redis_protocol.codec_control import (
     decode_command,
     encode_reply,
 )
-from mlx_redis_protocol.connection import RedisClient
+from mlx_redis_protocol.connection import RedisClient, until_available
 from mlx_redis_protocol.errors import ProtocolError
 from mlx_redis_protocol.identifiers import CACHE_NAME_RULE, is_valid_cache_name, is_valid_id
 from mlx_redis_protocol.keys import Keys
@@ -37,6 +37,10 @@ from mlx_redis_worker.engine import EngineCore
 from mlx_redis_worker.engine.prefix_cache import IncompatibleCacheError
 
 log = structlog.get_logger(__name__)
+
+# How long a reply is tried again while Redis is unavailable: past a client's usual wait for
+# replies (DEFAULT_CONTROL_TIMEOUT_SECONDS), a failover's few seconds included.
+REPLY_RETRY_SECONDS = 10.0
 
 
 class CommandRefused(Exception):
@@ -156,11 +160,23 @@ class ControlListener:
         return is_valid_id(reply_to[len(head) : -1])
 
     async def _reply(self, command: ControlCommand, reply: ControlReply) -> None:
-        try:
+        """Push the reply, trying again while Redis is unavailable: a reply lost to a failover
+        (a Cluster promotes a replica in a few seconds) would leave its sender waiting for a
+        worker that did answer. Pushing twice is harmless: the sender keeps one reply per
+        worker. Not past ``REPLY_RETRY_SECONDS`` (nor the reply list's life): a sender waits
+        about that long at most."""
+        encoded = encode_reply(reply)
+
+        async def push() -> None:
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.rpush(command.reply_to, encode_reply(reply))
+                pipe.rpush(command.reply_to, encoded)
                 pipe.expire(command.reply_to, self.reply_ttl)
                 await pipe.execute()
+
+        try:
+            await until_available(
+                push, self.redis, timeout=min(REPLY_RETRY_SECONDS, float(self.reply_ttl))
+            )
         except REDIS_FAILURES as exc:
             log.warning("control_reply_failed", kind=command.kind, error=describe(exc))
 

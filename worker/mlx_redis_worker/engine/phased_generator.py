@@ -39,6 +39,8 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         super().__init__(model, **kwargs)
         # Per prompt-batch sequence: [segments left, tokens processed, prompt tokens].
         self._currently_processing: list[list[Any]]
+        # Sequences whose first token start_generation handed out before feeding it.
+        self._handed_out: set[int] = set()
         missing = [name for name in _FIELDS if not hasattr(self, name)]
         if missing:
             raise RuntimeError(
@@ -64,6 +66,8 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         with mx.stream(self._stream):
             started = time.perf_counter()
             responses: list[GenerationBatch.Response] = batch.next()
+            if self._handed_out:
+                responses = self._drop_handed_out(responses)
             counters = self._counters
             counters.decode_time += time.perf_counter() - started
             counters.generation_tokens += len(responses)
@@ -71,6 +75,19 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
             if counters.generation_steps % 512 == 0:
                 mx.clear_cache()  # as mlx-lm's own step does
         return responses
+
+    def _drop_handed_out(
+        self, responses: list[GenerationBatch.Response]
+    ) -> list[GenerationBatch.Response]:
+        """Drop the first token each sequence that ``start_generation`` handed out is fed with
+        (its first response of this step; it cannot finish it: see there)."""
+        kept = []
+        for response in responses:
+            if response.uid in self._handed_out:
+                self._handed_out.discard(response.uid)
+                continue
+            kept.append(response)
+        return kept
 
     def prefill(self) -> list[PromptProcessingBatch.Response]:
         """Take queued sequences into the prompt batch (up to ``prefill_batch_size``, while the
@@ -111,7 +128,17 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
 
     def start_generation(self) -> list[GenerationBatch.Response]:
         """Move every sequence whose prompt is processed (all but its last token) into the
-        decode batch and return its first token now."""
+        decode batch and return its first token now.
+
+        mlx-lm's ``generate()`` runs the last prompt token and samples the first token; its
+        ``next()`` would then run the first token through the model (for the second) before
+        handing the first out. Here the first tokens leave at once and their forward pass waits
+        for the next ``decode()``, batched with every running sequence: during a burst, one
+        pass over the weights per prefill group fewer before the next group's prefill. That
+        ``decode()`` hands the first token out again (mlx-lm returns the token it feeds); it
+        is dropped there. A group where any first token ends its sequence (a stop token, or
+        ``max_tokens`` of 1) goes through ``next()`` as mlx-lm does, so every finish is
+        mlx-lm's own."""
         ready = [i for i, p in enumerate(self._currently_processing) if _only_last_token(p[0])]
         if not ready:
             return []
@@ -120,16 +147,33 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
             self._currently_processing = [
                 p for i, p in enumerate(self._currently_processing) if i not in set(ready)
             ]
-            # generate() runs the last prompt token and samples the first token (lazily);
-            # next() evaluates it and starts the second one, as a decode step would.
             batch = self._prompt_batch.split(ready).generate(last_tokens)
             started = time.perf_counter()
-            responses: list[GenerationBatch.Response] = batch.next()
+            first = batch._next_tokens.tolist()
+            if all(
+                limit > 1 and not stops.matcher().advance(token)
+                for token, limit, stops in zip(
+                    first, batch.max_tokens, batch.stop_sequences, strict=True
+                )
+            ):
+                responses = [
+                    batch.Response(uid, token, logprobs, None, None, None)
+                    for uid, token, logprobs in zip(
+                        batch.uids, first, batch._next_logprobs, strict=True
+                    )
+                ]
+                self._handed_out.update(batch.uids)
+            else:
+                responses = batch.next()
             self._counters.decode_time += time.perf_counter() - started
             self._counters.generation_tokens += len(responses)
             if len(batch) > 0:
                 self._generation_batch.extend(batch)
         return responses
+
+    def remove(self, uids: list[int], return_prompt_caches: bool = False) -> Any:
+        self._handed_out.difference_update(uids)
+        return super().remove(uids, return_prompt_caches=return_prompt_caches)
 
     def _prompt(self, chunks: list[list[int]]) -> None:
         """Process one chunk per prompt-batch sequence; a sequence with an empty chunk (its

@@ -71,7 +71,7 @@ def prepare_truncated(
 
 
 # Layers of SmolLM2-135M's 30 that ``smollm2-draft`` keeps (measured: docs/speculative-decoding.md).
-SMOLLM2_DRAFT_LAYERS = 10
+SMOLLM2_DRAFT_LAYERS = 24
 
 
 def prepare_smollm2_draft(
