@@ -3,7 +3,9 @@
 
 For each shape: bf16 weights; decode tokens/s at each batch size for raw ``BatchGenerator``, for
 ``EngineCore.generate_batch_sync`` (which also detokenizes every token) and for the daemon's
-streamed path (``add_request`` + ``stream_outputs``, one output per token); the engine's own host
+streamed path (``add_request`` + ``stream_outputs``, one output per token), and for the daemon's
+own streaming path (``add_request(collect=False)`` + one step listener call per engine step, as
+the worker's publisher gets them); the engine's own host
 time per token (its step time outside ``BatchGenerator.next``, from ``stats()``), which is
 what separates it from raw when a step is host-bound; and the batch-1 step time against the
 memory-bandwidth floor (weight bytes / measured copy bandwidth).
@@ -182,6 +184,38 @@ def engine_stream_decode(engine: EngineCore, batch: list[list[int]], max_tokens:
     return asyncio.run(scenario())
 
 
+def engine_listener_decode(engine: EngineCore, batch: list[list[int]], max_tokens: int) -> float:
+    """The worker daemon's path: no per-request collector; every step's outputs reach one
+    step listener on the event loop (the publisher's hook)."""
+
+    async def scenario() -> float:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        first: list[float] = []
+        counts = {"tokens": 0, "finished": 0}
+        done = asyncio.Event()
+
+        def on_step(outputs: list[Any]) -> None:
+            if not first:
+                first.append(time.perf_counter())
+            for output in outputs:
+                counts["tokens"] += len(output.new_token_ids)
+                counts["finished"] += output.finished
+            if counts["finished"] == len(batch):
+                done.set()
+
+        engine.set_step_listener(on_step)
+        try:
+            for prompt in batch:
+                await engine.add_request(prompt, params, collect=False)
+            await done.wait()
+        finally:
+            engine.set_step_listener(None)
+        end = time.perf_counter()
+        return (counts["tokens"] - len(batch)) / (end - first[0])
+
+    return asyncio.run(scenario())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="0.5B,1.5B,8B")
@@ -208,9 +242,11 @@ def main() -> None:
         raw_decode(model, warm, 8)
         engine_decode(engine, warm, 8)
         engine_stream_decode(engine, warm, 8)
+        engine_listener_decode(engine, warm, 8)
         for batch in batches:
             data = prompts(batch, args.prompt_tokens, SHAPES[name]["vocab_size"], batch)
             raw, ours, streamed, ours_own, streamed_own = [], [], [], [], []
+            listened: list[float] = []
             for _ in range(args.repeat):  # alternate: drift hits every path alike
                 # Each run starts from an empty buffer cache, as the engine does after idling.
                 mx.clear_cache()
@@ -223,6 +259,8 @@ def main() -> None:
                 rate, own = own_host_time(engine_stream_decode, engine, data, args.max_tokens)
                 streamed.append(rate)
                 streamed_own.append(own)
+                mx.clear_cache()
+                listened.append(engine_listener_decode(engine, data, args.max_tokens))
             row = {
                 "shape": name,
                 "params": weight_bytes / 2,
@@ -235,10 +273,13 @@ def main() -> None:
                 "raw_us_per_token": 1e6 / _median(raw),
                 "engine_own_us_per_token": _median(ours_own),
                 "stream_own_us_per_token": _median(streamed_own),
+                "listener_tok_s": _median(listened),
+                "listener_ratio": _median([s / r for s, r in zip(listened, raw, strict=True)]),
                 # Every rotation, to show the spread the medians hide.
                 "raw_all": raw,
                 "engine_all": ours,
                 "stream_all": streamed,
+                "listener_all": listened,
             }
             raw_med, ours_med = row["raw_tok_s"], row["engine_tok_s"]
             if batch == 1:
@@ -254,11 +295,12 @@ def main() -> None:
     print()
     print(
         "| shape | batch | raw BatchGenerator tok/s | engine tok/s | engine / raw |"
-        " streamed tok/s | streamed / raw | raw µs/token |"
+        " streamed tok/s | streamed / raw | daemon path tok/s | daemon path / raw |"
+        " raw µs/token |"
         " engine own µs/token (sync / streamed) |"
         " batch-1 step ms (raw / engine) | floor ms | floor / engine step |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         step = f"{r['step_ms']:.2f} / {r['engine_step_ms']:.2f}" if "step_ms" in r else ""
         floor = f"{r['floor_ms']:.2f}" if "floor_ms" in r else ""
@@ -266,6 +308,7 @@ def main() -> None:
         print(
             f"| {r['shape']} | {r['batch']} | {r['raw_tok_s']:.0f} | {r['engine_tok_s']:.0f} "
             f"| {r['ratio']:.3f} | {r['stream_tok_s']:.0f} | {r['stream_ratio']:.3f} "
+            f"| {r['listener_tok_s']:.0f} | {r['listener_ratio']:.3f} "
             f"| {r['raw_us_per_token']:.1f} "
             f"| {r['engine_own_us_per_token']:.1f} / {r['stream_own_us_per_token']:.1f} "
             f"| {step} | {floor} | {eff} |"
