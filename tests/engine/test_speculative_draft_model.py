@@ -278,3 +278,34 @@ def test_a_draft_of_another_tokenizer_is_refused_and_so_is_draft_model_without_o
 
     with pytest.raises(ValueError, match="no draft model"):
         run(ask())
+
+
+@pytest.mark.smollm2
+def test_greedy_draft_model_equals_the_plain_engine_on_smollm2(
+    smollm2_model: Any, make_engine: MakeEngine
+) -> None:
+    """SmolLM2 with smollm2-draft (its first 24 layers): some drafts accepted, many rejected,
+    the output token for token the plain engine's."""
+    from mlx_redis_worker.models.draft import prepare_smollm2_draft
+
+    draft = DraftModel("smollm2-draft", *load_model(str(prepare_smollm2_draft())))
+    _, tokenizer = smollm2_model
+    asks = [
+        "Quote this sentence exactly: the lighthouse stood on the northern cliff for two "
+        "hundred years, and every night its keeper climbed the stairs.",
+        'Fill in this JSON for Ada Lovelace: {"name": "", "born": 0, "field": ""}',
+    ]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": ask}], add_generation_prompt=True, tokenize=False
+        )
+        for ask in asks
+    ]
+    plain = run(
+        _staggered(make_engine(smollm2_model), [(p, _params(40, None)) for p in prompts], [])
+    )
+    engine = make_engine(smollm2_model, draft=draft)
+    drafted = run(_staggered(engine, [(p, _params(40, "draft_model", 4)) for p in prompts], []))
+    assert drafted == plain
+    counters = engine.scheduler.speculation
+    assert 0 < counters.model_accepted < counters.model_drafted == counters.drafted
