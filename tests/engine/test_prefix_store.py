@@ -67,7 +67,10 @@ def test_a_segmented_prefill_streams_only_real_tokens(
     outputs = run(stream(engine, len(system)))
     engine.close()  # one engine per model at a time
     baseline = run(stream(make_engine(tiny_model, enable_prefix_cache=False), 0))
-    assert [len(o.new_token_ids) for o in outputs[:-1]] == [1] * (len(outputs) - 1)
+    # No output without a token; a reader slower than the engine may get two merged into one
+    # (the collector aggregates), so not exactly one each.
+    assert all(len(o.new_token_ids) >= 1 for o in outputs[:-1])
+    assert sum(len(o.new_token_ids) for o in outputs) == outputs[-1].completion_tokens
     assert outputs[-1].output_token_ids == baseline[-1].output_token_ids
     assert outputs[-1].completion_tokens == baseline[-1].completion_tokens
 
