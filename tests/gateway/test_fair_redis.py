@@ -165,7 +165,7 @@ def test_a_key_that_ignores_retry_after_costs_redis_nothing_and_waits_it_out(
     redis_server: RedisServer, prefix: str
 ) -> None:
     """Past a key's first refusal for its rate, this gateway refuses it alone until its next
-    token is due, holding a request that came back early (at most a second) before its 429;
+    token is due, holding a request that came back early (at most 3 s) before its 429;
     a key at its cap in this gateway's own leases is refused without Redis too. What only
     Redis knows (a read's holder, a changed rate) is still asked of it."""
 
@@ -192,7 +192,7 @@ def test_a_key_that_ignores_retry_after_costs_redis_nothing_and_waits_it_out(
                 await quotas.admit_or_refuse(rated, "r-3")
             held = asyncio.get_running_loop().time() - started
             assert early.value.status == 429 and early.value.code == "rate_limit_exceeded"
-            assert 0.9 <= held < 5 and early.value.retry_after is not None
+            assert 2.9 <= held < 5 and early.value.retry_after is not None
             assert 50 < early.value.retry_after < first.retry_after
             assert commands == 2  # nothing asked of Redis
             raised = replace(rated, requests_per_minute=1000)  # the key file changed

@@ -50,7 +50,7 @@ log = structlog.get_logger(__name__)
 
 LEASE_SECONDS: Final = 30.0
 # How long a request from a key that came back before its Retry-After is held before its 429.
-EARLY_RETRY_HOLD_SECONDS: Final = 1.0
+EARLY_RETRY_HOLD_SECONDS: Final = 3.0
 
 # KEYS[1] the bucket (hash: tokens, at), KEYS[2] the in-flight leases (zset: request id →
 # expiry ms). ARGV[1] requests per minute (0: no limit), ARGV[2] max in flight (0: no cap),
