@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_bench import SHAPES, build_model, prompts, word_tokenizer
+from gpu_bench import SHAPES, _median, build_model, prompts, word_tokenizer
 
 from mlx_redis_worker.engine import (
     EngineConfig,
@@ -206,10 +206,6 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"verify": verify_rows, "engine": engine_rows}, handle, indent=1)
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 if __name__ == "__main__":

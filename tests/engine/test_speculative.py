@@ -24,16 +24,8 @@ from mlx_redis_worker.engine.speculative_batch import (
     _rejection_arrays,
     _sampled_verdict,
 )
-from tests.support.engines import PROMPTS, MakeEngine
+from tests.support.engines import PROMPTS, REPEATING, MakeEngine
 from tests.support.waiting import run
-
-# Prompts whose continuations repeat their own text: drafts get accepted.
-REPEATING = [
-    "the cat sat on the mat and then the cat sat on the mat again and again",
-    "one two three four one two three four one two three",
-    "to be or not to be to be or not to be",
-    "it was the best of times it was the worst of times",
-]
 
 
 def _greedy(max_tokens: int, draft: int | None) -> SamplingParams:

@@ -29,15 +29,8 @@ from mlx_redis_worker.engine.speculative_batch import (
 )
 from mlx_redis_worker.models import load_model
 from mlx_redis_worker.models.draft import prepare_truncated
-from tests.support.engines import PROMPTS, MakeEngine
+from tests.support.engines import PROMPTS, REPEATING, MakeEngine
 from tests.support.waiting import run
-
-REPEATING = [
-    "the cat sat on the mat and then the cat sat on the mat again and again",
-    "one two three four one two three four one two three",
-    "to be or not to be to be or not to be",
-    "it was the best of times it was the worst of times",
-]
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,14 @@ PROMPTS = [
     "many words make a longer prompt so that the batch has padding to handle well",
 ]
 
+# Prompts whose continuations repeat their own text: speculative drafts get accepted.
+REPEATING = [
+    "the cat sat on the mat and then the cat sat on the mat again and again",
+    "one two three four one two three four one two three",
+    "to be or not to be to be or not to be",
+    "it was the best of times it was the worst of times",
+]
+
 
 def make_engine(model_and_tokenizer: tuple[Any, Any], **scheduler: Any) -> EngineCore:
     """An engine over ``(model, tokenizer)``; ``stream_interval`` (default 1) and ``draft``
