@@ -80,6 +80,7 @@ async def drive(
     prefix: str,
     specs: Sequence[JobSpec],
     *,
+    workers: int,
     fault: Fault | None = None,
     event_timeout: float = 60.0,
     submit_concurrency: int = 32,
@@ -122,14 +123,13 @@ async def drive(
         await asyncio.gather(*tasks)
         stats: list[dict[str, Any]] = []
         stats_error = None
-        heartbeats = None
-        with contextlib.suppress(*CONNECTION_ERRORS):  # only for the report of a miss
-            heartbeats = await count_live_workers(await client.connect(), client.keys)
         pinged = None
-        # Control commands are pub/sub broadcasts: a worker whose subscription is still being
-        # restored after a fault (a failover) misses one. The figures are read once every
-        # live worker answers a ping again, so a miss below means a worker that stays deaf.
-        await _until_all_answer(client, heartbeats or 0, seconds=15)
+        # A broadcast waits for as many replies as there are live heartbeats, and control
+        # commands are pub/sub: after a failover, a worker's heartbeat can be missing until its
+        # next beat lands on the promoted replica, and its subscription is being restored. The
+        # figures are read once every started worker heartbeats and answers a ping again, so a
+        # miss below means a worker that stays dead or deaf for 30 s.
+        heartbeats = await _until_all_answer(client, workers, seconds=30)
         try:
             replies = await client.stats(timeout=5)
             stats = [dict(reply.result or {}) for reply in replies]
@@ -144,13 +144,18 @@ async def drive(
     )
 
 
-async def _until_all_answer(client: Client, workers: int, *, seconds: float) -> None:
+async def _until_all_answer(client: Client, workers: int, *, seconds: float) -> int | None:
+    """Wait until ``workers`` heartbeats are live and as many workers answer a ping; the
+    live heartbeats at the end (None: Redis did not say)."""
     deadline = time.monotonic() + seconds
+    heartbeats = None
     while time.monotonic() < deadline:
         with contextlib.suppress(ClientError, *CONNECTION_ERRORS):
-            if len(await client.ping(timeout=1)) >= workers:
-                return
+            heartbeats = await count_live_workers(await client.connect(), client.keys)
+            if heartbeats >= workers and len(await client.ping(timeout=1)) >= workers:
+                return heartbeats
         await asyncio.sleep(0.2)
+    return heartbeats
 
 
 def publisher_total(stats: Sequence[Mapping[str, Any]], name: str) -> int:
@@ -192,6 +197,7 @@ def run_stage(stage: Stage, title: str, directory: Path) -> Outcome:
                 stage.url,
                 stage.prefix,
                 stage.specs,
+                workers=len(stage.workers),
                 fault=stage.fault,
                 event_timeout=stage.event_timeout,
             )
