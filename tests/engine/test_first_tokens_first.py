@@ -221,7 +221,7 @@ def test_the_phased_generator_returns_a_first_token_in_its_prefill_step(
     phased = PhasedBatchGenerator(model, stream=on_a_stream)
     uids = phased.insert(prompts, [3, 3])
     progress = {r.uid: r.progress for r in phased.prefill()}
-    assert progress == {uids[0]: (11, 12), uids[1]: (4, 5)}  # all but the last token
+    assert progress == {uids[0]: (12, 12), uids[1]: (5, 5)}  # the last token included
     first = {r.uid: r.token for r in phased.start_generation()}
     assert first == {
         uid: reference_tokens(tiny_model, p, 1)[0] for uid, p in zip(uids, prompts, strict=True)
@@ -254,44 +254,125 @@ def test_a_cache_hit_and_a_cold_prompt_share_a_prefill_group(
 
 
 class CountingModel:
-    """The tiny model, recording the shape of each forward pass it is asked for."""
+    """The tiny model, recording each forward pass it is asked for: ``("whole", shape)`` for a
+    pass to logits, ``("body", shape)`` for one to hidden states (a prefill pass that keeps its
+    last positions' logits applies the head to those alone)."""
 
     def __init__(self, model: Any) -> None:
         self._model = model
-        self.passes: list[tuple[int, ...]] = []
+        self.passes: list[tuple[str, tuple[int, ...]]] = []
+        self.model = _Counted(model.model, "body", self.passes)
 
     def __call__(self, inputs: mx.array, **kwargs: Any) -> mx.array:
-        self.passes.append(tuple(inputs.shape))
+        self.passes.append(("whole", tuple(inputs.shape)))
         return self._model(inputs, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
 
-def test_a_first_token_leaves_before_it_is_run_through_the_model(
-    tiny_model: Any, on_a_stream: Any
-) -> None:
-    """mlx-lm runs each new sequence's first token through the model before handing it out:
-    a pass per prefill group. Here that pass waits for the next decode step, batched with
-    every running sequence, and the decode step does not hand the first token out again."""
-    model, tokenizer = tiny_model
-    counting = CountingModel(model)
-    prompts = prompts_of_lengths(tokenizer, [12, 12, 7])
-    phased = PhasedBatchGenerator(counting, stream=on_a_stream, prefill_batch_size=2)
-    uids = phased.insert(prompts, [4, 4, 4])
-    phased.prefill()
-    first = {r.uid: r.token for r in phased.start_generation()}
-    assert counting.passes == [(2, 11), (2, 1)]  # all but the last tokens, then the last ones
-    phased.prefill()
-    first.update({r.uid: r.token for r in phased.start_generation()})
-    assert counting.passes[2:] == [(1, 6), (1, 1)]
-    assert phased.num_decoding == 3
+class _Counted:
+    def __init__(self, module: Any, kind: str, passes: list[tuple[str, tuple[int, ...]]]) -> None:
+        self._module, self._kind, self._passes = module, kind, passes
+
+    def __call__(self, inputs: mx.array, **kwargs: Any) -> mx.array:
+        self._passes.append((self._kind, tuple(inputs.shape)))
+        return self._module(inputs, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+class OpaqueModel:
+    """The tiny model with its body out of reach, as a model whose logits are more than its
+    head applied to its last hidden state would be (e.g. soft-capped)."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.passes: list[tuple[str, tuple[int, ...]]] = []
+
+    def __call__(self, inputs: mx.array, **kwargs: Any) -> mx.array:
+        self.passes.append(("whole", tuple(inputs.shape)))
+        return self._model(inputs, **kwargs)
+
+    @property
+    def layers(self) -> Any:
+        return self._model.layers
+
+    def make_cache(self) -> Any:
+        return self._model.make_cache()
+
+
+def first_tokens_and_decode(
+    phased: PhasedBatchGenerator, counting: Any, uids: list[int], sizes: int
+) -> dict[int, list[int]]:
+    """Prefill every group, then decode to the end, checking that each decode pass is the
+    whole running batch's; the tokens by uid."""
+    first: dict[int, int] = {}
+    while phased.has_prefill_work:
+        phased.prefill()
+        first.update({r.uid: r.token for r in phased.start_generation()})
+    assert phased.num_decoding == sizes
     tokens: dict[int, list[int]] = {uid: [first[uid]] for uid in uids}
     while phased.num_decoding:
         passes = len(counting.passes)
         for response in phased.decode():
             tokens[response.uid].append(response.token)
-        assert counting.passes[passes] == (3, 1) or phased.num_decoding < 3
+        assert counting.passes[passes] == ("whole", (sizes, 1)) or phased.num_decoding < sizes
+    return tokens
+
+
+def test_a_first_token_comes_from_its_prefill_pass_and_leaves_before_it_is_run(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """mlx-lm runs each prompt's last token in a forward pass of its own, then its first
+    token in another before handing it out: two passes per prefill group beyond the prompt.
+    Here the prefill pass takes the last token and yields its logits, and the first token's
+    pass waits for the next decode step, batched with every running sequence."""
+    model, tokenizer = tiny_model
+    counting = CountingModel(model)
+    prompts = prompts_of_lengths(tokenizer, [12, 12, 7])
+    phased = PhasedBatchGenerator(counting, stream=on_a_stream, prefill_batch_size=2)
+    counting.passes.clear()  # the check, when made, that the body and head give the logits
+    uids = phased.insert(prompts, [4, 4, 4])
+    phased.prefill()
+    phased.start_generation()
+    assert counting.passes == [("body", (2, 12))]
+    phased.prefill()
+    phased.start_generation()
+    assert counting.passes[1:] == [("body", (1, 7))]
+    phased.close()
+
+    phased = PhasedBatchGenerator(counting, stream=on_a_stream, prefill_batch_size=2)
+    uids = phased.insert(prompts, [4, 4, 4])
+    tokens = first_tokens_and_decode(phased, counting, uids, 3)
+    assert tokens == {
+        uid: reference_tokens(tiny_model, p, 4) for uid, p in zip(uids, prompts, strict=True)
+    }
+    phased.close()
+
+
+def test_a_model_that_does_not_split_keeps_its_last_token_apart(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """Without a reachable body and head, the last token runs in a pass of its own, as in
+    mlx-lm, and the tokens are the same."""
+    model, tokenizer = tiny_model
+    opaque = OpaqueModel(model)
+    prompts = prompts_of_lengths(tokenizer, [12, 12, 7])
+    phased = PhasedBatchGenerator(opaque, stream=on_a_stream, prefill_batch_size=2)
+    uids = phased.insert(prompts, [4, 4, 4])
+    phased.prefill()
+    phased.start_generation()
+    assert opaque.passes == [("whole", (2, 11)), ("whole", (2, 1))]
+    phased.prefill()
+    phased.start_generation()
+    assert opaque.passes[2:] == [("whole", (1, 6)), ("whole", (1, 1))]
+    phased.close()
+
+    phased = PhasedBatchGenerator(opaque, stream=on_a_stream, prefill_batch_size=2)
+    uids = phased.insert(prompts, [4, 4, 4])
+    tokens = first_tokens_and_decode(phased, opaque, uids, 3)
     assert tokens == {
         uid: reference_tokens(tiny_model, p, 4) for uid, p in zip(uids, prompts, strict=True)
     }

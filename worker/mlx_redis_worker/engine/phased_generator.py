@@ -5,7 +5,9 @@ were processed by the *previous* call into the decode batch (running their first
 then processes the next prompt chunk, and returns everything at the end. A sequence's first
 token therefore leaves two calls after its prefill ended, behind another prefill chunk. Here:
 
-- ``prefill()`` processes one chunk of the prompt batch (taking queued sequences into it),
+- ``prefill()`` processes one chunk of the prompt batch (taking queued sequences into it); a
+  prompt's last chunk takes its last token too, and the pass yields that position's logits
+  (mlx-lm runs the last token in a forward pass of its own: one pass per prefill group more),
 - ``start_generation()`` moves every sequence whose prompt is now processed into the decode
   batch and samples its first token at once (returned in the same step as its prefill),
 - ``decode()`` runs one decode step of the running batch; the scheduler may skip it while
@@ -19,10 +21,17 @@ phases read ``BatchGenerator``'s internal fields, so the mlx-lm version is pinne
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.generate import (
+    BatchGenerator,
+    GenerationBatch,
+    PromptProcessingBatch,
+    _right_pad_prompts,
+)
+from mlx_lm.models.cache import make_prompt_cache
 
 _FIELDS = (
     "_unprocessed_sequences",
@@ -41,12 +50,20 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         self._currently_processing: list[list[Any]]
         # Sequences whose first token start_generation handed out before feeding it.
         self._handed_out: set[int] = set()
+        # The logits of each prompt whose last token its prefill pass took, until
+        # start_generation samples its first token from them.
+        self._first_logits: dict[int, mx.array] = {}
+        # Sequences whose prompt must end as mlx-lm's does (all but the last token in the
+        # cache): a prefix stored at that point is keyed by those tokens.
+        self.last_token_apart: set[int] = set()
         missing = [name for name in _FIELDS if not hasattr(self, name)]
         if missing:
             raise RuntimeError(
                 f"this mlx-lm's BatchGenerator lacks {missing}: the engine's phased step "
                 "supports mlx-lm 0.32.x"
             )
+        with mx.stream(self._stream):
+            self._split_model = _SplitModel.of(self.model)
 
     @property
     def has_prefill_work(self) -> bool:
@@ -103,11 +120,12 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
                 self._prompt_batch.extend(self._make_batch(room))
             responses: list[PromptProcessingBatch.Response] = []
             chunks: list[list[int]] = []
-            for uid, progress in zip(
-                self._prompt_batch.uids, self._currently_processing, strict=True
+            finishing: list[int] = []  # rows whose chunk takes the prompt's last token
+            for row, (uid, progress) in enumerate(
+                zip(self._prompt_batch.uids, self._currently_processing, strict=True)
             ):
                 segments = progress[0]
-                if _only_last_token(segments):
+                if not segments or _only_last_token(segments):
                     chunks.append([])  # prompt done: waits for start_generation
                     continue
                 chunk = segments[0][: self.prefill_step_size]
@@ -115,6 +133,14 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
                 end_of_segment = not segments[0]
                 if end_of_segment:
                     segments.pop(0)
+                    if (
+                        _only_last_token(segments)
+                        and len(chunk) < self.prefill_step_size
+                        and uid not in self.last_token_apart
+                        and self._split_model is not None
+                    ):
+                        chunk = chunk + segments.pop(0)
+                        finishing.append(row)
                 progress[1] += len(chunk)
                 chunks.append(chunk)
                 responses.append(
@@ -123,7 +149,7 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
                     )
                 )
             if any(chunks):
-                self._prompt(chunks)
+                self._prompt(chunks, finishing)
         return responses
 
     def start_generation(self) -> list[GenerationBatch.Response]:
@@ -139,15 +165,19 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         is dropped there. A group where any first token ends its sequence (a stop token, or
         ``max_tokens`` of 1) goes through ``next()`` as mlx-lm does, so every finish is
         mlx-lm's own."""
-        ready = [i for i, p in enumerate(self._currently_processing) if _only_last_token(p[0])]
+        ready = [
+            i
+            for i, p in enumerate(self._currently_processing)
+            if not p[0] or _only_last_token(p[0])
+        ]
         if not ready:
             return []
         with mx.stream(self._stream):
-            last_tokens = [self._currently_processing[i][0][0] for i in ready]
+            records = [self._currently_processing[i] for i in ready]
             self._currently_processing = [
                 p for i, p in enumerate(self._currently_processing) if i not in set(ready)
             ]
-            batch = self._prompt_batch.split(ready).generate(last_tokens)
+            batch = self._begin_generation(self._prompt_batch.split(ready), records)
             started = time.perf_counter()
             first = batch._next_tokens.tolist()
             if all(
@@ -171,21 +201,62 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
                 self._generation_batch.extend(batch)
         return responses
 
+    def _begin_generation(
+        self, part: PromptProcessingBatch, records: list[list[Any]]
+    ) -> GenerationBatch:
+        """The decode batch of the sequences in ``part``, their first tokens sampled: from the
+        logits their prefill pass kept, or (the last token still apart) by mlx-lm's own pass."""
+        kept = [j for j, uid in enumerate(part.uids) if uid in self._first_logits]
+        apart = [j for j in range(len(part.uids)) if j not in set(kept)]
+        batch: GenerationBatch | None = None
+        if apart:
+            rest = part.split(apart) if kept else part
+            batch = rest.generate([records[j][0][0] for j in apart])
+        if kept:
+            logits = mx.stack([self._first_logits.pop(uid) for uid in part.uids])
+            last = mx.array([tokens[-1] for tokens in part.tokens])
+            # GenerationBatch samples from the logits of its inputs in its constructor, and
+            # appends those inputs to the tokens it was given: hand it the logits the prefill
+            # pass made, and the prompt without the last token it already holds.
+            started = GenerationBatch(
+                _Logits(logits),
+                part.uids,
+                last,
+                part.prompt_cache,
+                [tokens[:-1] for tokens in part.tokens],
+                part.samplers,
+                part.fallback_sampler,
+                part.logits_processors,
+                part.stop_sequences,
+                part.max_tokens,
+            )
+            started.model = self.model
+            if batch is None:
+                batch = started
+            else:
+                batch.extend(started)
+        assert batch is not None
+        return batch
+
     def remove(self, uids: list[int], return_prompt_caches: bool = False) -> Any:
         self._handed_out.difference_update(uids)
+        self.last_token_apart.difference_update(uids)
+        for uid in uids:
+            self._first_logits.pop(uid, None)
         return super().remove(uids, return_prompt_caches=return_prompt_caches)
 
-    def _prompt(self, chunks: list[list[int]]) -> None:
+    def _prompt(self, chunks: list[list[int]], finishing: list[int]) -> None:
         """Process one chunk per prompt-batch sequence; a sequence with an empty chunk (its
-        prompt is done) is left out of the forward pass, its cache untouched."""
+        prompt is done) is left out of the forward pass, its cache untouched. The rows in
+        ``finishing`` end their prompts here: their last position's logits are kept."""
         batch = self._prompt_batch
         active = [i for i, chunk in enumerate(chunks) if chunk]
         started = time.perf_counter()
         if len(active) == len(chunks):
-            batch.prompt(chunks)
+            self._process(batch, chunks, finishing)
         else:
             part = batch.split(active)
-            part.prompt([chunks[i] for i in active])
+            self._process(part, [chunks[i] for i in active], [active.index(i) for i in finishing])
             batch.extend(part)
             # extend() appends: put the processing records in the batch's new order.
             order = [i for i in range(len(chunks)) if i not in set(active)] + active
@@ -199,6 +270,80 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         prompt: list[Any] = self.prefill()
         generated += self.start_generation()
         return prompt, generated
+
+    def _process(
+        self, batch: PromptProcessingBatch, chunks: list[list[int]], finishing: list[int]
+    ) -> None:
+        """``batch.prompt(chunks)``, and the logits of each ``finishing`` row's last position
+        (its own length: chunks are right-padded to the longest) from the same pass."""
+        if not finishing:
+            batch.prompt(chunks)
+            return
+        split = self._split_model
+        assert split is not None
+        for tokens, chunk in zip(batch.tokens, chunks, strict=True):
+            tokens += chunk
+        lengths = [len(chunk) for chunk in chunks]
+        padding = [max(lengths) - length for length in lengths]
+        if any(padding):
+            inputs = _right_pad_prompts(chunks, max_length=max(lengths))
+            for layer in batch.prompt_cache:
+                layer.prepare(lengths=lengths, right_padding=padding)
+        else:
+            inputs = mx.array(chunks)
+        hidden = split.body(inputs, cache=batch.prompt_cache)
+        rows = mx.array(finishing)
+        logits = split.head(hidden[rows, mx.array([lengths[r] - 1 for r in finishing])])
+        mx.eval([layer.state for layer in batch.prompt_cache], logits)
+        if any(padding):
+            for layer in batch.prompt_cache:
+                layer.finalize()
+            mx.eval([layer.state for layer in batch.prompt_cache])
+        mx.clear_cache()
+        for row, row_logits in zip(finishing, logits, strict=True):
+            self._first_logits[batch.uids[row]] = row_logits
+
+
+class _SplitModel:
+    """A model's body (tokens to last hidden states) and head (hidden states to logits), when
+    both are reachable and together give the model's own logits (checked once, when the
+    generator is made on the engine thread). mlx-lm's models keep the body
+    as ``model.model`` and the head as ``lm_head`` or the tied embedding's ``as_linear``; a
+    model that post-processes logits (soft-capping, scaling) fails the check and keeps its last
+    token apart."""
+
+    def __init__(self, body: Callable[..., mx.array], head: Callable[[mx.array], mx.array]):
+        self.body = body
+        self.head = head
+
+    @classmethod
+    def of(cls, model: Any) -> _SplitModel | None:
+        body = getattr(model, "model", None)
+        head = getattr(model, "lm_head", None)
+        if head is None:
+            head = getattr(getattr(body, "embed_tokens", None), "as_linear", None)
+        if not callable(body) or not callable(head):
+            return None
+        split = cls(body, head)
+        probe = mx.array([[1, 2, 3, 4]])
+        try:
+            whole = model(probe, cache=make_prompt_cache(model))[:, -1]
+            parts = head(body(probe, cache=make_prompt_cache(model))[:, -1])
+            same = whole.shape == parts.shape and mx.allclose(whole, parts).item()
+        except Exception:  # any model that does not split so: the last token stays apart
+            return None
+        return split if same else None
+
+
+class _Logits:
+    """Stands in for the model in the one forward pass GenerationBatch's constructor runs: the
+    logits of the prompts' last tokens, which the prefill pass already made."""
+
+    def __init__(self, logits: mx.array) -> None:
+        self._logits = logits
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        return self._logits[:, None, :]
 
 
 def _only_last_token(segments: list[list[int]]) -> bool:

@@ -267,6 +267,9 @@ class Scheduler:
             stop_sequences=[build_stop_sequences(self.eos_token_ids, params)],
         )
         sequence.uid = uid
+        if sequence.prefix_pending:
+            # The prefix is stored as mlx-lm keeps prompts: all but the last token cached.
+            generator.last_token_apart.add(uid)
         speculative = params.speculative
         # Logits processors (penalties, a grammar) see one position per step: no drafts.
         if (
