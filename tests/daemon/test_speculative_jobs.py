@@ -54,6 +54,9 @@ def test_a_jobs_speculative_field_and_the_worker_default(
             new_rows = after_two["rows"] - after_default["rows"]
             assert 0 < new_drafts <= 2 * new_rows  # at most 2 drafts per row, as asked
             assert default == off and two == off
+            lookup = after_two["prompt_lookup"]  # the stats reply splits by method
+            assert lookup["rows"] == after_two["rows"] and lookup["steps"] == after_two["steps"]
+            assert after_two["draft_model"]["rows"] == 0
             # This worker has no draft model: a job asking for one is refused, typed.
             rid = await client.submit(PROMPT, max_tokens=8, speculative={"method": "draft_model"})
             refused = check_stream(await collect(client, rid), rid).terminal
@@ -80,5 +83,11 @@ def test_a_worker_with_a_draft_model_drafts_with_it_by_default(
             model_rows = speculation["draft_model"]
             assert model_rows["draft_tokens"] == speculation["draft_tokens"] > 0
             assert model_rows["accepted_tokens"] == model_rows["draft_tokens"]
+            # The stats reply splits by method: every verify step was a draft-model one.
+            assert model_rows["steps"] == speculation["steps"] > 0
+            assert model_rows["acceptance_rate"] == 1.0
+            assert (
+                speculation["prompt_lookup"]["steps"] == speculation["prompt_lookup"]["rows"] == 0
+            )
 
     run(main())
