@@ -56,7 +56,17 @@ SPECULATION_KEYS = [
     "batch_backoffs",
     "acceptance_rate",
     "tokens_per_step",
+    "prompt_lookup",
     "draft_model",
+]
+# Each method's part of the speculation figures.
+SPECULATION_METHOD_KEYS = [
+    "steps",
+    "rows",
+    "draft_tokens",
+    "accepted_tokens",
+    "acceptance_rate",
+    "tokens_per_step",
 ]
 HEALTH_KEYS = [
     "healthy",
@@ -95,6 +105,8 @@ def test_the_stats_dicts_are_the_typed_stats(engine: EngineCore) -> None:
     assert list(view) == ENGINE_KEYS
     assert list(view["health"]) == HEALTH_KEYS and view["requests"] == []
     assert list(view["speculation"]) == SPECULATION_KEYS
+    for method in ("prompt_lookup", "draft_model"):
+        assert list(view["speculation"][method]) == SPECULATION_METHOD_KEYS
     assert view["total_completion_tokens"] == typed.scheduler.total_completion_tokens
     assert typed.scheduler.total_completion_tokens == sum(o.completion_tokens for o in outputs)
     assert typed.scheduler.num_requests_processed == view["num_requests_processed"] == 3

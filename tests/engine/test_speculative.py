@@ -11,7 +11,6 @@ import asyncio
 from collections import Counter
 from typing import Any
 
-import mlx.core as mx
 import pytest
 
 from mlx_redis_worker.engine import EngineCore, SamplingParams, SpeculativeParams
@@ -25,6 +24,7 @@ from mlx_redis_worker.engine.speculative_batch import (
     _sampled_verdict,
 )
 from tests.support.engines import PROMPTS, REPEATING, MakeEngine
+from tests.support.speculation import chi_square, emitted_pair, two_position_target
 from tests.support.waiting import run
 
 
@@ -174,21 +174,11 @@ def test_greedy_speculation_equals_the_plain_engine_on_smollm2(
 
 # -- sampled: the rejection rule ---------------------------------------------------------------
 
-CELLS = 6
-
-
-def _chi_square(observed: Counter[Any], expected: dict[Any, float], n: int) -> float:
-    return sum((observed[c] - n * p) ** 2 / (n * p) for c, p in expected.items())
-
 
 def test_rejection_rule_keeps_the_target_distribution() -> None:
     """Two positions, a draft at each, over a 6-token vocabulary: the tokens the rule emits
     (accepted drafts, then the redraw) follow p0 x p1 whatever the drafts are."""
-    logits = mx.array([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 1.5, -0.5, 1.0, 0.0, 0.7]])
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    table = mx.concatenate([logprobs, logprobs[1:]])  # a third position after both drafts
-    p0, p1 = (mx.exp(logprobs[i]).tolist() for i in (0, 1))
-    expected = {(a, b): p0[a] * p1[b] for a in range(CELLS) for b in range(CELLS)}
+    logprobs, table, expected = two_position_target()
     n = 6000
     for draft in ([0, 1], [4, 2]):  # a likely draft, and an unlikely one
         sampler = CategoricalSampler(SamplingParams(temperature=1.0, top_p=1.0, seed=1234))
@@ -196,17 +186,9 @@ def test_rejection_rule_keeps_the_target_distribution() -> None:
         for _ in range(n):
             arrays = _rejection_arrays(sampler, table, draft)
             verdict = _sampled_verdict(draft, arrays, table)
-            first = draft[0] if verdict.accepted >= 1 else verdict.next_token
-            if verdict.accepted == 0:
-                # The second token comes from the next step: drawn from p1 with the same key.
-                second = int(mx.random.categorical(logprobs[1], key=sampler.next_key()).item())
-            elif verdict.accepted == 1:
-                second = verdict.next_token
-            else:
-                second = draft[1]
-            seen[(first, second)] += 1
+            seen[emitted_pair(draft, verdict, sampler, logprobs)] += 1
         # 35 degrees of freedom: 66.6 is the 0.999 quantile.
-        assert _chi_square(seen, expected, n) < 66.6, (draft, seen)
+        assert chi_square(seen, expected, n) < 66.6, (draft, seen)
 
 
 def test_sampled_speculation_keeps_the_distribution_of_the_plain_engine(

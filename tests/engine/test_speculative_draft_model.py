@@ -30,6 +30,7 @@ from mlx_redis_worker.engine.speculative_batch import (
 from mlx_redis_worker.models import load_model
 from mlx_redis_worker.models.draft import prepare_truncated
 from tests.support.engines import PROMPTS, REPEATING, MakeEngine
+from tests.support.speculation import CELLS, chi_square, emitted_pair, two_position_target
 from tests.support.waiting import run
 
 
@@ -196,18 +197,11 @@ def test_the_draft_cache_rolls_back_to_what_the_target_accepted(tiny_draft: Draf
         assert got == fresh
 
 
-CELLS = 6
-
-
 def test_rejection_rule_with_draft_distributions_keeps_the_target_distribution() -> None:
     """Drafts drawn from q (a draft model's distributions) at two positions of a 6-token
     vocabulary: accept with min(1, p/q), redraw from norm(max(0, p - q)); the emitted pair
     follows p0 x p1 (chi-square, fixed seeds)."""
-    logits = mx.array([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 1.5, -0.5, 1.0, 0.0, 0.7]])
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    table = mx.concatenate([logprobs, logprobs[1:]])
-    p0, p1 = (mx.exp(logprobs[i]).tolist() for i in (0, 1))
-    expected = {(a, b): p0[a] * p1[b] for a in range(CELLS) for b in range(CELLS)}
+    logprobs, table, expected = two_position_target()
     q_logits = mx.array([[0.0, 2.0, 0.5, 1.0, 0.5, -2.0], [1.0, 0.0, 1.5, -1.0, 0.5, 0.0]])
     q = mx.softmax(q_logits, axis=-1)
     n = 6000
@@ -221,17 +215,10 @@ def test_rejection_rule_with_draft_distributions_keeps_the_target_distribution()
         arrays = _rejection_arrays(sampler, table, draft, q)
         verdict = _sampled_verdict(draft, arrays, table)
         rejected += verdict.accepted < 2
-        first = draft[0] if verdict.accepted >= 1 else verdict.next_token
-        if verdict.accepted == 0:
-            second = int(mx.random.categorical(logprobs[1], key=sampler.next_key()).item())
-        elif verdict.accepted == 1:
-            second = verdict.next_token
-        else:
-            second = draft[1]
-        seen[(first, second)] += 1
+        seen[emitted_pair(draft, verdict, sampler, logprobs)] += 1
     assert 0.2 * n < rejected < 0.9 * n  # q is far from p: both branches ran often
     # 35 degrees of freedom: 66.6 is the 0.999 quantile.
-    assert sum((seen[c] - n * p) ** 2 / (n * p) for c, p in expected.items()) < 66.6, seen
+    assert chi_square(seen, expected, n) < 66.6, seen
 
 
 def test_sampled_draft_model_rows_keep_the_distribution_of_the_plain_engine(

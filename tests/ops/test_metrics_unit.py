@@ -1,8 +1,11 @@
-"""The metrics module on its own: snapshot rendering and the done-event hook."""
+"""The metrics module on its own: snapshot rendering and the done-event hook, from fake
+sources and, for the speculative series, from a real engine's run."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,8 +15,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from mlx_redis_protocol.messages import Usage
 from mlx_redis_worker.daemon.metrics import Metrics, MetricSources
+from mlx_redis_worker.engine import EngineCore, SamplingParams, SpeculativeParams
+from mlx_redis_worker.engine.config import DraftModel
 from mlx_redis_worker.engine.speculative_batch import SpeculationCounters
 from mlx_redis_worker.engine.stats import SpeculationStats
+from tests.support.engines import REPEATING, collect, make_engine
+from tests.support.waiting import run
 
 
 class FakeEngine:
@@ -22,7 +29,19 @@ class FakeEngine:
     def __init__(self, hit_rate: float | None, speculated: bool = True) -> None:
         self.hit_rate = hit_rate
         self.speculation = (
-            SpeculationCounters(steps=10, rows=12, drafted=40, accepted=30, emitted=50)
+            # 10 verify steps: 9 with prompt-lookup rows, 2 with draft-model rows (1 with both).
+            SpeculationCounters(
+                steps=10,
+                rows=12,
+                drafted=40,
+                accepted=30,
+                emitted=50,
+                model_rows=2,
+                model_drafted=8,
+                model_accepted=2,
+                lookup_steps=9,
+                model_steps=2,
+            )
             if speculated
             else SpeculationCounters()
         )
@@ -90,6 +109,27 @@ def samples(m: Metrics) -> dict[str, float]:
     return found
 
 
+# The speculative series, by the MethodStats field each one renders.
+SPECULATIVE_SERIES = {
+    "steps": "mlxw_speculative_steps_total",
+    "rows": "mlxw_speculative_rows_total",
+    "draft_tokens": "mlxw_speculative_draft_tokens_total",
+    "accepted_tokens": "mlxw_speculative_accepted_tokens_total",
+    "acceptance_rate": "mlxw_speculative_acceptance_rate",
+    "tokens_per_step": "mlxw_speculative_tokens_per_step",
+}
+
+
+def speculative(found: dict[str, float], method: str) -> dict[str, float]:
+    """The samples of one method's speculative series (model ``tiny``) that are there."""
+    labels = f"method={method},model=tiny"
+    return {
+        field: found[f"{name}{{{labels}}}"]
+        for field, name in SPECULATIVE_SERIES.items()
+        if f"{name}{{{labels}}}" in found
+    }
+
+
 def test_refresh_copies_the_sources() -> None:
     m = metrics({"name": "g", "lag": 3, "pending": 2}, 0.25)
     # Nothing before the first refresh (no model known yet: no per-model sample at all).
@@ -107,11 +147,22 @@ def test_refresh_copies_the_sources() -> None:
     assert found["mlxw_group_lag{model=tiny}"] == 3
     assert found["mlxw_group_pending{model=tiny}"] == 2
     assert found["mlxw_prefix_cache_hit_rate{model=tiny}"] == 0.25
-    assert found["mlxw_speculative_steps_total{model=tiny}"] == 10
-    assert found["mlxw_speculative_draft_tokens_total{model=tiny}"] == 40
-    assert found["mlxw_speculative_accepted_tokens_total{model=tiny}"] == 30
-    assert found["mlxw_speculative_acceptance_rate{model=tiny}"] == 0.75
-    assert found["mlxw_speculative_tokens_per_step{model=tiny}"] == 3.5
+    assert speculative(found, "prompt_lookup") == {
+        "steps": 9,
+        "rows": 10,
+        "draft_tokens": 32,
+        "accepted_tokens": 28,
+        "acceptance_rate": 0.875,
+        "tokens_per_step": 3.8,
+    }
+    assert speculative(found, "draft_model") == {
+        "steps": 2,
+        "rows": 2,
+        "draft_tokens": 8,
+        "accepted_tokens": 2,
+        "acceptance_rate": 0.25,
+        "tokens_per_step": 2.0,
+    }
     assert found["mlxw_metrics_refreshed_timestamp_seconds"] > 0
 
 
@@ -139,8 +190,10 @@ def test_unknown_values_are_gaps_not_zeros() -> None:
     assert "mlxw_group_lag{model=tiny}" not in found
     assert "mlxw_group_pending{model=tiny}" not in found
     assert "mlxw_prefix_cache_hit_rate{model=tiny}" not in found
-    assert "mlxw_speculative_acceptance_rate{model=tiny}" not in found
-    assert found["mlxw_speculative_steps_total{model=tiny}"] == 0
+    # No row verified yet: the counters are zeros, the rates gaps.
+    for method in ("prompt_lookup", "draft_model"):
+        zeros = {"steps": 0, "rows": 0, "draft_tokens": 0, "accepted_tokens": 0}
+        assert speculative(found, method) == zeros
     assert found["mlxw_requests_in_flight{model=tiny}"] == 2
     m = metrics({"lag": None, "pending": 0}, None)  # Redis may not know the lag
     asyncio.run(m.refresh_now())
@@ -179,3 +232,55 @@ def test_registries_are_independent() -> None:
     assert samples(first)["mlxw_ttft_seconds_count{model=tiny}"] == 1
     # (A labelled histogram shows no sample until its label is first observed.)
     assert samples(second).get("mlxw_ttft_seconds_count{model=tiny}", 0) == 0
+
+
+def test_a_real_engine_run_gives_each_speculative_method_its_series(tiny_model: Any) -> None:
+    """The tiny model serving prompt-lookup and draft-model rows in one batch (drafting for
+    itself): each method's series are the engine's own figures for that method; the
+    draft-model rows, a model drafting for itself, have every draft accepted."""
+    requests = [(prompt, "prompt_lookup") for prompt in REPEATING[:2]]
+    requests += [(prompt, "draft_model") for prompt in REPEATING[2:]]
+
+    async def serve(engine: EngineCore) -> None:
+        ids = [
+            await engine.add_request(
+                prompt,
+                SamplingParams(
+                    max_tokens=24,
+                    temperature=0.0,
+                    speculative=SpeculativeParams(method=method, num_draft_tokens=3),  # type: ignore[arg-type]
+                ),
+            )
+            for prompt, method in requests
+        ]
+        await asyncio.gather(*(collect(engine, request_id) for request_id in ids))
+        await engine.stop()
+
+    with contextlib.closing(
+        make_engine(tiny_model, draft=DraftModel("tiny", *tiny_model))
+    ) as engine:
+        run(serve(engine))
+        m = Sourced(
+            [
+                MetricSources(
+                    model="tiny",
+                    engine=engine,
+                    runner=SimpleNamespace(in_flight={}, outcomes={}),  # type: ignore[arg-type]
+                    queue=FakeQueue({}),  # type: ignore[arg-type]
+                )
+            ]
+        )
+        asyncio.run(m.refresh_now())
+        stats = engine.stats().scheduler.speculation
+    found = samples(m)
+    for method, figures in stats.methods().items():
+        assert figures.rows > 0 and figures.accepted_tokens > 0, (method, figures)
+        assert speculative(found, method) == dataclasses.asdict(figures)
+    lookup, model = stats.prompt_lookup, stats.draft_model
+    assert model.acceptance_rate == 1.0
+    # The two methods' rows and drafts add up to the totals; their steps cover every verify
+    # step, and a step in which both drafted counts for each.
+    assert lookup.rows + model.rows == stats.rows
+    assert lookup.draft_tokens + model.draft_tokens == stats.draft_tokens
+    assert lookup.accepted_tokens + model.accepted_tokens == stats.accepted_tokens
+    assert max(lookup.steps, model.steps) <= stats.steps < lookup.steps + model.steps

@@ -8,6 +8,8 @@ keeping their own copies.
 - ``prompts``: random prompts for the tiny model; ``references``: its greedy texts.
 - ``events``: what a subscriber makes of a request's events.
 - ``engines``: engines on real models for the engine tests.
+- ``speculation``: the rejection rule's tests: a two-position target, the two tokens a verdict
+  emits, the chi-square statistic.
 - ``drivers``: what the reliability drivers share (result table, work directory, CLI tail).
 - ``sse``: a raw HTTP client for the gateway: SSE messages with their ids, a TCP connection
   dropped at will (mid-stream or before the answer).

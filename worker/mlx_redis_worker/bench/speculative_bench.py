@@ -34,7 +34,7 @@ from mlx_redis_worker.engine import (
     SpeculativeParams,
 )
 from mlx_redis_worker.engine.config import DraftModel
-from mlx_redis_worker.engine.stats import DraftModelStats, SpeculationStats
+from mlx_redis_worker.engine.stats import MethodStats, SpeculationStats
 from mlx_redis_worker.models import load_model
 
 CODE = """def total_price(items, tax_rate):
@@ -208,11 +208,17 @@ def _since(before: SpeculationStats, after: SpeculationStats) -> SpeculationStat
         batch_backoffs=after.batch_backoffs - before.batch_backoffs,
         acceptance_rate=_ratio(accepted, drafted),
         tokens_per_step=_ratio(rows + accepted, rows),
-        draft_model=DraftModelStats(
-            rows=after.draft_model.rows - before.draft_model.rows,
-            draft_tokens=after.draft_model.draft_tokens - before.draft_model.draft_tokens,
-            accepted_tokens=after.draft_model.accepted_tokens - before.draft_model.accepted_tokens,
-        ),
+        prompt_lookup=_method_since(before.prompt_lookup, after.prompt_lookup),
+        draft_model=_method_since(before.draft_model, after.draft_model),
+    )
+
+
+def _method_since(before: MethodStats, after: MethodStats) -> MethodStats:
+    return MethodStats.of(
+        after.steps - before.steps,
+        after.rows - before.rows,
+        after.draft_tokens - before.draft_tokens,
+        after.accepted_tokens - before.accepted_tokens,
     )
 
 

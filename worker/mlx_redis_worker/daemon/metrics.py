@@ -9,7 +9,9 @@ the scrape. The latency histograms are the exception: they need every observatio
 publisher's ``on_done`` hook feeds them as each request finishes.
 
 Series of one model's engine, jobs and stream carry a ``model`` label: a worker may serve
-several models, and a fleet's dashboards and autoscalers look at each model's queue.
+several models, and a fleet's dashboards and autoscalers look at each model's queue. The
+speculative decoding series carry a ``method`` label too (``prompt_lookup``, ``draft_model``):
+the two methods pay off on different requests, and one total would hide which one does.
 
 The registry is private (not prometheus-client's global one), so a process can hold several
 workers, as the tests do.
@@ -36,6 +38,7 @@ from mlx_redis_worker.daemon.job_queue import JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner
 from mlx_redis_worker.daemon.publisher import EventPublisher
 from mlx_redis_worker.engine import EngineCore
+from mlx_redis_worker.engine.stats import MethodStats
 
 log = structlog.get_logger(__name__)
 
@@ -67,12 +70,8 @@ class ModelSnapshot:
     prefix_cache_hit_rate: float | None = None
     # With fair share on: per tenant, (waiting, running here, tokens served in 10 minutes).
     tenants: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
-    speculative_steps: int = 0
-    speculative_draft_tokens: int = 0
-    speculative_accepted_tokens: int = 0
-    # None until a speculative verify step ran (no rate to speak of).
-    speculative_acceptance_rate: float | None = None
-    speculative_tokens_per_step: float | None = None
+    # Per speculative method (SpeculativeParams.method): its rows' figures in the engine.
+    speculation: Mapping[str, MethodStats] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +170,6 @@ async def _model_snapshot(source: MetricSources) -> ModelSnapshot:
             log.debug("metrics_tenant_shares_failed", error=describe(exc))
     engine = source.engine.stats()
     cache = source.engine.cache_stats()
-    speculation = engine.scheduler.speculation
-    verified = speculation.rows > 0
     return ModelSnapshot(
         model=source.model,
         in_flight=len(source.runner.in_flight),
@@ -186,11 +183,7 @@ async def _model_snapshot(source: MetricSources) -> ModelSnapshot:
         group_pending=pending,
         prefix_cache_hit_rate=cache.hit_rate if cache is not None else None,
         tenants=tenants,
-        speculative_steps=speculation.steps,
-        speculative_draft_tokens=speculation.draft_tokens,
-        speculative_accepted_tokens=speculation.accepted_tokens,
-        speculative_acceptance_rate=speculation.acceptance_rate if verified else None,
-        speculative_tokens_per_step=speculation.tokens_per_step if verified else None,
+        speculation=engine.scheduler.speculation.methods(),
     )
 
 
@@ -263,35 +256,58 @@ _MODEL_SERIES: tuple[
         "Share of prefix-cache lookups that found a cached prefix.",
         "prefix_cache_hit_rate",
     ),
+)
+
+
+# Per-method speculative series: (name, kind, help, the MethodStats field, whether the value
+# means anything before one of the method's rows was verified).
+_SPECULATIVE_SERIES: tuple[
+    tuple[str, type[GaugeMetricFamily] | type[CounterMetricFamily], str, str, bool], ...
+] = (
     (
         "mlxw_speculative_steps",
         CounterMetricFamily,
-        "Speculative verify steps (one forward pass checking the batch's drafts).",
-        "speculative_steps",
+        "Speculative verify steps (one forward pass checking the batch's drafts) in which a"
+        " row of the method drafted; a step with rows of both methods counts for each.",
+        "steps",
+        True,
+    ),
+    (
+        "mlxw_speculative_rows",
+        CounterMetricFamily,
+        "Sequence rows of the method that drafted in a verify step.",
+        "rows",
+        True,
     ),
     (
         "mlxw_speculative_draft_tokens",
         CounterMetricFamily,
-        "Draft tokens the model verified.",
-        "speculative_draft_tokens",
+        "Draft tokens of the method that the model verified.",
+        "draft_tokens",
+        True,
     ),
     (
         "mlxw_speculative_accepted_tokens",
         CounterMetricFamily,
-        "Draft tokens the model accepted (each one a token gained without a step of its own).",
-        "speculative_accepted_tokens",
+        "Draft tokens of the method that the model accepted (each one a token gained without"
+        " a step of its own).",
+        "accepted_tokens",
+        True,
     ),
     (
         "mlxw_speculative_acceptance_rate",
         GaugeMetricFamily,
-        "Accepted / verified draft tokens since the worker started.",
-        "speculative_acceptance_rate",
+        "Accepted / verified draft tokens of the method since the worker started.",
+        "acceptance_rate",
+        False,
     ),
     (
         "mlxw_speculative_tokens_per_step",
         GaugeMetricFamily,
-        "Tokens a drafting sequence got per verify step (1 + its accepted drafts, on average).",
-        "speculative_tokens_per_step",
+        "Tokens a sequence drafting with the method got per verify step (1 + its accepted"
+        " drafts, on average).",
+        "tokens_per_step",
+        False,
     ),
 )
 
@@ -313,6 +329,7 @@ def _families(snapshot: Snapshot) -> Iterator[Metric]:
         for outcome, count in sorted(model.outcomes.items()):
             jobs.add_metric([model.model, outcome], count)
     yield jobs
+    yield from _speculative_families(snapshot)
     yield from _tenant_families(snapshot)
     yield CounterMetricFamily(
         "mlxw_redis_round_trips",
@@ -324,6 +341,17 @@ def _families(snapshot: Snapshot) -> Iterator[Metric]:
         "When these values were taken; stalls when the worker's event loop does.",
         value=snapshot.taken_at,
     )
+
+
+def _speculative_families(snapshot: Snapshot) -> Iterator[Metric]:
+    for name, kind, documentation, attribute, from_start in _SPECULATIVE_SERIES:
+        family = kind(name, documentation, labels=["model", "method"])
+        for model in snapshot.models:
+            for method, stats in model.speculation.items():
+                # A rate before any verified row would be a false zero: a gap instead.
+                if from_start or stats.rows > 0:
+                    family.add_metric([model.model, method], getattr(stats, attribute))
+        yield family
 
 
 # Per-tenant series (fair share on): (name, help, index in ModelSnapshot.tenants' tuples).

@@ -215,6 +215,10 @@ class SpeculationCounters:
     model_rows: int = 0
     model_drafted: int = 0
     model_accepted: int = 0
+    # Verify steps with a drafting row of each method: a step may hold both, so these cannot
+    # be told apart from steps after the fact.
+    lookup_steps: int = 0
+    model_steps: int = 0
 
 
 @dataclass
@@ -389,6 +393,8 @@ class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
     ) -> list[Any]:
         counters = self.counters
         counters.steps += 1
+        # Compared after the loop: which methods' rows drafted in this step.
+        rows_before, model_rows_before = counters.rows, counters.model_rows
         responses: list[Any] = []
         keep: list[int] = []
         for e, verdict in enumerate(verdicts):
@@ -441,6 +447,11 @@ class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
                         more=not last,
                     )
                 )
+        model_rows = counters.model_rows - model_rows_before
+        if model_rows:
+            counters.model_steps += 1
+        if counters.rows - rows_before > model_rows:
+            counters.lookup_steps += 1
         self._current_tokens = mx.array(pending, dtype=mx.uint32)
         self._next_tokens = mx.array([v.next_token for v in verdicts], dtype=mx.uint32)
         self._next_logprobs = [v.next_logprobs for v in verdicts]

@@ -60,9 +60,9 @@ class SpeculationStats:
     them that drafted, draft tokens fed and accepted, backoffs (a sequence pausing its drafts
     for low acceptance; a step drafting nothing because the batch was too large).
     ``acceptance_rate``: accepted / drafted; ``tokens_per_step``: tokens a drafting sequence
-    got per verify step (1 + its accepted drafts, on average). ``draft_model``: the share of
-    rows, draft tokens and accepted tokens that came from the draft model (the rest from
-    prompt lookup)."""
+    got per verify step (1 + its accepted drafts, on average). ``prompt_lookup`` and
+    ``draft_model``: the same figures of each method's rows alone (a verify step in which
+    rows of both methods drafted counts as a step of each)."""
 
     steps: int
     rows: int
@@ -72,12 +72,15 @@ class SpeculationStats:
     batch_backoffs: int
     acceptance_rate: float
     tokens_per_step: float
-    draft_model: DraftModelStats
+    prompt_lookup: MethodStats
+    draft_model: MethodStats
 
     @classmethod
     def of(cls, counters: Any) -> SpeculationStats:
         """From the engine's live counters (any thread: plain ints, read as they stand)."""
         rows, drafted, accepted = counters.rows, counters.drafted, counters.accepted
+        model_rows, model_drafted = counters.model_rows, counters.model_drafted
+        model_accepted = counters.model_accepted
         return cls(
             steps=counters.steps,
             rows=rows,
@@ -85,27 +88,56 @@ class SpeculationStats:
             accepted_tokens=accepted,
             backoffs=counters.backoffs,
             batch_backoffs=counters.batch_backoffs,
-            acceptance_rate=accepted / drafted if drafted else 0.0,
-            tokens_per_step=(rows + accepted) / rows if rows else 0.0,
-            draft_model=DraftModelStats(
-                rows=counters.model_rows,
-                draft_tokens=counters.model_drafted,
-                accepted_tokens=counters.model_accepted,
+            acceptance_rate=_acceptance_rate(drafted, accepted),
+            tokens_per_step=_tokens_per_step(rows, accepted),
+            # The counters keep the totals and the draft model's part; the rest is lookup's.
+            prompt_lookup=MethodStats.of(
+                counters.lookup_steps,
+                rows - model_rows,
+                drafted - model_drafted,
+                accepted - model_accepted,
+            ),
+            draft_model=MethodStats.of(
+                counters.model_steps, model_rows, model_drafted, model_accepted
             ),
         )
 
+    def methods(self) -> dict[str, MethodStats]:
+        """Each method's figures by its name (``SpeculativeParams.method``)."""
+        return {"prompt_lookup": self.prompt_lookup, "draft_model": self.draft_model}
+
 
 @dataclass(frozen=True, slots=True)
-class DraftModelStats:
-    """Speculation rows drafted by the draft model, their drafts and accepted drafts."""
+class MethodStats:
+    """The speculation figures of one drafting method's rows: the verify steps in which one
+    of its rows drafted, those rows, their drafts and accepted drafts, and the rates."""
 
+    steps: int
     rows: int
     draft_tokens: int
     accepted_tokens: int
+    acceptance_rate: float
+    tokens_per_step: float
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+    @classmethod
+    def of(cls, steps: int, rows: int, drafted: int, accepted: int) -> MethodStats:
+        return cls(
+            steps=steps,
+            rows=rows,
+            draft_tokens=drafted,
+            accepted_tokens=accepted,
+            acceptance_rate=_acceptance_rate(drafted, accepted),
+            tokens_per_step=_tokens_per_step(rows, accepted),
+        )
+
+
+def _acceptance_rate(drafted: int, accepted: int) -> float:
+    return accepted / drafted if drafted else 0.0
+
+
+def _tokens_per_step(rows: int, accepted: int) -> float:
+    # Each drafting row emits its pending token plus the drafts it accepted.
+    return (rows + accepted) / rows if rows else 0.0
 
 
 @dataclass(frozen=True, slots=True)
