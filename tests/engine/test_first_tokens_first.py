@@ -18,7 +18,7 @@ from mlx_lm.generate import BatchGenerator
 
 from mlx_redis_worker.engine.admission import pick_prefill_group
 from mlx_redis_worker.engine.config import SchedulerConfig
-from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator
+from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator, SplitModel
 from mlx_redis_worker.engine.request import Request, SamplingParams
 from mlx_redis_worker.engine.scheduler import Scheduler
 from tests.support.engines import MakeEngine, reference_tokens
@@ -418,3 +418,27 @@ def test_a_first_token_that_ends_its_request_finishes_it_as_mlx_lm_does(
         "stop": "stop",
         "one": "length",
     }
+
+
+class SoftCappedModel:
+    """The tiny model with soft-capped logits (as Gemma 2's): its body and head are reachable,
+    but the head applied to the last hidden state is not the model's logits."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.model = model.model
+
+    def __call__(self, inputs: mx.array, **kwargs: Any) -> mx.array:
+        return 2.0 * mx.tanh(self._model(inputs, **kwargs) / 2.0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def test_only_a_model_whose_body_and_head_give_its_logits_yields_them_from_prefill(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    model, _ = tiny_model
+    assert SplitModel.of(model) is not None
+    assert SplitModel.of(SoftCappedModel(model)) is None
+    assert SplitModel.of(OpaqueModel(model)) is None

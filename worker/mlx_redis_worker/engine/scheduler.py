@@ -21,14 +21,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+import mlx.core as mx
 import structlog
 
 from mlx_redis_worker.engine.admission import pick_prefill_group
 from mlx_redis_worker.engine.config import SchedulerConfig
 from mlx_redis_worker.engine.output_collector import RequestStreamState
-from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator
+from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator, SplitModel
 from mlx_redis_worker.engine.prefix_cache import SHARED_PREFIX, Admission, PrefixCache
 from mlx_redis_worker.engine.prompt import model_vocab_size
 from mlx_redis_worker.engine.request import Request, RequestOutput, RequestStatus
@@ -90,6 +91,7 @@ class Scheduler:
         self._requests: dict[str, Sequence] = {}
         self._generator: SpeculativeBatchGenerator | None = None
         self._stream: Any = None
+        self._split: SplitModel | Literal["probe"] | None = "probe"
         self._finished: SchedulerOutput = SchedulerOutput()
         self.prefix_cache = (
             PrefixCache(self.config.prefix_cache_max_entries, self.config.prefix_cache_max_bytes)
@@ -175,9 +177,13 @@ class Scheduler:
     # -- stepping ----------------------------------------------------------------------------
 
     def attach_stream(self, stream: Any) -> None:
-        """Use ``stream`` (made on the engine thread) for all generation from now on."""
+        """Use ``stream`` (made on the engine thread) for all generation from now on; check
+        there, once, whether prefill passes can yield first-token logits (not on the path of
+        the first request)."""
         self.close()
         self._stream = stream
+        with mx.stream(stream):
+            self._split = SplitModel.of(self.model)
 
     def step(self) -> SchedulerOutput:
         self._admit()
@@ -431,6 +437,7 @@ class Scheduler:
                 prefill_step_size=self.config.prefill_step_size,
                 max_kv_size=self.config.max_kv_size,
                 stream=self._stream,
+                split=self._split,
             )
         return self._generator
 
