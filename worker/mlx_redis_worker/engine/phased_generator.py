@@ -21,6 +21,7 @@ phases read ``BatchGenerator``'s internal fields, so the mlx-lm version is pinne
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -324,6 +325,20 @@ class SplitModel:
 
     @classmethod
     def of(cls, model: Any) -> SplitModel | None:
+        """Checked once per model object: an engine started again over a loaded model (a
+        restart after a failed step, a benchmark's rotations) does not pay the passes again."""
+        key = id(model)
+        if key not in _CHECKED:
+            split = cls._check(model)
+            try:
+                weakref.finalize(model, _CHECKED.pop, key, None)
+            except TypeError:  # no weak references to it: checked each time
+                return split
+            _CHECKED[key] = split
+        return _CHECKED[key]
+
+    @classmethod
+    def _check(cls, model: Any) -> SplitModel | None:
         body = getattr(model, "model", None)
         head = getattr(model, "lm_head", None)
         if head is None:
@@ -341,6 +356,9 @@ class SplitModel:
         except Exception:  # any model that does not split so: the last token stays apart
             return None
         return split if same else None
+
+
+_CHECKED: dict[int, SplitModel | None] = {}
 
 
 class _Logits:
