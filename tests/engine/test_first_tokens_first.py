@@ -322,57 +322,48 @@ def first_tokens_and_decode(
     return tokens
 
 
-def test_a_first_token_comes_from_its_prefill_pass_and_leaves_before_it_is_run(
-    tiny_model: Any, on_a_stream: Any
+@pytest.mark.parametrize(
+    ("wrap", "first_group", "second_group"),
+    [
+        (CountingModel, [("body", (2, 12))], [("body", (1, 7))]),
+        (
+            OpaqueModel,
+            [("whole", (2, 11)), ("whole", (2, 1))],
+            [("whole", (1, 6)), ("whole", (1, 1))],
+        ),
+    ],
+    ids=["body-and-head", "opaque"],
+)
+def test_each_prefill_group_costs_one_pass_where_the_model_splits(
+    tiny_model: Any,
+    on_a_stream: Any,
+    wrap: Any,
+    first_group: list[tuple[str, tuple[int, ...]]],
+    second_group: list[tuple[str, tuple[int, ...]]],
 ) -> None:
     """mlx-lm runs each prompt's last token in a forward pass of its own, then its first
     token in another before handing it out: two passes per prefill group beyond the prompt.
-    Here the prefill pass takes the last token and yields its logits, and the first token's
-    pass waits for the next decode step, batched with every running sequence."""
+    Here the prefill pass takes the last token and yields its logits (where the model's body
+    and head are reachable; an opaque model keeps mlx-lm's pass for the last token), and the
+    first token's pass waits for the next decode step, batched with every running sequence.
+    The tokens are mlx-lm's either way."""
     model, tokenizer = tiny_model
-    counting = CountingModel(model)
+    counting = wrap(model)
     prompts = prompts_of_lengths(tokenizer, [12, 12, 7])
     phased = PhasedBatchGenerator(counting, stream=on_a_stream, prefill_batch_size=2)
     counting.passes.clear()  # the check, when made, that the body and head give the logits
-    uids = phased.insert(prompts, [4, 4, 4])
+    phased.insert(prompts, [4, 4, 4])
     phased.prefill()
     phased.start_generation()
-    assert counting.passes == [("body", (2, 12))]
+    assert counting.passes == first_group
     phased.prefill()
     phased.start_generation()
-    assert counting.passes[1:] == [("body", (1, 7))]
+    assert counting.passes[len(first_group) :] == second_group
     phased.close()
 
     phased = PhasedBatchGenerator(counting, stream=on_a_stream, prefill_batch_size=2)
     uids = phased.insert(prompts, [4, 4, 4])
     tokens = first_tokens_and_decode(phased, counting, uids, 3)
-    assert tokens == {
-        uid: reference_tokens(tiny_model, p, 4) for uid, p in zip(uids, prompts, strict=True)
-    }
-    phased.close()
-
-
-def test_a_model_that_does_not_split_keeps_its_last_token_apart(
-    tiny_model: Any, on_a_stream: Any
-) -> None:
-    """Without a reachable body and head, the last token runs in a pass of its own, as in
-    mlx-lm, and the tokens are the same."""
-    model, tokenizer = tiny_model
-    opaque = OpaqueModel(model)
-    prompts = prompts_of_lengths(tokenizer, [12, 12, 7])
-    phased = PhasedBatchGenerator(opaque, stream=on_a_stream, prefill_batch_size=2)
-    uids = phased.insert(prompts, [4, 4, 4])
-    phased.prefill()
-    phased.start_generation()
-    assert opaque.passes == [("whole", (2, 11)), ("whole", (2, 1))]
-    phased.prefill()
-    phased.start_generation()
-    assert opaque.passes[2:] == [("whole", (1, 6)), ("whole", (1, 1))]
-    phased.close()
-
-    phased = PhasedBatchGenerator(opaque, stream=on_a_stream, prefill_batch_size=2)
-    uids = phased.insert(prompts, [4, 4, 4])
-    tokens = first_tokens_and_decode(phased, opaque, uids, 3)
     assert tokens == {
         uid: reference_tokens(tiny_model, p, 4) for uid, p in zip(uids, prompts, strict=True)
     }
