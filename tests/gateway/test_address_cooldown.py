@@ -115,6 +115,43 @@ def test_size_refusals_spread_wider_than_the_cooldown_start_none(
         assert read_answer(sock)[0] == 404
 
 
+def test_chunked_bodies_past_the_limit_count_toward_a_cooldown(
+    lone_gateways: GatewayFactory,
+) -> None:
+    """A chunked body says no length up front: the route's read refuses it (413) once it
+    grows past the limit, and that counts like the guard's own refusals."""
+    gateway = lone_gateways.start("--max-body-bytes", "4096", "--cooldown-seconds", str(COOLDOWN))
+    piece = b"x" * 4096
+    for _ in range(3):
+        with connect_from(gateway, OFFENDER) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                for _ in range(4):
+                    sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            status, _, body = read_answer(sock)
+            assert status == 413 and openai_error(body)["code"] == "body_too_large"
+    with connect_from(gateway, OFFENDER) as sock:
+        status, _, body = read_answer(sock)
+        assert status == 429 and openai_error(body)["code"] == "address_cooling_down"
+    assert health(gateway) == 200
+
+
+def test_too_many_headers_count_toward_a_cooldown(lone_gateways: GatewayFactory) -> None:
+    gateway = lone_gateways.start("--max-headers", "8", "--cooldown-seconds", str(COOLDOWN))
+    extra = "".join(f"X-Filler-{i}: {i}\r\n" for i in range(12))
+    for _ in range(3):
+        with connect_from(gateway, OFFENDER) as sock:
+            sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n{extra}\r\n".encode())
+            status, _, body = read_answer(sock)
+            assert status == 431 and openai_error(body)["code"] == "too_many_headers"
+    with connect_from(gateway, OFFENDER) as sock:
+        assert read_answer(sock)[0] == 429
+    assert health(gateway) == 200
+
+
 def test_cooldowns_can_be_turned_off(lone_gateways: GatewayFactory) -> None:
     gateway = lone_gateways.start("--cooldown-after-refusals", "0")
     assert [refused_for_size(gateway, OFFENDER) for _ in range(6)] == [413] * 6

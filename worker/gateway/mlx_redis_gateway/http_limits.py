@@ -21,7 +21,8 @@ Two layers, because uvicorn's httptools parser has no limit of its own on a requ
   ``max_headers`` headers is a 431, a body that grows past ``max_body_bytes`` while read
   (chunked) a 413, and a body not whole within ``body_timeout`` seconds of the request's
   start a 408 (a client dripping its body cannot hold a connection and a route open for
-  longer). ``read_json`` parses a body with a bound on its nesting (400, not a
+  longer). Its two size refusals count toward the address's cool-down like the guard's own
+  (the request's scope carries ``SIZE_REFUSED`` to the connection). ``read_json`` parses a body with a bound on its nesting (400, not a
   RecursionError's 500).
 
 Every refusal is OpenAI's error shape.
@@ -156,6 +157,10 @@ _refusals = _RefusalLog()
 _RESET_ON_CLOSE: Final = struct.pack("ii", 1, 0)
 # Refusals that count toward an address's cool-down: those a client can repeat at no cost.
 _SIZE_REFUSALS: Final = frozenset({"headers_too_large", "body_too_large"})
+# Set in a request's ASGI scope by RequestLimits when it refused the request for size (too many
+# headers, a chunked body past the limit): the connection's protocol counts it toward the
+# address's cool-down once the answer is sent, as it does its own refusals.
+SIZE_REFUSED: Final = "mlxw.size_refused"
 
 
 def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
@@ -330,6 +335,12 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
                 "request_timeout",
             )
 
+        def on_response_complete(self) -> None:
+            scope = getattr(self, "scope", None)
+            if scope is not None and scope.get(SIZE_REFUSED) and self.client is not None:
+                cooldowns.refused(self.client[0])
+            super().on_response_complete()
+
         def _refuse(self, status: int, message: str, kind: str, code: str) -> None:
             _refusals.note(code)
             if code in _SIZE_REFUSALS and self.client is not None:
@@ -375,6 +386,7 @@ class RequestLimits:
             return
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         if len(headers) > self.limits.max_headers:
+            scope[SIZE_REFUSED] = True
             await _send_error(
                 send,
                 ApiError(
@@ -401,6 +413,7 @@ class RequestLimits:
                 received += len(message.get("body", b""))
                 if received > self.limits.max_body_bytes:
                     refused = True
+                    scope[SIZE_REFUSED] = True
                     raise body_too_large(self.limits.max_body_bytes)
                 body_done = not message.get("more_body", False)
             return message
