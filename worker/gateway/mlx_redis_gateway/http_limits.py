@@ -22,8 +22,8 @@ Two layers, because uvicorn's httptools parser has no limit of its own on a requ
   (chunked) a 413, and a body not whole within ``body_timeout`` seconds of the request's
   start a 408 (a client dripping its body cannot hold a connection and a route open for
   longer). Its two size refusals count toward the address's cool-down like the guard's own
-  (the request's scope carries ``SIZE_REFUSED`` to the connection). ``read_json`` parses a body with a bound on its nesting (400, not a
-  RecursionError's 500).
+  (the request's scope carries ``SIZE_REFUSED`` to the connection). ``read_json`` parses a
+  body with a bound on its nesting (400, not a RecursionError's 500).
 
 Every refusal is OpenAI's error shape.
 """
