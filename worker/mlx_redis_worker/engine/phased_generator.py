@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import (
@@ -45,11 +45,7 @@ _FIELDS = (
 
 
 class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is untyped
-    def __init__(
-        self, model: Any, *, split: SplitModel | Literal["probe"] | None = "probe", **kwargs: Any
-    ) -> None:
-        """``split``: the model's body and head, as ``SplitModel.of`` found them (the engine
-        checks once, when it starts); ``"probe"`` checks here."""
+    def __init__(self, model: Any, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         # Per prompt-batch sequence: [segments left, tokens processed, prompt tokens].
         self._currently_processing: list[list[Any]]
@@ -67,10 +63,9 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
                 f"this mlx-lm's BatchGenerator lacks {missing}: the engine's phased step "
                 "supports mlx-lm 0.32.x"
             )
-        if split == "probe":
-            with mx.stream(self._stream):
-                split = SplitModel.of(self.model)
-        self._split_model = split
+        # Checked once per model object (the engine checks when it starts: see SplitModel.of).
+        with mx.stream(self._stream):
+            self._split_model = SplitModel.of(self.model)
 
     @property
     def has_prefill_work(self) -> bool:
@@ -214,7 +209,7 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         """The decode batch of the sequences in ``part``, their first tokens sampled: from the
         logits their prefill pass kept, or (the last token still apart) by mlx-lm's own pass."""
         kept = [j for j, uid in enumerate(part.uids) if uid in self._first_logits]
-        apart = [j for j in range(len(part.uids)) if j not in set(kept)]
+        apart = [j for j, uid in enumerate(part.uids) if uid not in self._first_logits]
         batch: GenerationBatch | None = None
         if apart:
             rest = part.split(apart) if kept else part

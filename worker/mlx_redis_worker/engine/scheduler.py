@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import mlx.core as mx
 import structlog
@@ -91,7 +91,6 @@ class Scheduler:
         self._requests: dict[str, Sequence] = {}
         self._generator: SpeculativeBatchGenerator | None = None
         self._stream: Any = None
-        self._split: SplitModel | Literal["probe"] | None = "probe"
         self._finished: SchedulerOutput = SchedulerOutput()
         self.prefix_cache = (
             PrefixCache(self.config.prefix_cache_max_entries, self.config.prefix_cache_max_bytes)
@@ -178,12 +177,12 @@ class Scheduler:
 
     def attach_stream(self, stream: Any) -> None:
         """Use ``stream`` (made on the engine thread) for all generation from now on; check
-        there, once, whether prefill passes can yield first-token logits (not on the path of
-        the first request)."""
+        there, once per model, whether prefill passes can yield first-token logits, so that
+        the generator the first request makes finds the answer made (not on its path)."""
         self.close()
         self._stream = stream
         with mx.stream(stream):
-            self._split = SplitModel.of(self.model)
+            SplitModel.of(self.model)
 
     def step(self) -> SchedulerOutput:
         self._admit()
@@ -437,7 +436,6 @@ class Scheduler:
                 prefill_step_size=self.config.prefill_step_size,
                 max_kv_size=self.config.max_kv_size,
                 stream=self._stream,
-                split=self._split,
             )
         return self._generator
 
