@@ -129,6 +129,7 @@ def _decode_job(data: object, limits: Limits) -> Job:
         parallel_tool_calls=reader.boolean("parallel_tool_calls"),
         thinking=reader.boolean("thinking"),
         speculative=_speculative(reader),
+        count_only=reader.boolean("count_only"),
     )
 
 

@@ -76,6 +76,7 @@ class JobOptions(TypedDict, total=False):
     parallel_tool_calls: bool
     thinking: bool
     speculative: Mapping[str, Any]
+    count_only: bool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,6 +186,9 @@ class Job:
     # Speculative decoding: {"method": "prompt_lookup" | "draft_model" | "off",
     # "num_draft_tokens": 1..16}; None: the worker's default.
     speculative: Mapping[str, Any] | None = None
+    # True: the worker only counts the prompt's tokens (rendered and tokenized as it would run
+    # it) and ends the request with them in ``usage.prompt_tokens``; the model does not run.
+    count_only: bool | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The set sampling fields, ready for ``SamplingParams(**kwargs)`` (lists, not tuples)."""

@@ -1,7 +1,8 @@
 """Tool calls from a real instruct model, SmolLM2-135M (its own ChatML template, which knows
 no tools: the fallback prompt), through a real gateway and worker, as OpenAI's client sees
 them: parallel calls that all validate, streamed fragments that join to them, a named
-function, a history with tool turns, and the Responses API's ``function_call`` items.
+function, a history with tool turns, the Responses API's ``function_call`` items, and a tool
+round trip over Anthropic's Messages API.
 
 Sampled at 0.7 with seeds: with this prompt SmolLM2 called both functions for 4 of the seeds
 0 to 7 (the engine alone, when this was written)."""
@@ -18,6 +19,8 @@ import pytest
 
 from mlx_redis_worker.local_redis import RedisServer
 from tests.gateway.conftest import Fleet, running_fleet
+from tests.support.gateway import GatewayProcess
+from tests.support.sse import anthropic_message, count_tokens
 
 MODEL = "smollm2"
 WEATHER: dict[str, Any] = {
@@ -148,3 +151,40 @@ def test_a_response_holds_a_function_call_item_per_call(client: openai.OpenAI) -
     [item] = response.output
     assert item.type == "function_call" and item.call_id.startswith("call_")
     _checked(item.name, item.arguments)
+
+
+# -- Anthropic's Messages API ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_a_messages_tool_round_trip_in_raw_http(gateway: GatewayProcess) -> None:
+    """A forced call streamed as Anthropic's events (its ``input_json_delta``s join to an
+    input that validates and names the city asked about), then its ``tool_result`` sent back:
+    with ``tool_choice: none`` the answer is text, its prompt longer than the question's alone
+    (``count_tokens``) by the turns sent back."""
+    tools: Any = [
+        {"name": name, "description": DESCRIPTIONS[name], "input_schema": schema}
+        for name, schema in SCHEMAS.items()
+    ]
+    base: Any = {"model": MODEL, "max_tokens": 48, "tools": tools, "temperature": 0}
+    history: list[Any] = [{"role": "user", "content": ASK[0]["content"]}]
+    choice = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
+    called = anthropic_message(gateway.url, {**base, "messages": history, "tool_choice": choice})
+    assert called["stop_reason"] == "tool_use", called
+    [call] = called["content"]
+    assert _checked(call["name"], json.dumps(call["input"]))[1]["city"] == "Paris"
+    history += [
+        {"role": "assistant", "content": called["content"]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": "18 C"}],
+        },
+    ]
+    after: Any = {"messages": history, "tool_choice": {"type": "none"}, "stream": False}
+    answer = anthropic_message(gateway.url, {**base, **after})
+    assert answer["stop_reason"] in ("end_turn", "max_tokens") and answer["content"][0]["text"]
+    usage = answer["usage"]
+    alone = count_tokens(
+        gateway.url, {**base, "messages": history[:1], "tool_choice": {"type": "none"}}
+    )
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] > alone

@@ -15,10 +15,12 @@ from urllib.parse import urlsplit
 
 @dataclass(frozen=True, slots=True)
 class SseMessage:
-    """One server-sent event: its ``id:`` (None when it has none) and its ``data:``."""
+    """One server-sent event: its ``id:`` (None when it has none), its ``data:`` and its
+    ``event:`` name (None when it has none: OpenAI's chunks)."""
 
     id: int | None
     data: str
+    event: str | None = None
 
     @property
     def is_done(self) -> bool:
@@ -97,9 +99,11 @@ class RawRequest:
         return value
 
     def messages(self) -> Iterator[SseMessage]:
-        """The SSE messages of the body, as they arrive (comments and pings skipped)."""
+        """The SSE messages of the body, as they arrive (comment lines, OpenAI's keep-alive,
+        skipped)."""
         response = self.response()
         event_id: int | None = None
+        event: str | None = None
         data: list[str] = []
         while True:
             raw = response.readline()
@@ -108,8 +112,8 @@ class RawRequest:
             line = raw.decode().rstrip("\r\n")
             if line == "":
                 if data:
-                    yield SseMessage(event_id, "\n".join(data))
-                event_id, data = None, []
+                    yield SseMessage(event_id, "\n".join(data), event)
+                event_id, event, data = None, None, []
             elif line.startswith(":"):
                 continue
             else:
@@ -117,6 +121,8 @@ class RawRequest:
                 value = value.removeprefix(" ")
                 if name == "id":
                     event_id = int(value)
+                elif name == "event":
+                    event = value
                 elif name == "data":
                     data.append(value)
 
@@ -150,3 +156,54 @@ def stream_chat(
     status = request.response().status
     assert status == 200, f"{status}: {request.response().read()!r}"
     return request
+
+
+ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01", "x-api-key": "none"}
+
+
+def count_tokens(url: str, body: Mapping[str, Any]) -> int:
+    """``POST /v1/messages/count_tokens``'s ``input_tokens`` (``max_tokens`` and ``stream``
+    left out of the body, as that route takes none)."""
+    body = {name: value for name, value in body.items() if name not in ("max_tokens", "stream")}
+    path = "/v1/messages/count_tokens"
+    with RawRequest(url, "POST", path, body=body, headers=ANTHROPIC_HEADERS) as post:
+        assert post.response().status == 200, post.response().read()
+        count = post.json()["input_tokens"]
+        assert isinstance(count, int)
+        return count
+
+
+def anthropic_message(url: str, body: Mapping[str, Any], timeout: float = 300) -> dict[str, Any]:
+    """An Anthropic Messages answer read as an agent does without the SDK: the JSON body, or
+    (``stream`` true, the default) the message its events build: blocks from
+    ``content_block_start``, their text and ``input_json_delta`` pieces joined, the stop
+    reason and usage from ``message_delta``."""
+    body = {"stream": True, **body}
+    headers = {"anthropic-version": "2023-06-01", "x-api-key": "none"}
+    with RawRequest(
+        url, "POST", "/v1/messages", body=body, headers=headers, timeout=timeout
+    ) as post:
+        assert post.response().status == 200, post.response().read()
+        if not body["stream"]:
+            return post.json()
+        message: dict[str, Any] = {}
+        pieces: dict[int, str] = {}
+        for sse in post.messages():
+            event = sse.json()
+            assert event["type"] == sse.event, sse
+            if event["type"] == "message_start":
+                message = event["message"]
+            elif event["type"] == "content_block_start":
+                message["content"].append(event["content_block"])
+            elif event["type"] == "content_block_delta":
+                delta, index = event["delta"], event["index"]
+                if delta["type"] == "input_json_delta":
+                    pieces[index] = pieces.get(index, "") + delta["partial_json"]
+                else:
+                    message["content"][index]["text"] += delta["text"]
+            elif event["type"] == "content_block_stop" and event["index"] in pieces:
+                message["content"][event["index"]]["input"] = json.loads(pieces[event["index"]])
+            elif event["type"] == "message_delta":
+                message |= event["delta"]
+                message["usage"] = event["usage"]
+        return message

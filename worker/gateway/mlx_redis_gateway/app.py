@@ -5,11 +5,13 @@ load balancer, and a client that lost its stream resumes it on any of them with
 ``GET /v1/requests/{id}/stream`` and ``Last-Event-ID``.
 
 This module puts the app together: the routes (``routes/``: ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``POST /v1/responses``, ``GET /v1/models``, ``GET /v1/models/{id}``,
+``POST /v1/completions``, ``POST /v1/responses``, Anthropic's ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens``, ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``GET /v1/requests/{id}``, ``GET /v1/requests/{id}/stream``, ``GET /health``, and the status
 page's ``/``, ``/status.json`` and ``/status/fragment``), the HTTP limits and browser guard in
-front of them, and the error handlers: any other path or method is a 404 or 405 in OpenAI's
-error shape, as every other refusal is.
+front of them, and the error handlers: any other path or method is a 404 or 405 in the error
+shape of the API its path belongs to (``errors``: Anthropic's under ``/v1/messages``, OpenAI's
+elsewhere), as every other refusal is.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.gateway import Gateway, unavailable
 from mlx_redis_gateway.http_limits import RequestLimits
 from mlx_redis_gateway.routes.completions import CompletionRoutes
+from mlx_redis_gateway.routes.messages import MessageRoutes
 from mlx_redis_gateway.routes.models import ModelRoutes
 from mlx_redis_gateway.routes.requests import RequestRoutes
 from mlx_redis_gateway.routes.responses import ResponseRoutes
@@ -50,10 +53,13 @@ def build_app(settings: GatewaySettings) -> Starlette:
     completions = CompletionRoutes(gateway)
     models = ModelRoutes(gateway)
     requests = RequestRoutes(gateway)
+    messages = MessageRoutes(gateway)
     routes = [
         Route("/v1/chat/completions", completions.chat, methods=["POST"]),
         Route("/v1/completions", completions.text, methods=["POST"]),
         Route("/v1/responses", ResponseRoutes(gateway).create, methods=["POST"]),
+        Route("/v1/messages", messages.create, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/v1/models", models.models, methods=["GET"]),
         Route("/v1/models/{model:path}", models.model, methods=["GET"]),
         Route("/v1/requests/{request_id}", requests.result, methods=["GET"]),
@@ -87,8 +93,9 @@ def build_app(settings: GatewaySettings) -> Starlette:
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
-    """Starlette's own refusals (no such route, a method the route does not take) in OpenAI's
-    error shape, so a client's error handling sees one format for every answer."""
+    """Starlette's own refusals (no such route, a method the route does not take) in the
+    error shape of the path's API, so a client's error handling sees one format for every
+    answer."""
     assert isinstance(exc, HTTPException)
     method, path = request.method, request.url.path
     if exc.status_code == 404:
@@ -99,13 +106,24 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         error = ApiError(405, message, code="method_not_allowed")
     else:
         error = ApiError(exc.status_code, exc.detail, code=None)
-    headers = {**(exc.headers or {}), **error.headers()}
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return _answer(request, error, exc.headers)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+    return _answer(request, exc)
+
+
+def _answer(
+    request: Request, error: ApiError, headers: Mapping[str, str] | None = None
+) -> Response:
+    """The error in the shape (and with the status) of the API the request's path speaks."""
+    path = request.url.path
+    return JSONResponse(
+        error.body_for(path),
+        status_code=error.status_for(path),
+        headers={**(headers or {}), **error.headers()},
+    )
 
 
 async def _unavailable(request: Request, exc: Exception) -> Response:

@@ -25,14 +25,18 @@ class Authenticator:
         self.keys = keys
 
     def api_key(self, request: Request) -> ApiKey | None:
-        """The request's bearer key; None when the gateway runs without keys; else a 401."""
+        """The request's key: its bearer token (OpenAI's way), else its ``x-api-key`` header
+        (Anthropic's); None when the gateway runs without keys; else a 401."""
         if self.keys is None:
             return None
         scheme, _, secret = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secret.strip():
+            secret = request.headers.get("x-api-key", "")
+        if not secret.strip():
             raise ApiError(
                 401,
-                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' "
+                "or 'x-api-key: <key>'.",
                 code="missing_api_key",
             )
         key = self.keys.find(secret.strip())

@@ -87,7 +87,7 @@ class BrowserGuard:
                     "(mlx-worker gateway --allowed-host NAME)",
                     code="invalid_host",
                 )
-                body = json.dumps(error.body()).encode()
+                body = json.dumps(error.body_for(scope["path"])).encode()
                 await secured(
                     {
                         "type": "http.response.start",

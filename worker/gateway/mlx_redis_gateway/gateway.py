@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import structlog
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -23,6 +23,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from mlx_redis_gateway.anthropic_shaping import AnthropicPing, MessageFrames, message_object
 from mlx_redis_gateway.api_keys import ApiKey, KeyFile
 from mlx_redis_gateway.auth import Authenticator
 from mlx_redis_gateway.browser_guard import require_json
@@ -224,6 +225,23 @@ class Gateway:
             if holds_lease and not _cancelled():
                 await self.quotas.release(request_id)
 
+    async def serve(
+        self, request: Request, accepted: CompletionRequest, key: ApiKey | None
+    ) -> Response:
+        """A request of one job: queued once its key's quota admits it, then its answer
+        streamed in its API's events or sent whole."""
+        request_id = accepted.request_id
+        shape = await self.admit_and_submit(accepted, key)
+        resumable = self.resumable(request, accepted)
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        log.info(
+            "gateway_request", kind=accepted.kind, model=accepted.model, stream=accepted.stream
+        )
+        if accepted.stream:
+            return self.stream_response(request_id, shape, after=-1, abort_when_left=not resumable)
+        shaper = await self.finished(request, request_id, shape, resumable=resumable)
+        return client_left() if shaper is None else answer(shaper)
+
     def stream_response(
         self,
         request_id: str,
@@ -233,36 +251,38 @@ class Gateway:
         abort_when_left: bool,
         lease: str | None = None,
     ) -> Response:
-        """``lease``: a read's quota lease, given back when the stream ends."""
-        messages = self._sse(request_id, shape, after, abort_when_left)
+        """The request's stream in its API's events; ``lease``: a read's quota lease, given
+        back when the stream ends."""
+        frames = frames_for(request_id, shape)
+        messages = self._sse(frames, after, abort_when_left)
         return event_stream(
-            messages if lease is None else self._releasing(messages, lease), request_id
+            messages if lease is None else self._releasing(messages, lease),
+            request_id,
+            anthropic=shape.kind == "messages",
         )
 
     async def _sse(
-        self, request_id: str, shape: ResponseShape, after: int, abort_when_left: bool
+        self, frames: Frames, after: int, abort_when_left: bool
     ) -> AsyncGenerator[bytes, None]:
-        """The SSE messages of a request, after seq ``after``: its chunks, then ``[DONE]``
-        (or an error chunk). A client that leaves first aborts the job when
+        """The SSE messages of a request, after seq ``after``: its opening, each event's
+        messages, its end (or an error). A client that leaves first aborts the job when
         ``abort_when_left`` (and the gateway is configured to)."""
-        shaper = Shaper(request_id, shape)
+        shaper = frames.shaper
         ended = False
         try:
             if after < 0:
-                yield sse_message(shaper.opening())
+                yield frames.opening()
             try:
-                async for event in self.events(request_id):
-                    # An event's chunks (and the end) leave in one write.
-                    messages = [sse_message(c) for c in shaper.feed(event) if c.seq > after]
-                    if shaper.done is not None:
-                        messages.append(DONE_MESSAGE)
+                async for event in self.events(shaper.request_id):
+                    # An event's messages (and the end) leave in one write.
+                    messages = frames.feed(event, after)
                     if messages:
-                        yield b"".join(messages)
+                        yield messages
                     if shaper.finished:
                         break
             except ApiError as error:
                 shaper.error = error
-                yield sse_data(error.body())
+                yield frames.failed(error)
             ended = True
         finally:
             self.stream_ended(shaper, ended=ended, abort_when_left=abort_when_left)
@@ -335,10 +355,54 @@ class Gateway:
 
 
 def answer(shaper: Shaper) -> Response:
-    """A finished request's completion body (its error, raised, when it failed)."""
+    """A finished request's answer in its API's shape: a completion, or a message (its
+    error, raised, when it failed)."""
     if shaper.error is not None:
         raise shaper.error
-    return JSONResponse(shaper.completion(), headers={"x-request-id": shaper.request_id})
+    if shaper.shape.kind == "messages":
+        headers = id_headers(shaper.request_id, anthropic=True)
+        return JSONResponse(message_object(shaper), headers=headers)
+    return JSONResponse(shaper.completion(), headers=id_headers(shaper.request_id, anthropic=False))
+
+
+class Frames(Protocol):
+    """A request's events as one API's SSE messages."""
+
+    shaper: Shaper
+
+    def opening(self) -> bytes:
+        """The messages before any event's (seq 0's: a resumed stream has them)."""
+
+    def feed(self, event: Event, after: int) -> bytes:
+        """The messages ``event`` adds, if its seq is past ``after``."""
+
+    def failed(self, error: ApiError) -> bytes:
+        """The last message of a stream that failed."""
+
+
+class ChunkFrames:
+    """OpenAI's chat and completion chunks, ``data: [DONE]`` at the end."""
+
+    def __init__(self, request_id: str, shape: ResponseShape) -> None:
+        self.shaper = Shaper(request_id, shape)
+
+    def opening(self) -> bytes:
+        return sse_message(self.shaper.opening())
+
+    def feed(self, event: Event, after: int) -> bytes:
+        messages = [sse_message(c) for c in self.shaper.feed(event) if c.seq > after]
+        if self.shaper.done is not None:
+            messages.append(DONE_MESSAGE)
+        return b"".join(messages)
+
+    def failed(self, error: ApiError) -> bytes:
+        return sse_data(error.body())
+
+
+def frames_for(request_id: str, shape: ResponseShape) -> Frames:
+    if shape.kind == "messages":
+        return MessageFrames(request_id, shape)
+    return ChunkFrames(request_id, shape)
 
 
 class KeepAlive(ServerSentEvent):
@@ -351,14 +415,24 @@ class KeepAlive(ServerSentEvent):
         return b": ping\r\n"
 
 
-def event_stream(messages: AsyncIterator[bytes], request_id: str) -> Response:
-    """An SSE answer of ready-made messages, under the request's id."""
+def event_stream(
+    messages: AsyncIterator[bytes], request_id: str, *, anthropic: bool = False
+) -> Response:
+    """An SSE answer of ready-made messages, under the request's id; ``anthropic``: a
+    Messages stream (its keep-alive a ``ping`` event, its id in ``request-id`` too)."""
     return EventSourceResponse(
         messages,
         ping=PING_SECONDS,
-        ping_message_factory=KeepAlive,
-        headers={"x-request-id": request_id, "cache-control": "no-cache"},
+        ping_message_factory=AnthropicPing if anthropic else KeepAlive,
+        headers={**id_headers(request_id, anthropic=anthropic), "cache-control": "no-cache"},
     )
+
+
+def id_headers(request_id: str, *, anthropic: bool) -> dict[str, str]:
+    """The headers that name an answer's request (Anthropic's SDKs read ``request-id``)."""
+    if anthropic:
+        return {"x-request-id": request_id, "request-id": request_id}
+    return {"x-request-id": request_id}
 
 
 def unavailable(exc: BaseException) -> ApiError:

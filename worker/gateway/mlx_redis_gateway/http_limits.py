@@ -25,7 +25,8 @@ Two layers, because uvicorn's httptools parser has no limit of its own on a requ
   (the request's scope carries ``SIZE_REFUSED`` to the connection). ``read_json`` parses a
   body with a bound on its nesting (400, not a RecursionError's 500).
 
-Every refusal is OpenAI's error shape.
+Every refusal is in the error shape of the API its path belongs to (``errors``), OpenAI's
+where no path was read yet.
 """
 
 from __future__ import annotations
@@ -132,8 +133,10 @@ class HttpLimits:
 DEFAULT_HTTP_LIMITS: Final = HttpLimits()
 
 
-def error_body(message: str, kind: str, code: str) -> bytes:
-    return json.dumps(ApiError(0, message, kind, code=code).body()).encode()
+def error_body(message: str, kind: str, code: str, status: int = 0, path: str = "") -> bytes:
+    """A refusal's body, in the shape of the API ``path`` belongs to (OpenAI's when the path
+    is not known yet)."""
+    return json.dumps(ApiError(status, message, kind, code=code).body_for(path)).encode()
 
 
 class _RefusalLog:
@@ -296,7 +299,8 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
                 # it is read instead, so that answer is not cut.)
                 self._body_refused = True
                 refusal = body_too_large(limits.max_body_bytes)
-                self._refuse(413, refusal.message, refusal.type, "body_too_large")
+                path = self.url.decode("latin-1").partition("?")[0]
+                self._refuse(413, refusal.message, refusal.type, "body_too_large", path)
                 return
             super().on_headers_complete()
             self._served += 1
@@ -341,11 +345,11 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
                 cooldowns.refused(self.client[0])
             super().on_response_complete()
 
-        def _refuse(self, status: int, message: str, kind: str, code: str) -> None:
+        def _refuse(self, status: int, message: str, kind: str, code: str, path: str = "") -> None:
             _refusals.note(code)
             if code in _SIZE_REFUSALS and self.client is not None:
                 cooldowns.refused(self.client[0])
-            body = error_body(message, kind, code)
+            body = error_body(message, kind, code, status, path)
             head = (
                 f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
                 "content-type: application/json\r\n"
@@ -389,6 +393,7 @@ class RequestLimits:
             scope[SIZE_REFUSED] = True
             await _send_error(
                 send,
+                scope["path"],
                 ApiError(
                     431,
                     f"the request has {len(headers)} headers, more than {self.limits.max_headers}",
@@ -445,13 +450,13 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     return None
 
 
-async def _send_error(send: Send, error: ApiError) -> None:
+async def _send_error(send: Send, path: str, error: ApiError) -> None:
     _refusals.note(error.code or str(error.status))
-    body = json.dumps(error.body()).encode()
+    body = json.dumps(error.body_for(path)).encode()
     await send(
         {
             "type": "http.response.start",
-            "status": error.status,
+            "status": error.status_for(path),
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),

@@ -18,6 +18,7 @@ from typing import Any, Final, Literal
 
 from mlx_redis_gateway.errors import ApiError, bad_request
 from mlx_redis_gateway.fanout import ChoiceJob
+from mlx_redis_gateway.shaping import Kind as AnswerKind
 from mlx_redis_protocol.client import build_job
 from mlx_redis_protocol.codec_job import MAX_SEED
 from mlx_redis_protocol.codec_tools import MAX_TOOLS, TOOL_NAME_RULE, is_tool_name
@@ -59,7 +60,7 @@ class CompletionRequest:
     ``n`` > 1 or a list of prompts, the jobs of all its choices (``choices``; ``job`` is the
     first's)."""
 
-    kind: Kind
+    kind: AnswerKind
     model: str
     job: Job
     stream: bool
@@ -143,6 +144,8 @@ def _parse(
         "max_tokens": _max_tokens(reader, kind),
         "temperature": reader.number("temperature", minimum=0.0, maximum=2.0),
         "top_p": reader.number("top_p", minimum=0.0, maximum=1.0),
+        # An extension (vLLM's, and Anthropic's Messages field): 0 is off.
+        "top_k": reader.integer("top_k", minimum=0),
         "presence_penalty": reader.number("presence_penalty", minimum=-2.0, maximum=2.0),
         "frequency_penalty": reader.number("frequency_penalty", minimum=-2.0, maximum=2.0),
         "seed": _seed(reader),

@@ -32,7 +32,10 @@ from mlx_redis_protocol.messages import (
     Usage,
 )
 
-Kind = Literal["chat", "text"]
+# The answer's API: chat or text completions (OpenAI's chunks), or Anthropic's Messages (its
+# events, ``anthropic_shaping``, made from the chat chunks of the same events).
+Kind = Literal["chat", "text", "messages"]
+KINDS: Final[tuple[Kind, ...]] = ("chat", "text", "messages")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +67,7 @@ class ResponseShape:
         try:
             value = json.loads(raw)
             kind = value["kind"]
-            if kind not in ("chat", "text"):
+            if kind not in KINDS:
                 return None
             return cls(
                 kind=kind,

@@ -104,6 +104,12 @@ def job_prompt(job: Job, tokenizer: Any) -> JobPrompt:
     return JobPrompt(token_ids, system_end if system_prefix else boundary, response_format, parser)
 
 
+def prompt_length(prompt: str | list[int], tokenizer: Any) -> int:
+    """How many tokens the engine would prefill for ``prompt`` (a text prompt is encoded as
+    the engine encodes it)."""
+    return len(prompt) if isinstance(prompt, list) else len(encode_prompt(tokenizer, prompt))
+
+
 def _whole_prompt(
     token_ids: list[int], response_format: ResponseFormat | None, parser: OutputParser | None
 ) -> JobPrompt:

@@ -36,7 +36,7 @@ from mlx_redis_protocol.replay_log import (
     parse_fence,
     publish_events,
 )
-from mlx_redis_worker.daemon.job_prompt import job_prompt
+from mlx_redis_worker.daemon.job_prompt import job_prompt, prompt_length
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.publisher import AttemptLost, EventPublisher
 from mlx_redis_worker.engine import EngineCore, QueueFullError, SamplingParams, SpeculativeParams
@@ -56,6 +56,7 @@ class EarlyEnd:
     error: tuple[str, str] | None = None
     dead: tuple[str, str] | None = None
     requeue: bool = False
+    prompt_tokens: int = 0  # a ``count_only`` job's count, its done event's usage
 
     @classmethod
     def invalid(cls, code: str, message: str) -> EarlyEnd:
@@ -196,6 +197,9 @@ class JobRunner:
         rid = job.request_id
         try:
             prompt = job_prompt(job, self.engine.tokenizer)
+            if job.count_only:
+                count = prompt_length(prompt.prompt, self.engine.tokenizer)
+                return EarlyEnd("counted", finish_reason="length", prompt_tokens=count)
             params = SamplingParams(
                 **job.sampling_kwargs(),
                 response_format=prompt.response_format,
@@ -426,7 +430,7 @@ class JobRunner:
         if end.error is not None:
             self.publisher.error(rid, *end.error)
         else:
-            self.publisher.done(rid, end.finish_reason)
+            self.publisher.done(rid, end.finish_reason, prompt_tokens=end.prompt_tokens)
 
     async def _settle(
         self,

@@ -218,12 +218,18 @@ class EventPublisher:
         )
 
     def done(
-        self, request_id: str, finish_reason: str, output: RequestOutput | None = None
+        self,
+        request_id: str,
+        finish_reason: str,
+        output: RequestOutput | None = None,
+        *,
+        prompt_tokens: int = 0,
     ) -> None:
         """The request's ``done``; ``output`` is None for a job that never started (expired,
-        aborted while it waited), whose usage is all zero."""
+        aborted while it waited, or only counted: ``prompt_tokens``), whose other usage is
+        all zero."""
         stream = self._streams[request_id]
-        usage = _usage(stream, output) if output is not None else Usage(0, 0)
+        usage = _usage(stream, output) if output is not None else Usage(prompt_tokens, 0)
         fields: dict[str, Any] = {
             "finish_reason": finish_reason,
             "output_text": output.output_text if output else "",

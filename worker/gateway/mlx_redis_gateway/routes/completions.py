@@ -20,7 +20,7 @@ from mlx_redis_gateway.fanout import (
     merged_stream,
     queue_choices,
 )
-from mlx_redis_gateway.gateway import Gateway, answer, client_left, event_stream, unavailable
+from mlx_redis_gateway.gateway import Gateway, client_left, event_stream, unavailable
 from mlx_redis_gateway.openai_api import CompletionRequest, Kind, parse_request
 from mlx_redis_gateway.shaping import Shaper
 from mlx_redis_protocol.connection import is_unavailable
@@ -52,17 +52,7 @@ class CompletionRoutes:
         await gateway.check_served(accepted.model)
         if accepted.choices:
             return await self._fan_out(request, accepted, key)
-        request_id = accepted.request_id
-        shape = await gateway.admit_and_submit(accepted, key)
-        resumable = gateway.resumable(request, accepted)
-        structlog.contextvars.bind_contextvars(request_id=request_id)
-        log.info("gateway_request", kind=kind, model=accepted.model, stream=accepted.stream)
-        if accepted.stream:
-            return gateway.stream_response(
-                request_id, shape, after=-1, abort_when_left=not resumable
-            )
-        shaper = await gateway.finished(request, request_id, shape, resumable=resumable)
-        return client_left() if shaper is None else answer(shaper)
+        return await gateway.serve(request, accepted, key)
 
     async def _fan_out(
         self, request: Request, accepted: CompletionRequest, key: ApiKey | None

@@ -1,0 +1,58 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: Anthropic's Messages API over
+a chat job (``anthropic_api``), answered as a message or its event stream
+(``anthropic_shaping``); every refusal in Anthropic's error shape (``errors``).
+
+The gateway has no tokenizer, so ``count_tokens`` asks a worker of the model: its job, queued
+like any other (the same key, quota and fair share), is rendered and tokenized exactly as the
+request would be run (chat template, tools and all) and ends with the count, the model not run.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mlx_redis_gateway.anthropic_api import check_version, parse_messages_request
+from mlx_redis_gateway.gateway import Gateway, client_left, id_headers
+
+
+class MessageRoutes:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def create(self, request: Request) -> Response:
+        gateway = self.gateway
+        check_version(request)
+        key = gateway.auth.api_key(request)
+        accepted = parse_messages_request(
+            await gateway.json_body(request),
+            limits=gateway.settings.limits,
+            user_key=key.name if key is not None else None,
+        )
+        await gateway.check_served(accepted.model)
+        return await gateway.serve(request, accepted, key)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """``{"input_tokens": N}``: the prompt's tokens as the model's worker counts them."""
+        gateway = self.gateway
+        check_version(request)
+        key = gateway.auth.api_key(request)
+        accepted = parse_messages_request(
+            await gateway.json_body(request),
+            limits=gateway.settings.limits,
+            user_key=key.name if key is not None else None,
+            count_only=True,
+        )
+        await gateway.check_served(accepted.model)
+        request_id = accepted.request_id
+        shape = await gateway.admit_and_submit(accepted, key)
+        shaper = await gateway.finished(request, request_id, shape, resumable=False)
+        if shaper is None:
+            return client_left()
+        if shaper.error is not None:
+            raise shaper.error
+        assert shaper.done is not None
+        return JSONResponse(
+            {"input_tokens": shaper.done.usage.prompt_tokens},
+            headers=id_headers(request_id, anthropic=True),
+        )
