@@ -60,6 +60,8 @@ def encode_event(event: Event) -> bytes:
             fields["reasoning_text"] = event.reasoning_text
         if event.tool_calls:
             fields["tool_calls"] = [encode_tool_call(call) for call in event.tool_calls]
+        if event.stop_sequence is not None:
+            fields["stop_sequence"] = event.stop_sequence
     elif isinstance(event, ErrorEvent):
         fields["code"] = event.code
         fields["message"] = event.message
@@ -131,6 +133,7 @@ def _done_event(reader: FieldReader, common: _Common) -> Event:
         output_valid=reader.boolean("output_valid"),
         reasoning_text=reader.string("reasoning_text", max_len=reader.limits.max_str_len) or "",
         tool_calls=read_tool_calls(reader),
+        stop_sequence=reader.string("stop_sequence", max_len=reader.limits.max_stop_len),
     )
 
 

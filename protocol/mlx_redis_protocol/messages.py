@@ -315,6 +315,8 @@ class DoneEvent(EventBase):
     # The whole reasoning text, and every complete call the model made (a job with tools).
     reasoning_text: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
+    # The job's stop string that ended the output (finish_reason "stop"); None otherwise.
+    stop_sequence: str | None = None
 
     type: ClassVar[str] = "done"
     terminal: ClassVar[bool] = True

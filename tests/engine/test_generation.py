@@ -126,8 +126,9 @@ def test_stop_string_split_across_tokens_never_leaks(tiny_model: Any, engine: En
     params = SamplingParams(max_tokens=24, temperature=0.0, stop=[stop, "never-there"])
     outputs = run(stream_one(engine, prompt, params))
     final = outputs[-1]
-    assert final.finish_reason == "stop"
+    assert final.finish_reason == "stop" and final.stop_reason == stop
     assert final.output_text == full_text[: full_text.index(stop)]
+    assert all(output.stop_reason is None for output in outputs[:-1])
     streamed = "".join(o.new_text for o in outputs)
     assert streamed == final.output_text and stop not in streamed
     for output in outputs:  # no delta ever carried (part of) the stop string past the cut

@@ -120,7 +120,8 @@ WORDS = st.sampled_from(
 def test_text_stream_cuts_at_the_first_stop_string(
     tiny_model: Any, pieces: list[str], stops: list[str]
 ) -> None:
-    """Whatever the tokenization, the emitted text is the text before the first stop string."""
+    """Whatever the tokenization, the emitted text is the text before the first stop string,
+    and that string is the one named as having stopped it."""
     _, tokenizer = tiny_model
     text = "".join(pieces)
     tokens = tokenizer.encode(text, add_special_tokens=False)
@@ -136,3 +137,9 @@ def test_text_stream_cuts_at_the_first_stop_string(
     expected = full[: min(cuts)] if cuts else full
     assert emitted == expected
     assert stream.stopped == bool(cuts)
+    # The stop string that ended it is named: one of the request's, right where the text ends.
+    if cuts:
+        assert stream.stop_string in stops
+        assert full[len(emitted) :].startswith(stream.stop_string)
+    else:
+        assert stream.stop_string is None

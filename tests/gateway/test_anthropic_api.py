@@ -85,7 +85,8 @@ def test_a_message_is_the_chat_completion_of_its_conversation_streamed_or_not(
 ) -> None:
     """Greedy, a message (system as blocks, two user turns around an assistant one) has the
     chat completion's text and prompt; its stream, parsed by the SDK, ends as the same
-    message, with ``max_tokens`` as its stop reason when it ran to the limit."""
+    message, with ``max_tokens`` as its stop reason when it ran to the limit; a stop sequence
+    it meets ends it with ``stop_sequence``, naming the one."""
     messages: Any = [
         {"role": "user", "content": [{"type": "text", "text": "Hi."}]},
         {"role": "assistant", "content": "Hello."},
@@ -120,6 +121,12 @@ def test_a_message_is_the_chat_completion_of_its_conversation_streamed_or_not(
     assert streamed.usage.input_tokens + (streamed.usage.cache_read_input_tokens or 0) == (
         chat.usage.prompt_tokens
     )
+    # A stop sequence the greedy answer meets ends it there, and is named as its stop reason.
+    answer = text.text
+    stop = answer[3:7]
+    cut = claude.messages.create(**request, stop_sequences=["never there", stop], extra_body=GREEDY)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert _content(cut) == [{"type": "text", "text": answer[: answer.index(stop)]}]
 
 
 @pytest.mark.timeout(600)
@@ -177,11 +184,17 @@ def test_a_two_turn_tool_loop_with_any_a_named_tool_and_tool_results(
     assert not _tool_uses(plain) and plain.content[0].type == "text"
 
 
-def test_count_tokens_is_the_prompt_a_worker_renders(claude: anthropic.Anthropic) -> None:
+def test_count_tokens_is_the_prompt_a_worker_renders(
+    claude: anthropic.Anthropic, fleet: Fleet
+) -> None:
     """``count_tokens`` answers the worker's own count: what the same request's message says
-    its prompt was (its tools rendered in it too), and no job output."""
+    its prompt was (its tools rendered in it too); its job ran no model (no token made)."""
     request: Any = {"model": MODEL, "system": SYSTEM, "messages": ASK, "tools": TOOLS}
-    counted = claude.messages.count_tokens(**request)
+    raw = claude.messages.with_raw_response.count_tokens(**request)
+    counted = raw.parse()
+    done = fleet.logged_done(raw.headers["request-id"])
+    assert (done.usage.completion_tokens, done.output_text, done.finish_reason) == (0, "", "length")
+    assert done.usage.ttft_ms is None and done.usage.prompt_tokens == counted.input_tokens
     message = claude.messages.create(max_tokens=1, **request, extra_body=GREEDY)
     usage = message.usage
     assert counted.input_tokens == usage.input_tokens + (usage.cache_read_input_tokens or 0)

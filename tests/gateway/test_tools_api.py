@@ -23,6 +23,7 @@ from pydantic import BaseModel, SecretStr
 from mlx_redis_worker.local_redis import RedisServer
 from tests.gateway.conftest import Fleet, running_fleet
 from tests.support.gateway import GatewayProcess
+from tests.support.sse import anthropic_message
 from tests.support.tool_models import with_template
 
 MODEL = "tiny"
@@ -205,6 +206,22 @@ def test_a_thinking_model_answers_with_reasoning_content_apart(client: openai.Op
     )
     assert off.choices[0].message.content
     assert getattr(off.choices[0].message, "reasoning_content", None) is None
+
+
+def test_a_thinking_model_answers_a_message_with_a_thinking_block(
+    gateway: GatewayProcess,
+) -> None:
+    """Anthropic's Messages API: ``tiny-think``'s thought is a ``thinking`` block (streamed as
+    ``thinking_delta``s: the same block); ``thinking: disabled`` leaves text and no thought."""
+    body: Any = {"model": THINKER, "messages": ASK, "max_tokens": 12, "temperature": 0}
+    whole = anthropic_message(gateway.url, {**body, "stream": False})
+    [thought] = whole["content"]
+    assert thought["type"] == "thinking" and thought["thinking"] and thought["signature"] == ""
+    assert anthropic_message(gateway.url, body)["content"] == whole["content"]
+    off = anthropic_message(
+        gateway.url, {**body, "thinking": {"type": "disabled"}, "stream": False}
+    )
+    assert [block["type"] for block in off["content"]] == ["text"] and off["content"][0]["text"]
 
 
 class Light(BaseModel):

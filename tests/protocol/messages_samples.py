@@ -71,6 +71,7 @@ JOBS = [
         request_id="req-6", prompt="Digits:", response_format={"type": "regex", "pattern": "[0-9]+"}
     ),
     Job(request_id="req-7.1", prompt="Copies share me", seed=3, prefix_boundary="prompt"),
+    Job(request_id="req-8", messages=(ChatMessage("user", "Count me"),), count_only=True),
 ]
 
 EVENTS = [
@@ -106,6 +107,15 @@ EVENTS = [
         usage=Usage(10, 4, cached_tokens=8, ttft_ms=12.5, tokens_per_second=80.0, duration_ms=60),
         metadata=METADATA,
         output_valid=False,
+    ),
+    DoneEvent(
+        request_id="r",
+        seq=5,
+        attempt=1,
+        finish_reason="stop",
+        output_text="Once",
+        usage=Usage(3, 4),
+        stop_sequence=" upon",
     ),
     DoneEvent(
         request_id="r",

@@ -176,8 +176,8 @@ def count_tokens(url: str, body: Mapping[str, Any]) -> int:
 def anthropic_message(url: str, body: Mapping[str, Any], timeout: float = 300) -> dict[str, Any]:
     """An Anthropic Messages answer read as an agent does without the SDK: the JSON body, or
     (``stream`` true, the default) the message its events build: blocks from
-    ``content_block_start``, their text and ``input_json_delta`` pieces joined, the stop
-    reason and usage from ``message_delta``."""
+    ``content_block_start``, their text, thought and ``input_json_delta`` pieces joined, the
+    stop reason and usage from ``message_delta``."""
     body = {"stream": True, **body}
     headers = {"anthropic-version": "2023-06-01", "x-api-key": "none"}
     with RawRequest(
@@ -199,8 +199,9 @@ def anthropic_message(url: str, body: Mapping[str, Any], timeout: float = 300) -
                 delta, index = event["delta"], event["index"]
                 if delta["type"] == "input_json_delta":
                     pieces[index] = pieces.get(index, "") + delta["partial_json"]
-                else:
-                    message["content"][index]["text"] += delta["text"]
+                else:  # text_delta, thinking_delta: more of the block's text or thought
+                    field = delta["type"].removesuffix("_delta")
+                    message["content"][index][field] += delta[field]
             elif event["type"] == "content_block_stop" and event["index"] in pieces:
                 message["content"][event["index"]]["input"] = json.loads(pieces[event["index"]])
             elif event["type"] == "message_delta":

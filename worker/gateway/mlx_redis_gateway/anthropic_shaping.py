@@ -111,7 +111,7 @@ class MessageFrames:
         messages = (
             self._close() if self.blocks else self._open("text", {"text": ""}) + self._close()
         )
-        stop = {"stop_reason": stop_reason(done), "stop_sequence": None}
+        stop = {"stop_reason": stop_reason(done), "stop_sequence": done.stop_sequence}
         messages.append({"type": "message_delta", "delta": stop, "usage": usage_body(done.usage)})
         messages.append({"type": "message_stop"})
         return messages
@@ -171,12 +171,16 @@ def message_object(shaper: Shaper) -> dict[str, Any]:
         "model": shaper.shape.model,
         "content": content,
         "stop_reason": stop_reason(done),
-        "stop_sequence": None,
+        "stop_sequence": done.stop_sequence,
         "usage": usage_body(done.usage),
     }
 
 
 def stop_reason(done: DoneEvent) -> str:
+    """``stop_sequence`` when one of the request's ended the answer, else ``tool_use`` when
+    the model ended it with calls, else the finish reason's name."""
+    if done.finish_reason == "stop" and done.stop_sequence is not None:
+        return "stop_sequence"
     if done.tool_calls and done.finish_reason == "stop":
         return "tool_use"
     return _STOP_REASONS.get(done.finish_reason, done.finish_reason)

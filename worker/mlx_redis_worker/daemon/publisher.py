@@ -235,6 +235,7 @@ class EventPublisher:
             "output_text": output.output_text if output else "",
             "usage": usage,
             "output_valid": output.output_valid if output else None,
+            "stop_sequence": output.stop_reason if output else None,
         }
         if stream.parser is not None and output is not None:
             fields["output_text"] = stream.parser.content

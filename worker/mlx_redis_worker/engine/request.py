@@ -252,6 +252,8 @@ class RequestOutput:
     # For a request with a response_format, once finished: whether the output matches it
     # (False when max_tokens cut it short of a match); None otherwise.
     output_valid: bool | None = None
+    # Once finished by a stop string: that string (vLLM's name); None otherwise.
+    stop_reason: str | None = None
     transcript: Transcript | None = field(default=None, repr=False, compare=False)
     text_parts: int = field(default=0, repr=False, compare=False)
 

@@ -67,6 +67,7 @@ class Sequence:
             error=request.error if finished else None,
             request_fault=finished and isinstance(self.failure, GrammarLimitError),
             output_valid=self._valid() if finished else None,
+            stop_reason=self.text.stop_string if finished else None,
             transcript=transcript,
             text_parts=parts,
         )

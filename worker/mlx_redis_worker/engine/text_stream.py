@@ -23,11 +23,13 @@ class TextStream:
             self._machine = TextStateMachine({"normal": [(s, None) for s in stop_strings]})
             self._state = self._machine.make_state("normal")
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text, once one did
 
     def add_token(self, token: int) -> str:
         """Feed one generated token; return the text now safe to emit (maybe empty).
 
-        Sets ``stopped`` when a stop string completed; the returned text then ends before it.
+        Sets ``stopped`` (and ``stop_string``) when a stop string completed; the returned text
+        then ends before it.
         """
         detokenizer = self._detokenizer
         detokenizer.add_token(token)
@@ -50,7 +52,12 @@ class TextStream:
     def _filter(self, segment: str) -> str:
         if self._machine is None or not segment:
             return segment
+        held = self._state[3]  # text held back as a possible start of a stop string
         self._state, pieces = TextStateMachine.split(self._state, segment)
+        text = "".join(text for _, text in pieces)
         if self._state[0] is None:
             self.stopped = True
-        return "".join(text for _, text in pieces)
+            # What was read, less the text let out before the match and what follows it.
+            read, rest = held + segment, self._state[3]
+            self.stop_string = read[len(text) : len(read) - len(rest)]
+        return text
