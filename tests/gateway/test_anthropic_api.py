@@ -22,24 +22,13 @@ import pytest
 from tests.gateway.conftest import Fleet
 from tests.gateway.test_auth import add_key, key_name
 from tests.support.gateway import GatewayFactory, GatewayProcess
+from tests.support.schemas import TOOL_SCHEMAS
 from tests.support.sse import RawRequest, SseMessage, anthropic_message
 
 MODEL = "tiny"
 SYSTEM = "You are terse."
 ASK: Any = [{"role": "user", "content": "Turn the kitchen light on."}]
-LIGHT: dict[str, Any] = {
-    "type": "object",
-    "properties": {"room": {"enum": ["kitchen", "hall"]}, "on": {"type": "boolean"}},
-    "required": ["room", "on"],
-    "additionalProperties": False,
-}
-HEAT: dict[str, Any] = {
-    "type": "object",
-    "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 5}},
-    "required": ["level"],
-    "additionalProperties": False,
-}
-SCHEMAS = {"set_light": LIGHT, "set_heat": HEAT}
+SCHEMAS = TOOL_SCHEMAS
 TOOLS: Any = [
     {"name": name, "description": f"{name} in the house", "input_schema": schema}
     for name, schema in SCHEMAS.items()

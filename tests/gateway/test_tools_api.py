@@ -23,24 +23,13 @@ from pydantic import BaseModel, SecretStr
 from mlx_redis_worker.local_redis import RedisServer
 from tests.gateway.conftest import Fleet, running_fleet
 from tests.support.gateway import GatewayProcess
+from tests.support.schemas import TOOL_SCHEMAS
 from tests.support.sse import anthropic_message
 from tests.support.tool_models import with_template
 
 MODEL = "tiny"
 THINKER = "tiny-think"
-LIGHT: dict[str, Any] = {
-    "type": "object",
-    "properties": {"room": {"enum": ["kitchen", "hall"]}, "on": {"type": "boolean"}},
-    "required": ["room", "on"],
-    "additionalProperties": False,
-}
-HEAT: dict[str, Any] = {
-    "type": "object",
-    "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 5}},
-    "required": ["level"],
-    "additionalProperties": False,
-}
-SCHEMAS = {"set_light": LIGHT, "set_heat": HEAT}
+SCHEMAS = TOOL_SCHEMAS
 TOOLS: Any = [
     {"type": "function", "function": {"name": name, "description": name, "parameters": schema}}
     for name, schema in SCHEMAS.items()

@@ -1,4 +1,4 @@
-"""A JSON schema for tests of structured output through a worker."""
+"""JSON schemas for tests of structured output and tool calls through a worker."""
 
 from __future__ import annotations
 
@@ -16,3 +16,18 @@ SMALL_SCHEMA: dict[str, Any] = {
     "required": ["color", "n", "ok"],
     "additionalProperties": False,
 }
+
+# Two functions' parameters for tool-call tests: a call to either is a few tokens long.
+LIGHT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"room": {"enum": ["kitchen", "hall"]}, "on": {"type": "boolean"}},
+    "required": ["room", "on"],
+    "additionalProperties": False,
+}
+HEAT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 5}},
+    "required": ["level"],
+    "additionalProperties": False,
+}
+TOOL_SCHEMAS = {"set_light": LIGHT, "set_heat": HEAT}

@@ -13,7 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlx_redis_gateway.anthropic_api import check_version, parse_messages_request
+from mlx_redis_gateway.api_keys import ApiKey
 from mlx_redis_gateway.gateway import Gateway, client_left, id_headers
+from mlx_redis_gateway.openai_api import CompletionRequest
 
 
 class MessageRoutes:
@@ -21,29 +23,13 @@ class MessageRoutes:
         self.gateway = gateway
 
     async def create(self, request: Request) -> Response:
-        gateway = self.gateway
-        check_version(request)
-        key = gateway.auth.api_key(request)
-        accepted = parse_messages_request(
-            await gateway.json_body(request),
-            limits=gateway.settings.limits,
-            user_key=key.name if key is not None else None,
-        )
-        await gateway.check_served(accepted.model)
-        return await gateway.serve(request, accepted, key)
+        accepted, key = await self._accepted(request, count_only=False)
+        return await self.gateway.serve(request, accepted, key)
 
     async def count_tokens(self, request: Request) -> Response:
         """``{"input_tokens": N}``: the prompt's tokens as the model's worker counts them."""
         gateway = self.gateway
-        check_version(request)
-        key = gateway.auth.api_key(request)
-        accepted = parse_messages_request(
-            await gateway.json_body(request),
-            limits=gateway.settings.limits,
-            user_key=key.name if key is not None else None,
-            count_only=True,
-        )
-        await gateway.check_served(accepted.model)
+        accepted, key = await self._accepted(request, count_only=True)
         request_id = accepted.request_id
         shape = await gateway.admit_and_submit(accepted, key)
         shaper = await gateway.finished(request, request_id, shape, resumable=False)
@@ -56,3 +42,20 @@ class MessageRoutes:
             {"input_tokens": shaper.done.usage.prompt_tokens},
             headers=id_headers(request_id, anthropic=True),
         )
+
+    async def _accepted(
+        self, request: Request, *, count_only: bool
+    ) -> tuple[CompletionRequest, ApiKey | None]:
+        """The request's job (its version, key and body checked; its model served), and its
+        key."""
+        gateway = self.gateway
+        check_version(request)
+        key = gateway.auth.api_key(request)
+        accepted = parse_messages_request(
+            await gateway.json_body(request),
+            limits=gateway.settings.limits,
+            user_key=key.name if key is not None else None,
+            count_only=count_only,
+        )
+        await gateway.check_served(accepted.model)
+        return accepted, key
