@@ -27,6 +27,7 @@ from mlx_redis_worker.daemon.fair_queue import (
 )
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner
+from mlx_redis_worker.daemon.media_loader import engine_media
 from mlx_redis_worker.engine import EngineCore
 
 log = structlog.get_logger(__name__)
@@ -204,6 +205,7 @@ class ModelLane:
             max_concurrency=self.max_concurrency,
             free_slots=max(self.max_concurrency - in_flight, 0),
             in_flight=in_flight,
+            media=engine_media(self.engine),
         )
 
     async def stats(self) -> dict[str, Any]:
