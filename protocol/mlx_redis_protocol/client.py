@@ -49,19 +49,14 @@ from mlx_redis_protocol.constants import (
     JOB_FIELD,
 )
 from mlx_redis_protocol.control import send_command
-from mlx_redis_protocol.errors import ClientError, ProtocolError, RedisUnavailable, StreamRewritten
+from mlx_redis_protocol.errors import ClientError, RedisUnavailable, StreamRewritten
 from mlx_redis_protocol.identifiers import new_request_id
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
 from mlx_redis_protocol.media_inputs import (
     DEFAULT_BLOB_TTL_SECONDS,
     DEFAULT_INLINE_MEDIA_BYTES,
-    ImageLike,
-    VideoLike,
-    image_input,
-    media_bytes,
-    stage_media,
-    video_input,
+    prepare_media,
 )
 from mlx_redis_protocol.messages import (
     TOOL_CHOICE_MODES,
@@ -69,13 +64,11 @@ from mlx_redis_protocol.messages import (
     ControlReply,
     ErrorEvent,
     Event,
-    ImageInput,
     Job,
     QueuedEvent,
     TerminalEvent,
     ToolCall,
     ToolChoice,
-    VideoInput,
 )
 from mlx_redis_protocol.registry import register_model
 from mlx_redis_protocol.replay_log import publish_events
@@ -289,8 +282,12 @@ class Client:
         fields: dict[str, Any] = dict(options)
         blobs: dict[str, bytes] = {}
         if fields.get("images") or fields.get("videos"):
-            images, videos = self.media_inputs(fields.pop("images", ()), fields.pop("videos", ()))
-            staged = stage_media(images, videos, self.inline_media_bytes)
+            staged = prepare_media(
+                fields.pop("images", ()),
+                fields.pop("videos", ()),
+                self.limits,
+                self.inline_media_bytes,
+            )
             fields["images"], fields["videos"], blobs = staged.images, staged.videos, staged.blobs
         job = build_job(
             prompt=prompt,
@@ -304,26 +301,6 @@ class Client:
         for blob_id, data in blobs.items():
             await self.store_blob(blob_id, data)
         return await self.submit_job(job)
-
-    def media_inputs(
-        self, images: Sequence[ImageLike], videos: Sequence[VideoLike]
-    ) -> tuple[tuple[ImageInput, ...], tuple[VideoInput, ...]]:
-        """A producer's images and videos as the job's (files read, formats sniffed, sizes
-        bounded); ProtocolError for what cannot go."""
-        limits = self.limits
-        made_images = tuple(
-            image_input(item, limits, f"images[{i}]") for i, item in enumerate(images)
-        )
-        made_videos = tuple(
-            video_input(item, limits, f"videos[{i}]") for i, item in enumerate(videos)
-        )
-        total = media_bytes(made_images, made_videos)
-        if total > limits.max_media_bytes:
-            raise ProtocolError(
-                "limit_exceeded",
-                f"the job's media are over max_media_bytes ({limits.max_media_bytes})",
-            )
-        return made_images, made_videos
 
     async def store_blob(self, blob_id: str, data: bytes) -> None:
         """Store a media file under ``blob_id`` for a job to reference (with ``blob_ttl``)."""

@@ -137,3 +137,21 @@ def stage_media(
     made_images = tuple(image(item) for item in images)
     made_videos = tuple(video(item) for item in videos)
     return StagedMedia(made_images or None, made_videos or None, blobs)
+
+
+def prepare_media(
+    images: Sequence[ImageLike],
+    videos: Sequence[VideoLike],
+    limits: Limits,
+    inline_bytes: int = DEFAULT_INLINE_MEDIA_BYTES,
+) -> StagedMedia:
+    """A producer's images and videos as a job's: files read (bounded), formats sniffed,
+    the job's total checked, big files moved to blobs to store. ProtocolError for what
+    cannot go, before anything reaches Redis."""
+    made_images = tuple(image_input(item, limits, f"images[{i}]") for i, item in enumerate(images))
+    made_videos = tuple(video_input(item, limits, f"videos[{i}]") for i, item in enumerate(videos))
+    if media_bytes(made_images, made_videos) > limits.max_media_bytes:
+        raise ProtocolError(
+            "limit_exceeded", f"the job's media are over max_media_bytes ({limits.max_media_bytes})"
+        )
+    return stage_media(made_images, made_videos, inline_bytes)

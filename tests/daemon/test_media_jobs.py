@@ -6,6 +6,7 @@ dead-lettered) and keeps serving."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,15 +15,27 @@ from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.messages import DoneEvent, ErrorEvent
 from tests.daemon.helpers import collect
 from tests.support.media import image_file, video_file
-from tests.support.processes import MODEL, WorkerFactory
+from tests.support.processes import MODEL, WorkerFactory, mlx_worker
 from tests.support.waiting import run, until
 
 
 @pytest.mark.timeout(120)
 def test_a_text_only_model_refuses_media_jobs_and_keeps_serving(
-    workers: WorkerFactory, redis_url: str, prefix: str
+    workers: WorkerFactory, redis_url: str, prefix: str, tmp_path: Path
 ) -> None:
     workers.start("w1")
+    # The command line: files by path, refused at submit for the text-only model (exit 1),
+    # and a file that is no image refused before Redis is asked anything (exit 2).
+    (tmp_path / "a.png").write_bytes(image_file(3))
+    (tmp_path / "c.mp4").write_bytes(video_file(4))
+    (tmp_path / "doc.pdf").write_bytes(b"%PDF-1.7 a document")
+    where = ["--redis-url", redis_url, "--prefix", prefix, "--timeout", "30"]
+    images = ["--image", str(tmp_path / "a.png"), "--video", str(tmp_path / "c.mp4")]
+    refused = mlx_worker("submit", "Describe", "--model", MODEL, *images, *where)
+    assert refused.returncode == 1, refused.stderr
+    assert "invalid_job" in refused.stderr and "does not take images or videos" in refused.stderr
+    bad = mlx_worker("submit", "Describe", "--image", str(tmp_path / "doc.pdf"), *where)
+    assert bad.returncode == 2 and "not of an allowed format" in bad.stderr, bad.stderr
     small, big = image_file(1), image_file(2, (600, 600))  # big: over the inline threshold
 
     async def main() -> None:
