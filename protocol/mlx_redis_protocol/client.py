@@ -380,6 +380,12 @@ class Client:
         """Whether a live worker serves ``model`` (a positive answer is cached briefly)."""
         return model in await self._models_for(model)
 
+    async def media_of(self, model: str) -> frozenset[str]:
+        """The media ``model``'s live workers say it takes ("image", "video"; none for a
+        text-only model or one no live worker serves)."""
+        await self._models_for(model)
+        return self._media.get(model, frozenset())
+
     async def _models_for(self, model: str) -> frozenset[str]:
         """The served models, for a job naming ``model``: a read that found it is trusted
         for ``MODEL_CACHE_SECONDS`` (a burst of submits scans Redis once); without it, the

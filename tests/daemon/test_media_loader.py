@@ -5,7 +5,6 @@ where the issue says so, and the loader keeps serving the next job."""
 from __future__ import annotations
 
 import asyncio
-import http.server
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -20,7 +19,7 @@ from mlx_redis_protocol.messages import ImageInput, Job, VideoInput
 from mlx_redis_worker.daemon.media_loader import LoadedMedia, MediaLoader
 from mlx_redis_worker.daemon.media_pool import MediaPool
 from mlx_redis_worker.media import MediaError
-from tests.support.media import image_file, png_bomb, video_file
+from tests.support.media import image_file, png_bomb, serving_media, video_file
 from tests.support.waiting import run
 
 PNG = image_file(1, (40, 30))
@@ -163,33 +162,10 @@ def test_hostile_videos(redis_url: str, prefix: str) -> None:
     assert len(loaded.videos[0]) == 4
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        if self.path == "/moved":
-            self.send_response(302)
-            self.send_header("Location", "http://169.254.169.254/latest")
-            self.end_headers()
-            return
-        body = PNG if self.path == "/a.png" else b"x" * 100_000
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def media_server() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://localhost:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving_media({"/a.png": PNG, "/big": b"x" * 100_000}) as url:
+        yield url
 
 
 def test_urls_only_from_allowed_hosts_and_never_private_ones(

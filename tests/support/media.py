@@ -3,9 +3,13 @@ hostile ones: a decompression bomb's header, cut files, a file that is no image.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import io
 import struct
+import threading
 import zlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 
@@ -54,3 +58,38 @@ def video_file(frames: int = 30, rate: int = 10, size: tuple[int, int] = (64, 48
         for packet in stream.encode():
             out.mux(packet)
     return buffer.getvalue()
+
+
+@contextlib.contextmanager
+def serving_media(files: Mapping[str, bytes]) -> Iterator[str]:
+    """An HTTP server on loopback answering each path of ``files`` with its bytes, and
+    ``/moved`` with a redirect to the cloud metadata address; its base URL (by name,
+    ``localhost``)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "http://169.254.169.254/latest")
+                self.end_headers()
+                return
+            body = files.get(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://localhost:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
