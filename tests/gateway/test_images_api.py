@@ -6,7 +6,6 @@ queued is read back from Redis."""
 
 from __future__ import annotations
 
-import base64
 import json
 import time
 import uuid
@@ -22,6 +21,7 @@ from mlx_redis_protocol.constants import JOB_FIELD
 from mlx_redis_protocol.heartbeat import Heartbeat, ServedModel
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.messages import ContentPart, Job
+from mlx_redis_worker.bench.hostile_images import data_url
 from mlx_redis_worker.local_redis import RedisServer
 from tests.support.fleet import write_heartbeat_sync
 from tests.support.gateway import GatewayFactory, GatewayProcess
@@ -29,10 +29,6 @@ from tests.support.media import image_file, serving_media
 
 PNG = image_file(1, (48, 32))
 JPEG = image_file(2, (900, 700), "JPEG")  # over the inline threshold: a blob
-
-
-def data_url(data: bytes, kind: str = "png") -> str:
-    return f"data:image/{kind};base64,{base64.b64encode(data).decode()}"
 
 
 @pytest.fixture(scope="module")

@@ -6,38 +6,18 @@ from __future__ import annotations
 import contextlib
 import http.server
 import io
-import struct
 import threading
-import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+from mlx_redis_worker.bench.hostile_images import picture, png_bomb
+
+__all__ = ["image_file", "png_bomb", "serving_media", "video_file"]
 
 
 def image_file(seed: int = 0, size: tuple[int, int] = (32, 24), fmt: str = "PNG") -> bytes:
     """A real image file of random pixels (the same for the same seed)."""
-    import numpy as np
-    from PIL import Image
-
-    width, height = size
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(buffer, format=fmt)
-    return buffer.getvalue()
-
-
-def png_bomb(width: int = 65535, height: int = 65535) -> bytes:
-    """A PNG whose header says ``width`` x ``height`` over a few KB of data: decoding it
-    would allocate width x height x 3 bytes (12.9 GB for the default)."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    rows = zlib.compress(b"\0" * 4096, 9)
-    return (
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", rows) + chunk(b"IEND", b"")
-    )
+    return picture(seed, size, fmt)
 
 
 def video_file(frames: int = 30, rate: int = 10, size: tuple[int, int] = (64, 48)) -> bytes:

@@ -184,6 +184,12 @@ def _add_bench_commands(commands: Any) -> None:
     isolation.add_argument("--max-tokens", type=int, default=48)
     isolation.add_argument("--idle-sockets", type=int, default=1000)
     isolation.add_argument("--repeat", type=int, default=1, help="rotations of all attackers")
+    isolation.add_argument(
+        "--attackers",
+        default=None,
+        help="the attackers to run, comma-separated (default: all; e.g. "
+        "image-bomb,image-50mb,image-flood)",
+    )
     isolation.add_argument("--redis-url", default=None, help="default: a private redis-server")
     isolation.set_defaults(
         func=_lazy("mlx_redis_worker.bench.isolation_bench", "run_isolation_bench")
