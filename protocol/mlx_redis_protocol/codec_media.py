@@ -100,16 +100,8 @@ class _InlineBudget:
             )
 
 
-def _item_reader(reader: FieldReader, name: str, item: object) -> FieldReader:
-    if not isinstance(item, dict):
-        raise reader.error("invalid_field", name, "must be a map")
-    where = FieldReader(item, f"{reader.what}.{name}", reader.limits)
-    where.request_id = reader.request_id
-    return where
-
-
 def _image(reader: FieldReader, name: str, item: object, budget: _InlineBudget) -> ImageInput:
-    where = _item_reader(reader, name, item)
+    where = reader.nested(name, item)
     data, blob, url = _source(where, "image", reader.limits.max_image_bytes, budget, name)
     detail = where.string("detail")
     if detail is not None and detail not in IMAGE_DETAILS:
@@ -118,7 +110,7 @@ def _image(reader: FieldReader, name: str, item: object, budget: _InlineBudget) 
 
 
 def _video(reader: FieldReader, name: str, item: object, budget: _InlineBudget) -> VideoInput:
-    where = _item_reader(reader, name, item)
+    where = reader.nested(name, item)
     limits = reader.limits
     frames_given = where.has("frames")
     if frames_given and any(where.has(source) for source in SOURCES):
@@ -189,7 +181,7 @@ def read_content(turn: FieldReader) -> tuple[str | None, tuple[ContentPart, ...]
     assert items is not None
     parts = []
     for index, item in enumerate(items):
-        where = _item_reader(turn, f"content[{index}]", item)
+        where = turn.nested(f"content[{index}]", item)
         kind = where.required_string("type")
         if kind not in _PART_TYPES:
             raise where.error("invalid_field", "type", f"must be one of {', '.join(_PART_TYPES)}")

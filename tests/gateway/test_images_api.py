@@ -6,6 +6,7 @@ queued is read back from Redis."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -32,36 +33,28 @@ JPEG = image_file(2, (900, 700), "JPEG")  # over the inline threshold: a blob
 
 
 @pytest.fixture(scope="module")
-def prefix_of_module() -> str:
-    return f"img{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture(scope="module")
 def lone_gateways(
-    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory, prefix_of_module: str
+    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayFactory]:
-    """One gateway for the module, with no worker behind it."""
-    factory = GatewayFactory(tmp_path_factory.mktemp("gw"), redis_server.url, prefix_of_module)
-    try:
+    """The module's gateways (one per test would cost seconds each), with no worker."""
+    prefix = f"img{uuid.uuid4().hex[:12]}"
+    factory = GatewayFactory(tmp_path_factory.mktemp("gw"), redis_server.url, prefix)
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: print(factory.report()))
+        stack.callback(factory.stop_all)
         yield factory
-    finally:
-        factory.stop_all()
-        print(factory.report())
 
 
 @pytest.fixture(scope="module")
 def admin(redis_server: RedisServer) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_server.url)
-    try:
+    with redis.Redis.from_url(redis_server.url) as client:
         yield client
-    finally:
-        client.close()
 
 
 @pytest.fixture(autouse=True)
-def no_queued_jobs(admin: redis.Redis, prefix_of_module: str) -> None:
+def no_queued_jobs(admin: redis.Redis, lone_gateways: GatewayFactory) -> None:
     """Each test starts with the models' streams empty."""
-    keys = Keys(prefix_of_module)
+    keys = Keys(lone_gateways.prefix)
     admin.delete(keys.model_stream("eyes").stream, keys.model_stream("blind").stream)
 
 
