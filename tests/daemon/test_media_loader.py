@@ -18,7 +18,7 @@ from mlx_redis_protocol.media_fetch import FetchPolicy
 from mlx_redis_protocol.messages import ImageInput, Job, VideoInput
 from mlx_redis_worker.daemon.media_loader import LoadedMedia, MediaLoader
 from mlx_redis_worker.daemon.media_pool import MediaPool
-from mlx_redis_worker.media import MediaError
+from mlx_redis_worker.media.errors import MediaError
 from tests.support.media import image_file, png_bomb, serving_media, video_file
 from tests.support.waiting import run
 

@@ -214,9 +214,15 @@ def _blob_length(what: str, item: ImageInput | VideoInput, kind: Any, length: An
 
 
 def _decoder(name: str) -> Any:
-    """The media module's decoder, imported when a job first needs it (the vision extra)."""
+    """A decoder of ``mlx_redis_worker.media``, imported when a job first needs it (Pillow
+    and PyAV: the vision extra)."""
     try:
-        from mlx_redis_worker import media
+        if name == "decode_image":
+            from mlx_redis_worker.media.images import decode_image
+
+            return decode_image
+        from mlx_redis_worker.media.video import decode_video
+
+        return decode_video
     except ImportError as exc:
         raise missing_extra(exc) from None
-    return getattr(media, name)
