@@ -65,5 +65,10 @@ def test_a_text_only_model_refuses_media_jobs_and_keeps_serving(
             # The worker keeps serving text.
             done = await client.generate("hello", max_tokens=4, timeout=30)
             assert isinstance(done, DoneEvent)
+            # Nothing was decoded for the text-only model: no pool work, nothing refused there.
+            (reply,) = await client.stats()
+            assert reply.result is not None
+            media = reply.result["models"][MODEL]["media"]
+            assert media["pool"]["done"] == 0 and media["images"] == 0
 
     run(main())

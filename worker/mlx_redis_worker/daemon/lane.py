@@ -224,6 +224,13 @@ class ModelLane:
         }
         if self.fair is not None:
             stats["tenants"] = await self.tenant_shares()
+        if self.runner.media is not None:
+            media = self.runner.media
+            # The pool is the worker's (every lane's jobs decode there); the counts this lane's.
+            stats["media"] = {
+                **dataclasses.asdict(media.counts),
+                "pool": dataclasses.asdict(media.pool.stats),
+            }
         return stats
 
     async def tenant_shares(self) -> list[dict[str, Any]] | dict[str, str]:
