@@ -8,6 +8,7 @@ refusal is in Anthropic's error shape with Anthropic's status."""
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 from tests.gateway.conftest import Fleet
 from tests.gateway.test_auth import add_key, key_name
 from tests.support.gateway import GatewayFactory, GatewayProcess
+from tests.support.media import image_file
 from tests.support.schemas import TOOL_SCHEMAS
 from tests.support.sse import RawRequest, SseMessage, anthropic_message
 
@@ -237,16 +239,20 @@ def test_a_raw_stream_has_anthropics_events_and_resumes_after_any_id(
 
 
 def test_refusals_are_in_anthropics_shape_with_its_statuses(claude: anthropic.Anthropic) -> None:
-    """400 ``invalid_request_error`` for a body Anthropic would refuse, an image block (until
-    images are served), a prefill, server tools, another API version; 404 ``not_found_error``
+    """400 ``invalid_request_error`` for a body Anthropic would refuse, an image for a model
+    that takes none, a prefill, server tools, another API version; 404 ``not_found_error``
     for a model no worker serves and a path under ``/v1/messages`` that is none; 405 for a
     method the route does not take."""
     base: Any = {"model": MODEL, "max_tokens": 4, "messages": ASK}
-    image: Any = {"type": "image", "source": {"type": "base64", "media_type": "image/png"}}
+    png = base64.b64encode(image_file(1, (8, 8))).decode()
+    image: Any = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": png},
+    }
     bad: list[tuple[dict[str, Any], str]] = [
         ({"max_tokens": None}, "max_tokens"),
         ({"temperature": 1.5}, "temperature"),
-        ({"messages": [{"role": "user", "content": [image]}]}, "image blocks are not supported"),
+        ({"messages": [{"role": "user", "content": [image]}]}, "does not take images"),
         ({"messages": [*ASK, {"role": "assistant", "content": "Sure"}]}, "prefill"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0"),
         ({"stop_sequences": ["x"] * 17}, "stop_sequences"),

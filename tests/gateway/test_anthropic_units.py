@@ -4,6 +4,7 @@ function of the log, so a resumed stream is exactly the rest), and its error sha
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -17,6 +18,7 @@ from mlx_redis_gateway.shaping import ResponseShape, Shaper
 from mlx_redis_protocol.limits import DEFAULT_LIMITS
 from mlx_redis_protocol.messages import (
     ChatMessage,
+    ContentPart,
     DeltaEvent,
     DoneEvent,
     ErrorEvent,
@@ -28,8 +30,18 @@ from mlx_redis_protocol.messages import (
     ToolChoice,
     Usage,
 )
+from tests.support.media import image_file
 
 ID = "msg_0123456789abcdef"
+PNG = image_file(1, (8, 8))
+PNG_BLOCK: Any = {
+    "type": "image",
+    "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(PNG).decode()},
+}
+BAD_IMAGE: Any = {
+    "type": "image",
+    "source": {"type": "base64", "media_type": "image/png", "data": "@@@@"},
+}
 SCHEMA: Any = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOL: Any = {"name": "get_weather", "description": "Weather", "input_schema": SCHEMA}
 
@@ -103,6 +115,12 @@ def test_a_conversation_with_tool_use_and_results_is_the_chat_of_the_same_turns(
     )
     assert named.job.tool_choice == ToolChoice("function", "get_weather")
     assert named.job.parallel_tool_calls is None
+    seen = parse(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What?"}, PNG_BLOCK]}]
+    )
+    assert seen.job.images is not None and seen.job.images[0].data == PNG
+    assert seen.job.messages is not None
+    assert seen.job.messages[0].parts == (ContentPart("text", "What?"), ContentPart("image"))
     counted = parse_messages_request(
         {"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
         limits=DEFAULT_LIMITS,
@@ -119,7 +137,26 @@ def test_a_conversation_with_tool_use_and_results_is_the_chat_of_the_same_turns(
         ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            "messages.0.content.0: image blocks are not supported",
+            "messages.0.content.0.source.type: must be base64 or url",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "x"}, BAD_IMAGE]}
+                ],
+                "system": "Be brief.",
+            },
+            "messages.0.content.1: ",  # its position in the body, not the chat's
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "content": [PNG_BLOCK]},
+                    {"role": "user", "content": "y"},
+                ]
+            },
+            "messages.1.content.0: images are taken in a user message's content only",
         ),
         ({"messages": [{"role": "user", "content": [{"type": "document"}]}]}, "'document'"),
         (

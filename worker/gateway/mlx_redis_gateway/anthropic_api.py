@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from starlette.requests import Request
@@ -45,6 +45,8 @@ _UNSUPPORTED: Final = {
 _TOOL_CHOICES: Final = {"auto": "auto", "any": "required", "none": "none"}
 # Thinking settings → the job's ``thinking`` (None: the model's default).
 _THINKING: Final = {"enabled": True, "disabled": False, "adaptive": None}
+# A chat turn, or its content, or one of its parts, as the chat parser's errors name them.
+_CHAT_PART: Final = re.compile(r"\bmessages\[(\d+)\](\.content(?:\[(\d+)\])?)?")
 # Chat parameter names in the chat parser's errors → this API's.
 _PARAMS: Final = (
     (re.compile(r"\bstop\b"), "stop_sequences"),
@@ -78,7 +80,8 @@ def parse_messages_request(
     for name, message in _UNSUPPORTED.items():
         if body.get(name) not in (None, [], {}):
             raise bad_request(message, param=name)
-    chat: dict[str, Any] = {"messages": _turns(body, limits)}
+    turns, origins = _turns(body, limits)
+    chat: dict[str, Any] = {"messages": turns}
     for name in ("model", "top_p", "top_k", "priority", "resumable"):
         if name in body:
             chat[name] = body[name]
@@ -95,7 +98,7 @@ def parse_messages_request(
     try:
         accepted = parse_request("chat", chat, limits=limits, user_key=user_key)
     except ApiError as error:
-        raise _in_anthropic_terms(error) from error
+        raise _in_anthropic_terms(error, origins) from error
     job = replace(accepted.job, request_id=f"msg_{new_request_id()}", count_only=count_only or None)
     return replace(accepted, kind="messages", job=job)
 
@@ -213,12 +216,32 @@ def _tool_choice(value: object) -> tuple[object, bool | None]:
     return choice, None if disable is None else not disable
 
 
-def _turns(body: Mapping[str, Any], limits: Limits) -> list[dict[str, Any]]:
-    """``system`` and ``messages`` as chat turns (text blocks as chat's text parts)."""
+@dataclass(frozen=True, slots=True)
+class _Origin:
+    """Where a chat turn came from: its message (or block), the blocks its content parts are,
+    and the first of those blocks' index (None: its parts are not one block each)."""
+
+    turn: str
+    content: str
+    first: int | None = 0
+
+    def of(self, part: str | None, index: str | None) -> str:
+        if part is None:
+            return self.turn
+        if index is None or self.first is None:
+            return self.content
+        return f"{self.content}.{self.first + int(index)}"
+
+
+def _turns(body: Mapping[str, Any], limits: Limits) -> tuple[list[dict[str, Any]], list[_Origin]]:
+    """``system`` and ``messages`` as chat turns (text blocks as chat's text parts, image
+    blocks as its image parts), and where each came from."""
     turns: list[dict[str, Any]] = []
+    origins: list[_Origin] = []
     system = body.get("system")
     if system is not None and system not in ("", []):
         turns.append({"role": "system", "content": _text_parts(system, "system")})
+        origins.append(_Origin("system", "system"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages: must be a non-empty array", param="messages")
@@ -234,16 +257,19 @@ def _turns(body: Mapping[str, Any], limits: Limits) -> list[dict[str, Any]]:
         assert isinstance(message, dict)
         content = message.get("content")
         if role == "user":
-            turns += _user_turns(content, f"{param}.content")
+            for turn, origin in _user_turns(content, f"{param}.content"):
+                turns.append(turn)
+                origins.append(origin)
         else:
             turns.append(_assistant_turn(content, f"{param}.content"))
+            origins.append(_Origin(param, f"{param}.content", None))
     if messages[-1]["role"] == "assistant":
         raise bad_request(
             "prefilling the answer (a last message of role assistant) is not supported: end "
             "with a user message",
             param=f"messages.{len(messages) - 1}",
         )
-    return turns
+    return turns, origins
 
 
 def _blocks(content: object, param: str) -> list[dict[str, Any]]:
@@ -258,22 +284,25 @@ def _blocks(content: object, param: str) -> list[dict[str, Any]]:
     return content
 
 
-def _user_turns(content: object, param: str) -> list[dict[str, Any]]:
-    """A user message's turns, in order: its text as user turns, each ``tool_result`` a
-    ``tool`` turn."""
-    turns: list[dict[str, Any]] = []
+def _user_turns(content: object, param: str) -> list[tuple[dict[str, Any], _Origin]]:
+    """A user message's turns, in order: its text and images as user turns, each
+    ``tool_result`` a ``tool`` turn."""
+    message = param.removesuffix(".content")
+    turns: list[tuple[dict[str, Any], _Origin]] = []
     parts: list[dict[str, Any]] | None = None
     for index, block in enumerate(_blocks(content, param)):
         where = f"{param}.{index}"
         if block["type"] == "tool_result":
             parts = None
-            turns.append(_tool_result(block, where))
+            turns.append((_tool_result(block, where), _Origin(where, f"{where}.content")))
             continue
         if parts is None:
             parts = []
-            turns.append({"role": "user", "content": parts})
-        parts.append(_text_part(block, where))
-    return turns or [{"role": "user", "content": ""}]
+            turns.append(({"role": "user", "content": parts}, _Origin(message, param, index)))
+        parts.append(
+            _image_part(block, where) if block["type"] == "image" else _text_part(block, where)
+        )
+    return turns or [({"role": "user", "content": ""}, _Origin(message, param))]
 
 
 def _assistant_turn(content: object, param: str) -> dict[str, Any]:
@@ -295,13 +324,31 @@ def _assistant_turn(content: object, param: str) -> dict[str, Any]:
     return turn
 
 
+def _image_part(block: Mapping[str, Any], param: str) -> dict[str, Any]:
+    """An image block (``base64`` data, or a ``url``) as chat's ``image_url`` part: the chat
+    parser bounds, checks and stages it as the OpenAI routes' images are."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        assert isinstance(source, dict)
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not isinstance(data, str):
+            raise bad_request(f"{param}.source: needs media_type and data strings", param=param)
+        return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+    if kind == "url":
+        assert isinstance(source, dict)
+        return {"type": "image_url", "image_url": {"url": source.get("url")}}
+    raise bad_request(
+        f"{param}.source.type: must be base64 or url (file images need a file store)", param
+    )
+
+
 def _text_part(block: Mapping[str, Any], param: str) -> dict[str, Any]:
     kind = block["type"]
     if kind == "image":
         raise bad_request(
-            f"{param}: image blocks are not supported yet (this gateway's models read text)",
+            f"{param}: images are taken in a user message's content only (as chat takes them)",
             param=param,
-            code="image_not_supported",
         )
     if kind != "text":
         raise bad_request(
@@ -340,9 +387,17 @@ def _tool_result(block: Mapping[str, Any], param: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": parts}
 
 
-def _in_anthropic_terms(error: ApiError) -> ApiError:
+def _in_anthropic_terms(error: ApiError, origins: list[_Origin]) -> ApiError:
     """The chat parser's error, the parameter it names in this API's terms (in its message
-    too)."""
+    too): a chat turn's part named by the message and block it came from."""
+
+    def origin(match: re.Match[str]) -> str:
+        turn = int(match[1])
+        return origins[turn].of(match[2], match[3]) if turn < len(origins) else match[0]
+
+    error.message = _CHAT_PART.sub(origin, error.message)
+    if error.param is not None:
+        error.param = _CHAT_PART.sub(origin, error.param)
     for pattern, name in _PARAMS:
         if error.param is not None and pattern.search(error.param):
             error.message = pattern.sub(name, error.message)

@@ -74,6 +74,22 @@ def add_gateway_commands(commands: Any) -> None:
         "Without API keys other names get a 400 (DNS rebinding); with keys, Host is checked "
         "only when this names one",
     )
+    gateway.add_argument(
+        "--media-fetch-host",
+        action="append",
+        metavar="NAME",
+        help="a host whose image URLs the gateway fetches (repeatable; *.example.com: its "
+        "subdomains); default none: images come as data: URLs only",
+    )
+    gateway.add_argument(
+        "--media-fetch-network",
+        action="append",
+        metavar="CIDR",
+        help="a non-public network those hosts may resolve to all the same (repeatable)",
+    )
+    gateway.add_argument(
+        "--media-fetch-timeout", type=float, default=10.0, help="seconds an image URL may take"
+    )
     gateway.set_defaults(func=run_gateway)
 
     api_key = commands.add_parser("api-key", help="manage the gateway's API keys")
@@ -83,6 +99,12 @@ def add_gateway_commands(commands: Any) -> None:
     add.add_argument("--file", required=True, help="the key file (created mode 0600)")
     add.add_argument("--requests-per-minute", type=int, default=None)
     add.add_argument("--max-concurrent", type=int, default=None)
+    add.add_argument(
+        "--tokens-per-minute",
+        type=int,
+        default=None,
+        help="prompt and completion tokens a minute (a bucket of one minute's worth)",
+    )
     add.add_argument(
         "--operator", action="store_true", help="the key may read the status page and JSON"
     )
@@ -132,6 +154,9 @@ def run_gateway(args: argparse.Namespace) -> int:
             quota_lease_seconds=args.quota_lease_seconds,
             http=http,
             allowed_hosts=tuple(args.allowed_host or ()),
+            media_fetch_hosts=tuple(args.media_fetch_host or ()),
+            media_fetch_networks=tuple(args.media_fetch_network or ()),
+            media_fetch_timeout=args.media_fetch_timeout,
         )
     except ValueError as exc:
         return _fail(str(exc))
@@ -239,6 +264,7 @@ def run_add_key(args: argparse.Namespace) -> int:
             args.name,
             requests_per_minute=args.requests_per_minute,
             max_concurrent=args.max_concurrent,
+            tokens_per_minute=args.tokens_per_minute,
             operator=args.operator,
         )
     except (OSError, KeyFileError) as exc:

@@ -29,11 +29,13 @@ from mlx_redis_gateway.auth import Authenticator
 from mlx_redis_gateway.browser_guard import require_json
 from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.http_limits import read_json
+from mlx_redis_gateway.media_parts import MediaResolver
 from mlx_redis_gateway.openai_api import CompletionRequest
 from mlx_redis_gateway.quotas import Quotas
 from mlx_redis_gateway.redis_health import HealthProbe
 from mlx_redis_gateway.settings import GatewaySettings
 from mlx_redis_gateway.shaping import DONE_MESSAGE, ResponseShape, Shaper, sse_data, sse_message
+from mlx_redis_gateway.token_meter import prompt_token_bound
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.connection import is_unavailable
 from mlx_redis_protocol.errors import (
@@ -54,6 +56,9 @@ T = TypeVar("T")
 RESUMABLE_HEADER: Final = "x-resumable"
 # SSE comments sent on a quiet stream, so proxies and clients do not time it out.
 PING_SECONDS: Final = 15
+# How long a request aborted for its client's leaving is followed to its end, for its token
+# charge to be settled by its usage (past that it keeps what it was charged).
+SETTLE_AFTER_ABORT_SECONDS: Final = 10.0
 
 
 class Gateway:
@@ -72,6 +77,7 @@ class Gateway:
             # client to retry, rather than held open while Redis is away.
             retry_commands=False,
         )
+        self.media = MediaResolver(settings.fetch_policy, settings.limits, self.client.store_blob)
         self.keys = KeyFile(settings.api_keys) if settings.api_keys is not None else None
         self.auth = Authenticator(self.keys)
         self.health = HealthProbe(self.client)
@@ -94,6 +100,10 @@ class Gateway:
         leases = asyncio.create_task(
             supervise("quota leases", self.quotas.keep_leases), name="quota leases"
         )
+        # Supervised too: streamed tokens left unsent would be charged to nobody.
+        charges = asyncio.create_task(
+            supervise("token charges", self.quotas.meter.keep_charging), name="token charges"
+        )
         log.info(
             "gateway_ready",
             auth=self.keys is not None,
@@ -104,9 +114,10 @@ class Gateway:
             yield
         finally:
             leases.cancel()
+            charges.cancel()
             for task in list(self._background):
                 task.cancel()
-            await asyncio.gather(leases, *self._background, return_exceptions=True)
+            await asyncio.gather(leases, charges, *self._background, return_exceptions=True)
             await self.quotas.close()
             await self.client.aclose()
 
@@ -125,19 +136,39 @@ class Gateway:
                 code="model_not_found",
             )
 
+    async def check_media(self, accepted: CompletionRequest) -> None:
+        """A request with images for a model whose workers take none: 400 before anything."""
+        if accepted.job.images and "image" not in await self.client.media_of(accepted.model):
+            raise ApiError(
+                400,
+                f"the model {accepted.model!r} does not take images",
+                param="messages",
+                code="invalid_job",
+            )
+
+    async def with_media(self, accepted: CompletionRequest) -> CompletionRequest:
+        """An admitted request's images made ready to queue: URLs fetched, big files stored
+        as blobs. After admission: a request over its quota costs no fetch and no Redis
+        memory."""
+        if not accepted.job.images:
+            return accepted
+        return accepted.with_job(await self.media.resolve(accepted.job, accepted.blobs))
+
     async def admit_and_submit(
         self, accepted: CompletionRequest, key: ApiKey | None
     ) -> ResponseShape:
         """Queue a request of one job, once its key's quota admits it (429 otherwise); its
-        quota lease is given back if it could not be queued."""
+        quota lease (and tokens) are given back if it could not be queued."""
         request_id = accepted.request_id
         if key is not None:
-            await self.quotas.admit_or_refuse(key, request_id)
+            tokens = prompt_token_bound(accepted.job)
+            await self.quotas.admit_or_refuse(key, request_id, tokens=tokens)
         try:
             shape = self.shape(accepted, key)
+            accepted = await self.with_media(accepted)
             await self.queue(accepted.job, shape)
         except BaseException:
-            await self.quotas.release(request_id)
+            await self.quotas.withdraw(request_id)
             raise
         return shape
 
@@ -188,11 +219,18 @@ class Gateway:
         )
 
     async def events(self, request_id: str) -> AsyncIterator[Event]:
-        """The request's events; a failure to follow it ends as an ApiError."""
+        """The request's events; a failure to follow it ends as an ApiError. A request this
+        gateway admitted under a tokens-per-minute limit is charged its tokens as they pass
+        (its ``done`` settles the charge before it is handed on)."""
         events = self.client.stream(request_id, timeout=self.settings.event_timeout)
+        meter = self.quotas.meter
         try:
             async with aclosing(events):
                 async for event in events:
+                    if event.terminal:
+                        await meter.settle(request_id, event)
+                    else:
+                        meter.count(request_id, event)
                     yield event
         except RequestNotFound as exc:
             raise ApiError(404, str(exc), code="request_not_found") from exc
@@ -316,13 +354,17 @@ class Gateway:
         ends on its own."""
 
         async def left() -> None:
+            wait = self.settings.event_timeout
             if not resumable and self.settings.abort_on_disconnect:
                 log.info("client_left_aborting", request_id=request_id)
                 with contextlib.suppress(ClientError):
                     await self.client.abort(request_id, timeout=1.0)
-            else:
+                # Only to settle its tokens: an aborted job ends within a second or so.
+                wait = SETTLE_AFTER_ABORT_SECONDS if self.quotas.meter.is_open(request_id) else 0
+            if wait:
                 with contextlib.suppress(ClientError, ApiError):
-                    await self.client.wait(request_id, timeout=self.settings.event_timeout)
+                    end = await self.client.wait(request_id, timeout=wait)
+                    await self.quotas.meter.settle(request_id, end)
             await self.quotas.release(request_id)
 
         return left

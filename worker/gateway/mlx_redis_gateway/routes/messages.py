@@ -46,8 +46,8 @@ class MessageRoutes:
     async def _accepted(
         self, request: Request, *, count_only: bool
     ) -> tuple[CompletionRequest, ApiKey | None]:
-        """The request's job (its version, key and body checked; its model served), and its
-        key."""
+        """The request's job (its version, key and body checked; its model served, and taking
+        images if it has some), and its key."""
         gateway = self.gateway
         check_version(request)
         key = gateway.auth.api_key(request)
@@ -58,4 +58,5 @@ class MessageRoutes:
             count_only=count_only,
         )
         await gateway.check_served(accepted.model)
+        await gateway.check_media(accepted)
         return accepted, key
