@@ -10,6 +10,7 @@ import json
 from collections.abc import AsyncIterator
 
 import pytest
+from anthropic._streaming import SSEDecoder as AnthropicSSEDecoder
 from openai._streaming import SSEDecoder
 from sse_starlette import ServerSentEvent
 from starlette.applications import Starlette
@@ -24,17 +25,18 @@ from mlx_redis_gateway.shaping import DONE_MESSAGE
 MESSAGES = [b'id: %d\r\ndata: {"n": %d}\r\n\r\n' % (n, n) for n in range(2)]
 
 
-def _served(pings: float) -> bytes:
+def _served(pings: float, messages: list[bytes] = MESSAGES, anthropic: bool = False) -> bytes:
     """The bytes of an answer whose two messages are ``pings`` keep-alive periods apart."""
 
-    async def messages() -> AsyncIterator[bytes]:
-        yield MESSAGES[0]
+    async def sent() -> AsyncIterator[bytes]:
+        yield messages[0]
         await asyncio.sleep(pings * gateway.PING_SECONDS)
-        yield MESSAGES[1]
-        yield DONE_MESSAGE
+        yield messages[1]
+        if not anthropic:
+            yield DONE_MESSAGE
 
     async def answer(request: Request) -> Response:
-        return gateway.event_stream(messages(), "r")
+        return gateway.event_stream(sent(), "r", anthropic=anthropic)
 
     with TestClient(Starlette(routes=[Route("/", answer)])) as client:
         return client.get("/").content
@@ -64,3 +66,17 @@ def test_a_keep_alive_ending_in_a_blank_line_is_an_empty_event_to_the_sdk() -> N
         '{"n": 0}',
         '{"n": 1}',
     ]
+
+
+def test_a_quiet_messages_stream_gets_anthropics_ping_events_without_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Messages stream's keep-alive is Anthropic's own ``ping`` event (its SDK skips it by
+    name), carrying no id: a client that resumes after it resumes after the last real one."""
+    monkeypatch.setattr(gateway, "PING_SECONDS", 0.2)
+    named = [b'id: %d\r\nevent: n\r\ndata: {"n": %d}\r\n\r\n' % (n, n) for n in range(2)]
+    decoded = list(AnthropicSSEDecoder().iter_bytes(iter([_served(3.5, named, anthropic=True)])))
+    assert [event.event for event in decoded if event.event != "ping"] == ["n", "n"]
+    pings = [event for event in decoded if event.event == "ping"]
+    assert len(pings) >= 2 and all(json.loads(ping.data) == {"type": "ping"} for ping in pings)
+    assert all(ping.id == "0" for ping in pings)  # the last id seen stays the real message's

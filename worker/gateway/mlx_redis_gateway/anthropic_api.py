@@ -3,7 +3,8 @@
 A ``POST /v1/messages`` (or ``/v1/messages/count_tokens``) body is turned into a chat body:
 ``system`` a system turn first, each user message a user turn (its ``tool_result`` blocks
 ``tool`` turns of their own, in order), each assistant message an assistant turn holding its
-``tool_use`` blocks as calls, ``tools`` and ``tool_choice`` in chat's shape. The chat parser
+``tool_use`` blocks as calls, image blocks chat's image parts, ``tools`` and ``tool_choice`` in
+chat's shape. The chat parser
 (``openai_api.parse_request``) then reads it with its one set of rules and limits, so a
 Messages job is a chat job in every way that matters to the queue: the same keys, quotas, fair
 share and tool grammar. What the chat parser says about a field is said again in this API's
@@ -22,20 +23,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from starlette.requests import Request
-
 from mlx_redis_gateway.errors import ApiError, bad_request
 from mlx_redis_gateway.openai_api import CompletionRequest, parse_request
 from mlx_redis_protocol.codec_tools import MAX_TOOLS
 from mlx_redis_protocol.identifiers import new_request_id
 from mlx_redis_protocol.limits import Limits
 
-# The first version of the API with the Messages events this gateway sends (``anthropic-version``
-# names a date; 2023-01-01 streamed otherwise). Later versions are answered the same way, the
-# shapes the SDKs of those versions parse (anthropic 2.17's, 2026-10-21, is tested); a request
-# without the header is read as this one.
-FIRST_VERSION: Final = "2023-06-01"
-_VERSION: Final = re.compile(r"\d{4}-\d{2}-\d{2}")
 # Fields whose value needs what this gateway does not run: a 400 naming them when set.
 _UNSUPPORTED: Final = {
     "container": "containers (server-side code execution) are not supported",
@@ -56,17 +49,6 @@ _PARAMS: Final = (
     (re.compile(r"\buser\b"), "metadata.user_id"),
     (re.compile(r"\bchat_template_kwargs\.enable_thinking\b"), "thinking"),
 )
-
-
-def check_version(request: Request) -> None:
-    """400 for an ``anthropic-version`` that is no date, or one before the Messages events."""
-    version = request.headers.get("anthropic-version", FIRST_VERSION).strip()
-    if not _VERSION.fullmatch(version) or version < FIRST_VERSION:
-        raise bad_request(
-            f"anthropic-version {version[:64]!r} is not supported: this gateway speaks "
-            f"{FIRST_VERSION} and later versions",
-            param="anthropic-version",
-        )
 
 
 def parse_messages_request(

@@ -9,13 +9,35 @@ request would be run (chat template, tools and all) and ends with the count, the
 
 from __future__ import annotations
 
+import re
+from typing import Final
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mlx_redis_gateway.anthropic_api import check_version, parse_messages_request
+from mlx_redis_gateway.anthropic_api import parse_messages_request
 from mlx_redis_gateway.api_keys import ApiKey
+from mlx_redis_gateway.errors import bad_request
 from mlx_redis_gateway.gateway import Gateway, client_left, id_headers
 from mlx_redis_gateway.openai_api import CompletionRequest
+
+# The first version of the API with the Messages events this gateway sends (``anthropic-version``
+# names a date; 2023-01-01 streamed otherwise). Later versions are answered the same way, the
+# shapes the SDKs of those versions parse (anthropic 2.17's, 2026-10-21, is tested); a request
+# without the header is read as this one.
+FIRST_VERSION: Final = "2023-06-01"
+_VERSION: Final = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def check_version(request: Request) -> None:
+    """400 for an ``anthropic-version`` that is no date, or one before the Messages events."""
+    version = request.headers.get("anthropic-version", FIRST_VERSION).strip()
+    if not _VERSION.fullmatch(version) or version < FIRST_VERSION:
+        raise bad_request(
+            f"anthropic-version {version[:64]!r} is not supported: this gateway speaks "
+            f"{FIRST_VERSION} and later versions",
+            param="anthropic-version",
+        )
 
 
 class MessageRoutes:
