@@ -136,6 +136,7 @@ class Bench:
     victim: _Connections
     max_tokens: int
     idle_sockets: int
+    attackers: list[str] = field(default_factory=lambda: list(attacks(0)))
     own_request: str = ""
     attacks_run: int = 0  # numbers each attack phase's source address
 
@@ -198,7 +199,7 @@ async def _measure(bench: Bench, prompts: list[list[str]], repeat: int) -> list[
         phases: list[Phase] = []
         batch = iter(prompts[1:])
         for _ in range(repeat):
-            for name in attacks(0):
+            for name in bench.attackers:
                 phases.append(await _phase(bench, "", next(batch)))
                 phases.append(await _phase(bench, name, next(batch)))
         phases.append(await _phase(bench, "", next(batch)))
@@ -291,8 +292,13 @@ def _start_gateway(
 def run_isolation_bench(args: argparse.Namespace) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the gateway's too (inherited)
+    chosen = args.attackers.split(",") if args.attackers else list(attacks(0))
+    unknown = sorted(set(chosen) - set(attacks(0)))
+    if unknown:
+        print(f"unknown attackers {unknown}; known: {', '.join(attacks(0))}", file=sys.stderr)
+        return 2
     tokenizer = load_model(args.model)[1]
-    phases = 2 + args.repeat * 2 * len(attacks(0))
+    phases = 2 + args.repeat * 2 * len(chosen)
     prompts = [
         [tokenizer.decode(p) for p in make_prompts(tokenizer, args.concurrency, 32, seed=i)]
         for i in range(phases)
@@ -333,6 +339,7 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
                 victim_connections,
                 args.max_tokens,
                 args.idle_sockets,
+                chosen,
             )
             return await _measure(bench, prompts, args.repeat)
 
