@@ -1,4 +1,4 @@
-"""``mlx-worker model prepare {smollm2|smollm2-draft|tiny}``: build a fixture folder and print
+"""``mlx-worker model prepare {smollm2|smollm2-draft|tiny|tiny-vision}``: build a fixture folder and print
 its path."""
 
 from __future__ import annotations
@@ -42,4 +42,10 @@ def _prepare(args: argparse.Namespace) -> Path:
         return prepare_tiny(
             arch=args.arch, size=args.size, cache_dir=args.cache_dir, force=args.force
         )
+    if args.name == "tiny-vision":
+        from mlx_redis_worker.models.tiny_vision import VISION_SIZES, prepare_tiny_vision
+
+        if args.size not in VISION_SIZES:
+            raise ValueError(f"tiny-vision comes in sizes {VISION_SIZES}, not {args.size!r}")
+        return prepare_tiny_vision(size=args.size, cache_dir=args.cache_dir, force=args.force)
     raise ValueError(f"unknown model fixture {args.name!r}")
