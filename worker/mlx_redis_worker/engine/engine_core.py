@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -43,10 +45,19 @@ from mlx_redis_worker.engine.scheduler import QueueFullError, Scheduler, Schedul
 from mlx_redis_worker.engine.speculative_batch import check_draft_model
 from mlx_redis_worker.engine.stats import EngineStats, MlxMemory, PrefixCacheStats, read_mlx_memory
 from mlx_redis_worker.engine.structured import CompiledGrammar
+from mlx_redis_worker.engine.vision import (
+    ImagesNotSupportedError,
+    VisionPrompt,
+    prepare_vision_prompt,
+    vision_model_of,
+)
 
 __all__ = ["AsyncEngineCore", "EngineConfig", "EngineCore"]
 
 log = structlog.get_logger(__name__)
+
+# Threads that process requests' images (PIL and numpy work, mostly outside the GIL).
+VISION_THREADS = 2
 
 
 class EngineCore(CacheControl, ReferenceApi):
@@ -85,6 +96,8 @@ class EngineCore(CacheControl, ReferenceApi):
         self._max_prompt_tokens = scheduler_config.max_prompt_tokens
         self._max_logprobs = scheduler_config.max_logprobs
         self._vocab_size = model_vocab_size(model, tokenizer)
+        self._vision = vision_model_of(model)
+        self._vision_pool: ThreadPoolExecutor | None = None
         # Where an open request's outputs go: its caller's event loop (add_request), or the
         # blocking batch it is part of (generate_batch_sync, reference_api.py).
         self._request_loops: dict[str, asyncio.AbstractEventLoop] = {}
@@ -131,11 +144,13 @@ class EngineCore(CacheControl, ReferenceApi):
         system prompt); the prefix cache keeps their KV state as one entry, stored as soon as
         prefill gets there. ``collect=False`` skips the per-request collector: the outputs then
         reach only the step listener (see ``set_step_listener``), and ``stream_outputs`` has
-        nothing to read. ``images``/``videos`` (reference API): refused, text-only engine.
+        nothing to read. ``images`` (each a PIL image, encoded bytes or a file path) and
+        ``videos`` (each a list of frames, as images) go with a text prompt to a
+        vision-language model (``supports_images``): see ``engine/vision.py`` for where their
+        placeholders go; a text-only model refuses them with ``ImagesNotSupportedError``.
         """
         self._check_usable()
-        if images or videos:
-            raise ValueError("images/videos were given, but this engine serves a text-only model")
+        vision = await self._prepare_vision(prompt, images, videos) if images or videos else None
         # Off the loop and off the engine thread: the first constrained request builds the
         # tokenizer's index (about a second), and a new schema compiles (within its limits).
         grammar = None
@@ -143,7 +158,13 @@ class EngineCore(CacheControl, ReferenceApi):
             self._check_format_params(sampling_params)
             grammar = await self.scheduler.grammars.compile_async(sampling_params.response_format)
         request = self._make_request(
-            prompt, sampling_params, request_id, prefix_boundary, stream_interval, grammar=grammar
+            prompt,
+            sampling_params,
+            request_id,
+            prefix_boundary,
+            stream_interval,
+            grammar=grammar,
+            vision=vision,
         )
         if request.request_id in self._request_loops:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
@@ -155,6 +176,49 @@ class EngineCore(CacheControl, ReferenceApi):
         self._submit([request])
         return request.request_id
 
+    async def _prepare_vision(
+        self, prompt: str | list[int], images: list[Any] | None, videos: list[Any] | None
+    ) -> VisionPrompt:
+        """The request's images processed on the engine's vision threads (resizing and
+        normalizing pixels is neither the event loop's work nor the engine thread's)."""
+        vision = self._vision
+        if vision is None:
+            raise ImagesNotSupportedError(
+                "images/videos were given, but this engine serves a text-only model"
+            )
+        if len(self._request_loops) + len(self._sync_batches) >= self._max_open:
+            raise QueueFullError(f"engine is full ({self._max_open} open requests); retry later")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._vision_threads(),
+            functools.partial(
+                prepare_vision_prompt,
+                vision,
+                prompt,
+                list(images or ()),
+                [list(video) for video in videos or ()],
+                vocab_size=self._vocab_size,
+                max_tokens=self._max_prompt_tokens,
+            ),
+        )
+
+    def _vision_threads(self) -> ThreadPoolExecutor:
+        if self._vision_pool is None:
+            self._vision_pool = ThreadPoolExecutor(
+                max_workers=VISION_THREADS, thread_name_prefix="mlxw-vision"
+            )
+        return self._vision_pool
+
+    @property
+    def supports_images(self) -> bool:
+        """Whether this engine's model takes images and videos (a vision-language model)."""
+        return self._vision is not None
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text that marks an image's place in a prompt (None: a text-only model)."""
+        return self._vision.image_placeholder if self._vision is not None else None
+
     def _make_request(
         self,
         prompt: str | list[int],
@@ -164,6 +228,7 @@ class EngineCore(CacheControl, ReferenceApi):
         stream_interval: int | None,
         *,
         grammar: CompiledGrammar | None = None,
+        vision: VisionPrompt | None = None,
     ) -> Request:
         """A checked request (caller's thread); ``ValueError`` / ``QueueFullError``."""
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
@@ -183,9 +248,15 @@ class EngineCore(CacheControl, ReferenceApi):
             raise ValueError(
                 f"logprobs {params.logprobs} is over this engine's limit of {self._max_logprobs}"
             )
-        token_ids = prompt_token_ids(
-            self.tokenizer, prompt, vocab_size=self._vocab_size, max_tokens=self._max_prompt_tokens
-        )
+        if vision is not None:
+            token_ids = vision.token_ids
+        else:
+            token_ids = prompt_token_ids(
+                self.tokenizer,
+                prompt,
+                vocab_size=self._vocab_size,
+                max_tokens=self._max_prompt_tokens,
+            )
         if not 0 <= prefix_boundary <= len(token_ids):
             raise ValueError(
                 f"prefix_boundary {prefix_boundary} is not in [0, {len(token_ids)}] "
@@ -205,6 +276,7 @@ class EngineCore(CacheControl, ReferenceApi):
             prefix_boundary=prefix_boundary,
             stream_interval=interval,
             grammar=grammar,
+            vision=vision,
         )
 
     def _grammar_for(self, params: SamplingParams | None) -> CompiledGrammar | None:
@@ -379,6 +451,8 @@ class EngineCore(CacheControl, ReferenceApi):
         self._engine_thread.stop()
         self._running = False
         self.scheduler.grammars.close()
+        if self._vision_pool is not None:
+            self._vision_pool.shutdown(wait=False, cancel_futures=True)
         self.scheduler.prefix_cache = None
         self._release_model()
         self._closed = True

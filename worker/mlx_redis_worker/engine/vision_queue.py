@@ -1,0 +1,75 @@
+"""Admitted image requests waiting for their vision encoding: one request's images per step.
+
+The scheduler admits an image request like any other (a decode slot, its prefix-cache hit),
+then parks it here unless the hit already covers its images. Each step encodes the request at
+the head (the vision tower over its images, merged into its prompt's embeddings), which then
+joins the prefill like a text prompt. One request per step bounds what any step spends on
+vision, so the running batch decodes every step whatever image work arrives; a parked request
+can be aborted like any other (it frees its slot at once). Engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mlx_redis_worker.engine.vision import VisionModel, prompt_embeddings
+
+
+@dataclass(slots=True)
+class Encoded:
+    """A request whose images were encoded: ``embeddings`` are its prompt's input embeddings
+    from position ``start`` (where its prefix-cache hit ends) on; or ``error``, what failed
+    (that request's alone: the queue goes on)."""
+
+    sequence: Any
+    admission: Any
+    start: int
+    embeddings: mx.array | None = None
+    error: Exception | None = None
+
+
+class VisionQueue:
+    def __init__(self, vision: VisionModel) -> None:
+        self.vision = vision
+        self._parked: deque[tuple[Any, Any]] = deque()
+        self.requests_encoded = 0
+        self.images_encoded = 0
+        self.encode_seconds = 0.0
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def park(self, sequence: Any, admission: Any) -> None:
+        """``sequence`` (admitted, with its prefix-cache ``admission``) waits for encoding."""
+        self._parked.append((sequence, admission))
+
+    def discard(self, sequence: Any) -> bool:
+        """Drop a parked sequence (it finished: an abort, a stop); False when not parked."""
+        for item in self._parked:
+            if item[0] is sequence:
+                self._parked.remove(item)
+                return True
+        return False
+
+    def encode_next(self) -> Encoded | None:
+        """Encode the request at the head, if any."""
+        if not self._parked:
+            return None
+        sequence, admission = self._parked.popleft()
+        started = time.perf_counter()
+        prompt = sequence.request.vision
+        start = admission.cached_tokens
+        try:
+            embeddings = prompt_embeddings(self.vision, prompt, start)
+        except Exception as exc:  # a request's images the model cannot take: its failure
+            return Encoded(sequence, admission, start, error=exc)
+        finally:
+            self.encode_seconds += time.perf_counter() - started
+        self.requests_encoded += 1
+        self.images_encoded += prompt.num_images
+        return Encoded(sequence, admission, start, embeddings)
