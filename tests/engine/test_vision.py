@@ -168,7 +168,7 @@ def test_a_request_aborted_before_its_encoding_frees_its_slot(
     for rid, image in (("a", PICTURES[0]), ("b", PICTURES[1])):
         scheduler.add_request(_image_request(tiny_vision_model, rid, image))
     scheduler.step()  # admits both (two slots) and encodes one; the other waits for encoding
-    assert (queue.requests_encoded, len(queue), scheduler.num_running) == (1, 1, 1)
+    assert (queue.requests_encoded, len(queue), scheduler.num_running) == (1, 1, 2)
     (encoded,) = [s.request.request_id for s in scheduler.running.values()]
     parked = "b" if encoded == "a" else "a"
     text = tiny_vision_model[1].encode("the quick brown fox")
@@ -182,6 +182,30 @@ def test_a_request_aborted_before_its_encoding_frees_its_slot(
     scheduler.close()
     assert finals[encoded].completion_tokens == finals["text"].completion_tokens == 4
     assert queue.requests_encoded == 1  # the aborted request's images were never encoded
+
+
+def test_an_abort_while_the_pictures_are_processed_ends_the_request_unencoded(
+    tiny_vision_model: Any, make_engine: MakeEngine
+) -> None:
+    engine = make_engine(tiny_vision_model)
+
+    async def scenario() -> Any:
+        adding = asyncio.create_task(
+            engine.add_request(ASK, GREEDY, request_id="early", images=[PICTURES[0]])
+        )
+        await asyncio.sleep(0)  # add_request is now waiting on the processing thread
+        assert await engine.abort_request("early")
+        rid = await adding
+        final = (await collect(engine, rid))[-1]
+        after = await engine.generate(ASK, GREEDY, images=[PICTURES[1]])  # still serving
+        await engine.stop()
+        return final, after
+
+    final, after = run(scenario())
+    assert final.finish_reason == "abort" and final.completion_tokens == 0
+    assert after.finish_reason == "length"
+    vision = engine.stats().scheduler.vision
+    assert vision is not None and (vision.requests_encoded, vision.images_encoded) == (1, 1)
 
 
 def test_running_streams_advance_every_step_while_images_are_encoded(
@@ -213,8 +237,6 @@ def test_a_repeated_picture_is_a_prefix_cache_hit_and_another_picture_is_not(
     tiny_vision_model: Any, make_engine: MakeEngine
 ) -> None:
     engine = make_engine(tiny_vision_model)
-    queue = engine.scheduler.vision_queue
-    assert queue is not None
     first = run(generate_all(engine, [{"prompt": ASK, "images": [PICTURES[0]]}]))[0]
     again = run(generate_all(engine, [{"prompt": ASK, "images": [picture(1, 64, 64)]}]))[0]
     other = run(generate_all(engine, [{"prompt": ASK, "images": [PICTURES[1]]}]))[0]
@@ -227,7 +249,9 @@ def test_a_repeated_picture_is_a_prefix_cache_hit_and_another_picture_is_not(
     image_token = vision_of(tiny_vision_model).image_token_id
     other_prompt = _image_request(tiny_vision_model, "other", PICTURES[1]).prompt_token_ids
     assert other.cached_tokens == other_prompt.index(image_token) > 0
-    assert queue.requests_encoded == 2
+    vision = engine.stats().scheduler.vision
+    assert vision is not None and vision.requests_encoded == 2
+    assert vision.waiting_for_encoding == 0 and vision.encode_seconds > 0
 
 
 def test_image_entries_are_saved_and_loaded_with_the_cache(

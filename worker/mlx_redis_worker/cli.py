@@ -280,6 +280,16 @@ def _add_bench_commands(commands: Any) -> None:
         func=_lazy("mlx_redis_worker.bench.speculative_bench", "run_speculative_bench")
     )
 
+    vision = benches.add_parser(
+        "vision", help="image requests: engine vs mlx-vlm one after another and batched"
+    )
+    vision.add_argument("--model", default="tiny-vision", help="tiny-vision | a folder")
+    vision.add_argument("--concurrency", type=int, default=8, help="image requests at once")
+    vision.add_argument("--max-tokens", type=int, default=64)
+    vision.add_argument("--image-size", default="512x384", help="WIDTHxHEIGHT of each picture")
+    vision.add_argument("--repeat", type=int, default=3, help="rotations of the three paths")
+    vision.set_defaults(func=_lazy("mlx_redis_worker.bench.vision_bench", "run_vision_bench"))
+
 
 def _length_range(text: str) -> tuple[int, int]:
     """``MIN-MAX`` with 1 <= MIN <= MAX (``bench engine --prompt-lengths``)."""

@@ -18,7 +18,7 @@ from mlx_redis_worker.engine.request import (
     TokenLogprob,
 )
 from mlx_redis_worker.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
-from mlx_redis_worker.engine.stats import EngineStats, MlxMemory, PrefixCacheStats
+from mlx_redis_worker.engine.stats import EngineStats, MlxMemory, PrefixCacheStats, VisionStats
 from mlx_redis_worker.engine.vision import ImagesNotSupportedError
 
 __all__ = [
@@ -45,5 +45,6 @@ __all__ = [
     "SchedulerOutput",
     "SpeculativeParams",
     "TokenLogprob",
+    "VisionStats",
     "get_registry",
 ]

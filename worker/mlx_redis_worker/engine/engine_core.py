@@ -17,18 +17,17 @@ The path of a request, in the order of this file:
 
 Every request ends with exactly one final output, also on abort, timeout, cancellation, stop
 and close. After the path: typed stats. The prefix cache's save, load and clear are in
-cache_control.py; what only the reference API needs is in reference_api.py.
+cache_control.py; what only the reference API needs is in reference_api.py; an image
+request's way in (its images processed off the loop) is in vision_requests.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -45,22 +44,15 @@ from mlx_redis_worker.engine.scheduler import QueueFullError, Scheduler, Schedul
 from mlx_redis_worker.engine.speculative_batch import check_draft_model
 from mlx_redis_worker.engine.stats import EngineStats, MlxMemory, PrefixCacheStats, read_mlx_memory
 from mlx_redis_worker.engine.structured import CompiledGrammar
-from mlx_redis_worker.engine.vision import (
-    ImagesNotSupportedError,
-    VisionPrompt,
-    prepare_vision_prompt,
-    vision_model_of,
-)
+from mlx_redis_worker.engine.vision import VisionPrompt
+from mlx_redis_worker.engine.vision_requests import VisionRequests
 
 __all__ = ["AsyncEngineCore", "EngineConfig", "EngineCore"]
 
 log = structlog.get_logger(__name__)
 
-# Threads that process requests' images (PIL and numpy work, mostly outside the GIL).
-VISION_THREADS = 2
 
-
-class EngineCore(CacheControl, ReferenceApi):
+class EngineCore(CacheControl, ReferenceApi, VisionRequests):
     """Core engine: continuous batching of many requests over one model."""
 
     def __init__(
@@ -96,8 +88,7 @@ class EngineCore(CacheControl, ReferenceApi):
         self._max_prompt_tokens = scheduler_config.max_prompt_tokens
         self._max_logprobs = scheduler_config.max_logprobs
         self._vocab_size = model_vocab_size(model, tokenizer)
-        self._vision = vision_model_of(model)
-        self._vision_pool: ThreadPoolExecutor | None = None
+        self._init_vision(model)
         # Where an open request's outputs go: its caller's event loop (add_request), or the
         # blocking batch it is part of (generate_batch_sync, reference_api.py).
         self._request_loops: dict[str, asyncio.AbstractEventLoop] = {}
@@ -150,7 +141,10 @@ class EngineCore(CacheControl, ReferenceApi):
         placeholders go; a text-only model refuses them with ``ImagesNotSupportedError``.
         """
         self._check_usable()
-        vision = await self._prepare_vision(prompt, images, videos) if images or videos else None
+        arrival = time.monotonic()  # TTFT counts the image processing too
+        vision = None
+        if images or videos:
+            vision = await self._prepare_vision(prompt, images, videos, request_id)
         # Off the loop and off the engine thread: the first constrained request builds the
         # tokenizer's index (about a second), and a new schema compiles (within its limits).
         grammar = None
@@ -166,6 +160,7 @@ class EngineCore(CacheControl, ReferenceApi):
             grammar=grammar,
             vision=vision,
         )
+        request.arrival_time = arrival
         if request.request_id in self._request_loops:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         if not self._running:
@@ -174,50 +169,11 @@ class EngineCore(CacheControl, ReferenceApi):
             self._output_collectors[request.request_id] = RequestOutputCollector(aggregate=True)
         self._request_loops[request.request_id] = asyncio.get_running_loop()
         self._submit([request])
+        if self._aborted_while_prepared(request.request_id):
+            # It ends with an abort before the engine admits it (the abort follows the add
+            # on the engine thread's queue).
+            self._abort_in_background(request.request_id)
         return request.request_id
-
-    async def _prepare_vision(
-        self, prompt: str | list[int], images: list[Any] | None, videos: list[Any] | None
-    ) -> VisionPrompt:
-        """The request's images processed on the engine's vision threads (resizing and
-        normalizing pixels is neither the event loop's work nor the engine thread's)."""
-        vision = self._vision
-        if vision is None:
-            raise ImagesNotSupportedError(
-                "images/videos were given, but this engine serves a text-only model"
-            )
-        if len(self._request_loops) + len(self._sync_batches) >= self._max_open:
-            raise QueueFullError(f"engine is full ({self._max_open} open requests); retry later")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._vision_threads(),
-            functools.partial(
-                prepare_vision_prompt,
-                vision,
-                prompt,
-                list(images or ()),
-                [list(video) for video in videos or ()],
-                vocab_size=self._vocab_size,
-                max_tokens=self._max_prompt_tokens,
-            ),
-        )
-
-    def _vision_threads(self) -> ThreadPoolExecutor:
-        if self._vision_pool is None:
-            self._vision_pool = ThreadPoolExecutor(
-                max_workers=VISION_THREADS, thread_name_prefix="mlxw-vision"
-            )
-        return self._vision_pool
-
-    @property
-    def supports_images(self) -> bool:
-        """Whether this engine's model takes images and videos (a vision-language model)."""
-        return self._vision is not None
-
-    @property
-    def image_placeholder(self) -> str | None:
-        """The text that marks an image's place in a prompt (None: a text-only model)."""
-        return self._vision.image_placeholder if self._vision is not None else None
 
     def _make_request(
         self,
@@ -409,7 +365,11 @@ class EngineCore(CacheControl, ReferenceApi):
     # -- ending requests, and the engine -----------------------------------------------------
 
     async def abort_request(self, request_id: str) -> bool:
-        """Abort a waiting or running request; its stream ends with ``finish_reason="abort"``."""
+        """Abort a waiting or running request; its stream ends with ``finish_reason="abort"``.
+        A request whose images are being processed (its ``add_request`` not returned yet) ends
+        with an abort as soon as it is added."""
+        if self._abort_while_preparing(request_id):
+            return True
         try:
             return await asyncio.wrap_future(
                 self._engine_thread.call(lambda s: s.abort_request(request_id))
@@ -451,8 +411,7 @@ class EngineCore(CacheControl, ReferenceApi):
         self._engine_thread.stop()
         self._running = False
         self.scheduler.grammars.close()
-        if self._vision_pool is not None:
-            self._vision_pool.shutdown(wait=False, cancel_futures=True)
+        self._close_vision()
         self.scheduler.prefix_cache = None
         self._release_model()
         self._closed = True

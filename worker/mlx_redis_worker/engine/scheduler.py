@@ -176,7 +176,9 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        """Requests holding a decode slot: in the generator, or admitted and waiting for their
+        images' encoding."""
+        return len(self.running) + (len(self.vision_queue) if self.vision_queue else 0)
 
     # -- stepping ----------------------------------------------------------------------------
 
@@ -232,11 +234,7 @@ class Scheduler:
         prompts: choosing late lets a short prompt that arrived meanwhile go first."""
         if self._generator is not None and self._generator.has_prefill_work:
             return
-        encoding = len(self.vision_queue) if self.vision_queue else 0
-        room = min(
-            self.config.max_num_seqs - len(self.running) - encoding,
-            self.config.prefill_batch_size,
-        )
+        room = min(self.config.max_num_seqs - self.num_running, self.config.prefill_batch_size)
         group = pick_prefill_group(
             self.waiting,
             room,
@@ -498,6 +496,7 @@ class Scheduler:
             batch_failures=self.batch_failures,
             model_seconds=self.model_seconds,
             speculation=SpeculationStats.of(self.speculation),
+            vision=self.vision_queue.stats() if self.vision_queue is not None else None,
         )
 
     def open_requests(self) -> tuple[RequestProgress, ...]:

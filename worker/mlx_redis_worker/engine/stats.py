@@ -52,6 +52,20 @@ class SchedulerStats:
     # Wall time inside mlx-lm's BatchGenerator.next (model, sampling, waiting on the device).
     model_seconds: float
     speculation: SpeculationStats
+    # A vision-language model's image work (None for a text model).
+    vision: VisionStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class VisionStats:
+    """Image requests admitted and waiting for their vision encoding (one is encoded per
+    step), the requests and images encoded since the engine was made, and the engine
+    thread's seconds in the vision tower."""
+
+    waiting_for_encoding: int
+    requests_encoded: int
+    images_encoded: int
+    encode_seconds: float
 
 
 @dataclass(frozen=True, slots=True)

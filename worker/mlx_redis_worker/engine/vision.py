@@ -20,6 +20,7 @@ A video is its frames, each an image (the daemon samples them).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
@@ -79,6 +80,11 @@ class VisionPrompt:
 
     def needs_encoding(self, cached_tokens: int) -> bool:
         return cached_tokens < self.vision_end
+
+    def encoded(self) -> VisionPrompt:
+        """This prompt without its pixel arrays, once encoded (a tiled page's arrays are tens
+        of MB; the request keeps its tokens and cache key to its end)."""
+        return dataclasses.replace(self, arrays={})
 
 
 def prepare_vision_prompt(

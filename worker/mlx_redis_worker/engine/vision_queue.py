@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_redis_worker.engine.stats import VisionStats
 from mlx_redis_worker.engine.vision import VisionModel, prompt_embeddings
 
 
@@ -44,6 +45,14 @@ class VisionQueue:
     def __len__(self) -> int:
         return len(self._parked)
 
+    def stats(self) -> VisionStats:
+        return VisionStats(
+            waiting_for_encoding=len(self._parked),
+            requests_encoded=self.requests_encoded,
+            images_encoded=self.images_encoded,
+            encode_seconds=self.encode_seconds,
+        )
+
     def park(self, sequence: Any, admission: Any) -> None:
         """``sequence`` (admitted, with its prefix-cache ``admission``) waits for encoding."""
         self._parked.append((sequence, admission))
@@ -70,6 +79,7 @@ class VisionQueue:
             return Encoded(sequence, admission, start, error=exc)
         finally:
             self.encode_seconds += time.perf_counter() - started
+        sequence.request.vision = prompt.encoded()
         self.requests_encoded += 1
         self.images_encoded += prompt.num_images
         return Encoded(sequence, admission, start, embeddings)

@@ -1,5 +1,5 @@
-"""``mlx-worker model prepare {smollm2|smollm2-draft|tiny|tiny-vision}``: build a fixture folder and print
-its path."""
+"""``mlx-worker model prepare {smollm2|smollm2-draft|tiny|tiny-vision}``: build a fixture
+folder and print its path."""
 
 from __future__ import annotations
 
