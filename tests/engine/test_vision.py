@@ -162,7 +162,8 @@ def _image_request(tiny_vision_model: Any, rid: str, image: Any, max_tokens: int
 def test_a_request_aborted_before_its_encoding_frees_its_slot(
     tiny_vision_model: Any, on_a_stream: Any
 ) -> None:
-    scheduler = _scheduler(tiny_vision_model, on_a_stream, max_num_seqs=2)
+    # A budget of 8 image tokens a step: each of these pictures takes a step of its own.
+    scheduler = _scheduler(tiny_vision_model, on_a_stream, max_num_seqs=2, prefill_step_size=8)
     queue = scheduler.vision_queue
     assert queue is not None
     for rid, image in (("a", PICTURES[0]), ("b", PICTURES[1])):
@@ -176,7 +177,10 @@ def test_a_request_aborted_before_its_encoding_frees_its_slot(
     assert scheduler.abort_request(parked)
     finals = {o.request_id: o for o in scheduler.step().outputs if o.finished}
     assert finals[parked].finish_reason == "abort" and finals[parked].completion_tokens == 0
-    assert scheduler.num_waiting == 0  # the freed slot took the text request at once
+    assert (scheduler.num_running, len(queue)) == (1, 0)  # its slot is free
+    while scheduler.num_waiting:  # the text request takes it once the prefill group is done
+        finals |= {o.request_id: o for o in scheduler.step().outputs if o.finished}
+    assert encoded not in finals  # ... while the other picture's request still runs
     while scheduler.has_requests():
         finals |= {o.request_id: o for o in scheduler.step().outputs if o.finished}
     scheduler.close()
@@ -208,10 +212,15 @@ def test_an_abort_while_the_pictures_are_processed_ends_the_request_unencoded(
     assert vision is not None and (vision.requests_encoded, vision.images_encoded) == (1, 1)
 
 
+@pytest.mark.parametrize("budget", [8, 2048])
 def test_running_streams_advance_every_step_while_images_are_encoded(
-    tiny_vision_model: Any, on_a_stream: Any
+    tiny_vision_model: Any, on_a_stream: Any, budget: int
 ) -> None:
-    scheduler = _scheduler(tiny_vision_model, on_a_stream, max_consecutive_prefills=0)
+    # The step's budget of image tokens is the prefill chunk: 8 lets one picture a step
+    # through, 2048 all three at once.
+    scheduler = _scheduler(
+        tiny_vision_model, on_a_stream, max_consecutive_prefills=0, prefill_step_size=budget
+    )
     queue = scheduler.vision_queue
     assert queue is not None
     tokenizer = tiny_vision_model[1]
@@ -220,17 +229,23 @@ def test_running_streams_advance_every_step_while_images_are_encoded(
     streamed = 0
     while streamed < 2:  # past the step that feeds its first token back (it streams nothing)
         streamed += sum(len(o.new_token_ids) for o in scheduler.step().outputs)
-    for i, image in enumerate(PICTURES):
-        scheduler.add_request(_image_request(tiny_vision_model, f"image{i}", image))
+    requests = [_image_request(tiny_vision_model, f"image{i}", p) for i, p in enumerate(PICTURES)]
+    sizes = [r.vision.image_tokens for r in requests if r.vision is not None]
+    assert min(sizes) > 8
+    for request in requests:
+        scheduler.add_request(request)
     encoded = []
     for _ in range(len(PICTURES) + 2):
         outputs = {o.request_id: o for o in scheduler.step().outputs}
         assert len(outputs["text"].new_token_ids) == 1  # a token in every step
-        encoded.append(queue.requests_encoded)
+        encoded.append(queue.stats().image_tokens_encoded)
     for sequence in list(scheduler.running.values()):
         scheduler.abort_request(sequence.request.request_id)
     scheduler.close()
-    assert encoded == [1, 2, 3, 3, 3]  # one request's images per step
+    if budget == 8:  # a picture a step
+        assert encoded == [sum(sizes[:1]), sum(sizes[:2]), sum(sizes), sum(sizes), sum(sizes)]
+    else:
+        assert encoded == [sum(sizes)] * (len(PICTURES) + 2)
 
 
 def test_a_repeated_picture_is_a_prefix_cache_hit_and_another_picture_is_not(

@@ -193,7 +193,7 @@ class Scheduler:
 
     def step(self) -> SchedulerOutput:
         self._admit()
-        self._encode_next()
+        self._encode_parked()
         generator = self._generator
         if generator is not None and self.running:
             started = time.perf_counter()
@@ -265,21 +265,23 @@ class Scheduler:
             return
         self._start(sequence, admission)
 
-    def _encode_next(self) -> None:
-        """Encode the images of one parked request (one per step) and start its prefill."""
-        encoded = self.vision_queue.encode_next() if self.vision_queue else None
-        if encoded is None:
+    def _encode_parked(self) -> None:
+        """Encode the images of parked requests, a prefill chunk's worth of image tokens a step
+        (at least one request), and start their prefill."""
+        if not self.vision_queue:
             return
-        sequence = encoded.sequence
-        try:
-            if encoded.error is not None:
-                raise encoded.error
-            assert encoded.embeddings is not None
-            self._start(sequence, encoded.admission)
-            assert self._generator is not None and sequence.uid is not None
-            self._generator.prompt_embeddings[sequence.uid] = (encoded.start, encoded.embeddings)
-        except Exception as exc:
-            self._finish(sequence, "error", error=_describe(exc))
+        for encoded in self.vision_queue.encode(self.config.prefill_step_size):
+            sequence = encoded.sequence
+            try:
+                if encoded.error is not None:
+                    raise encoded.error
+                assert encoded.embeddings is not None
+                self._start(sequence, encoded.admission)
+                assert self._generator is not None and sequence.uid is not None
+                embeddings = (encoded.start, encoded.embeddings)
+                self._generator.prompt_embeddings[sequence.uid] = embeddings
+            except Exception as exc:
+                self._finish(sequence, "error", error=_describe(exc))
 
     def _start(self, sequence: Sequence, admission: Admission) -> None:
         """Insert an admitted sequence into the generator: its prefill starts."""

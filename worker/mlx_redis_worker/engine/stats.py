@@ -58,13 +58,14 @@ class SchedulerStats:
 
 @dataclass(frozen=True, slots=True)
 class VisionStats:
-    """Image requests admitted and waiting for their vision encoding (one is encoded per
-    step), the requests and images encoded since the engine was made, and the engine
-    thread's seconds in the vision tower."""
+    """Image requests admitted and waiting for their vision encoding (each step encodes up to
+    a prefill chunk's worth of image tokens), the requests, images and image tokens encoded
+    since the engine was made, and the engine thread's seconds in the vision tower."""
 
     waiting_for_encoding: int
     requests_encoded: int
     images_encoded: int
+    image_tokens_encoded: int
     encode_seconds: float
 
 

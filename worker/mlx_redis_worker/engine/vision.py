@@ -10,8 +10,9 @@ placeholder. A request with images goes:
    never the event loop): the processor resizes, normalizes and tiles the images and expands
    each placeholder into its image tokens; the images' content hash keys those tokens for the
    prefix cache (``VisionPrompt.cache_key``), so the same page with the same prompt is a hit.
-2. ``prompt_embeddings``, on the engine thread, one request per step (the scheduler): the
-   vision tower and the merge, for the positions the prefix cache does not hold.
+2. ``prompt_embeddings``, on the engine thread, within each step's budget of image tokens
+   (the scheduler): the vision tower and the merge, for the positions the prefix cache does
+   not hold.
 3. The prefill takes those embeddings chunk by chunk as it takes a text prompt's tokens
    (``phased_generator``); decoding is text.
 
@@ -69,13 +70,15 @@ class VisionPrompt:
     """A prompt with its images, processed: ``token_ids`` with each image's tokens in place,
     ``cache_key`` the same with the image tokens replaced by ids derived from the images'
     content (the prefix cache's key), ``arrays`` the processor's pixel arrays (host data)
-    for ``get_input_embeddings``, and ``vision_end``: the position after the last image token
-    (a prefix-cache hit that reaches it needs no vision encoding)."""
+    for ``get_input_embeddings``, ``image_tokens`` how many tokens the images became (the
+    measure of their vision work), and ``vision_end``: the position after the last image
+    token (a prefix-cache hit that reaches it needs no vision encoding)."""
 
     token_ids: list[int]
     cache_key: list[int]
     arrays: dict[str, Any]
     num_images: int
+    image_tokens: int
     vision_end: int
 
     def needs_encoding(self, cached_tokens: int) -> bool:
@@ -133,6 +136,7 @@ def prepare_vision_prompt(
         cache_key=_cache_key(token_ids, image_positions, _content_digest(pictures), vocab_size),
         arrays=arrays,
         num_images=len(pictures),
+        image_tokens=len(image_positions),
         vision_end=image_positions[-1] + 1,
     )
 

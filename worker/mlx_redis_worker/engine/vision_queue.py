@@ -1,11 +1,12 @@
-"""Admitted image requests waiting for their vision encoding: one request's images per step.
+"""Admitted image requests waiting for their vision encoding, a step's budget at a time.
 
 The scheduler admits an image request like any other (a decode slot, its prefix-cache hit),
-then parks it here unless the hit already covers its images. Each step encodes the request at
-the head (the vision tower over its images, merged into its prompt's embeddings), which then
-joins the prefill like a text prompt. One request per step bounds what any step spends on
-vision, so the running batch decodes every step whatever image work arrives; a parked request
-can be aborted like any other (it frees its slot at once). Engine thread only.
+then parks it here unless the hit already covers its images. Each step encodes the requests at
+the head (the vision tower over their images, merged into their prompts' embeddings) up to a
+budget of image tokens, at least one request; each then joins the prefill like a text prompt.
+The budget bounds what any step spends on vision, so the running batch decodes every step
+whatever image work arrives; a parked request can be aborted like any other (it frees its slot
+at once). Engine thread only.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class VisionQueue:
         self._parked: deque[tuple[Any, Any]] = deque()
         self.requests_encoded = 0
         self.images_encoded = 0
+        self.image_tokens_encoded = 0
         self.encode_seconds = 0.0
 
     def __len__(self) -> int:
@@ -50,6 +52,7 @@ class VisionQueue:
             waiting_for_encoding=len(self._parked),
             requests_encoded=self.requests_encoded,
             images_encoded=self.images_encoded,
+            image_tokens_encoded=self.image_tokens_encoded,
             encode_seconds=self.encode_seconds,
         )
 
@@ -65,10 +68,19 @@ class VisionQueue:
                 return True
         return False
 
-    def encode_next(self) -> Encoded | None:
-        """Encode the request at the head, if any."""
-        if not self._parked:
-            return None
+    def encode(self, budget: int) -> list[Encoded]:
+        """Encode parked requests in order while their image tokens stay within ``budget``
+        (the first always: a request larger than the budget takes a step of its own)."""
+        encoded: list[Encoded] = []
+        while self._parked:
+            tokens = self._parked[0][0].request.vision.image_tokens
+            if encoded and tokens > budget:
+                break
+            budget -= tokens
+            encoded.append(self._encode_next())
+        return encoded
+
+    def _encode_next(self) -> Encoded:
         sequence, admission = self._parked.popleft()
         started = time.perf_counter()
         prompt = sequence.request.vision
@@ -82,4 +94,5 @@ class VisionQueue:
         sequence.request.vision = prompt.encoded()
         self.requests_encoded += 1
         self.images_encoded += prompt.num_images
+        self.image_tokens_encoded += prompt.image_tokens
         return Encoded(sequence, admission, start, embeddings)

@@ -56,9 +56,14 @@ def tiny_dir(
     return _root(cache_dir) / f"tiny-{arch}-{size}"
 
 
-def tiny_vision_dir(size: str = "small", cache_dir: str | os.PathLike[str] | None = None) -> Path:
+def tiny_vision_dir(
+    size: str = "small",
+    cache_dir: str | os.PathLike[str] | None = None,
+    dtype: str = "float32",
+) -> Path:
     """The folder of the random-weight SmolVLM of ``size`` (models/tiny_vision.py)."""
-    return _root(cache_dir) / f"tiny-smolvlm-{size}"
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    return _root(cache_dir) / f"tiny-smolvlm-{size}{suffix}"
 
 
 def _prepare_tiny_vision() -> Path:

@@ -47,5 +47,9 @@ def _prepare(args: argparse.Namespace) -> Path:
 
         if args.size not in VISION_SIZES:
             raise ValueError(f"tiny-vision comes in sizes {VISION_SIZES}, not {args.size!r}")
-        return prepare_tiny_vision(size=args.size, cache_dir=args.cache_dir, force=args.force)
+        if args.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"tiny-vision comes in float32 or bfloat16, not {args.dtype!r}")
+        return prepare_tiny_vision(
+            size=args.size, cache_dir=args.cache_dir, force=args.force, dtype=args.dtype
+        )
     raise ValueError(f"unknown model fixture {args.name!r}")

@@ -31,6 +31,7 @@ from mlx_redis_worker.models.tokenizer_files import SpecialTokens, save_tokenize
 
 VisionSize = Literal["small", "2b"]
 VISION_SIZES: tuple[VisionSize, ...] = ("small", "2b")
+VisionDtype = Literal["float32", "bfloat16"]
 
 IMAGE_TOKEN = "<image>"
 FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
@@ -216,17 +217,22 @@ def prepare_tiny_vision(
     size: VisionSize = "small",
     cache_dir: str | os.PathLike[str] | None = None,
     force: bool = False,
+    dtype: VisionDtype = "float32",
 ) -> Path:
-    """Build (or reuse) the random-weight SmolVLM of ``size``; return its folder. Needs the
-    vision extra (mlx-vlm) for the model's parameter shapes."""
+    """Build (or reuse) the random-weight SmolVLM of ``size`` in ``dtype`` (the weights are
+    drawn in float32, then cast); return its folder. Needs the vision extra (mlx-vlm) for the
+    model's parameter shapes."""
     if size not in VISION_SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {VISION_SIZES}")
-    dest = tiny_vision_dir(size, cache_dir)
+    dest = tiny_vision_dir(size, cache_dir, dtype)
     if is_prepared(dest) and not force:
         return dest
     tokenizer = vision_tokenizer(size)
     config = vision_config(size, tokenizer)
+    config["torch_dtype"] = dtype
     weights = random_vision_weights(config)
+    if dtype == "bfloat16":
+        weights = {name: weight.astype(mx.bfloat16) for name, weight in weights.items()}
     with atomic_folder(dest) as staging:
         mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
         special = SpecialTokens(
