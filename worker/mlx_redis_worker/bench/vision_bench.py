@@ -5,10 +5,11 @@ three paths: mlx-vlm's ``stream_generate`` one request after another (what a loo
 does), mlx-vlm's ``BatchGenerator`` driven directly (each request's images processed and
 encoded with mlx-vlm's own ``get_input_embeddings``, then all inserted and stepped), and our
 engine (``add_request`` with the images, then ``stream_outputs``; the prefix cache off so no
-path reuses another's prompts). Every path's time includes the image processing and the
-vision encoding. Reported: generated tokens per second of wall time and the time to first
-token from t0 (p50, p95), the paths in rotation (A B C A B C ...) so drift hits each alike,
-and the ratios of each rotation (median over rotations).
+path reuses another's prompts). Both batched paths get decode and prefill batches of N (as
+mlx-vlm's own ``batch_generate`` sets them). Every path's time includes the image processing
+and the vision encoding. Reported: generated tokens per second of wall time and the time to
+first token from t0 (p50, p95), the paths in rotation (A B C A B C ...) so drift hits each
+alike, and the ratios of each rotation (median over rotations).
 """
 
 from __future__ import annotations
@@ -78,18 +79,19 @@ def run_sequential(vision: VisionModel, prompt: str, images: list[Any], limit: i
 
 
 def run_batch_generator(
-    vision: VisionModel, prompt: str, images: list[Any], limit: int
+    vision: VisionModel, prompt: str, images: list[Any], limit: int, config: SchedulerConfig
 ) -> PathResult:
-    """mlx-vlm's ``BatchGenerator`` as its own ``batch_generate`` drives it (prefill and
-    completion batches of N), each request's inputs made by its processor and its model's
-    ``get_input_embeddings``."""
+    """mlx-vlm's ``BatchGenerator`` with the engine's batch sizes (both N here, as mlx-vlm's
+    own ``batch_generate`` sets them), each request's inputs made by its processor and its
+    model's ``get_input_embeddings``."""
     from mlx_vlm.generate.ar import BatchGenerator
 
     generator = BatchGenerator(
         vision.vlm.language_model,
         vision.processor,
-        prefill_batch_size=len(images),
-        completion_batch_size=len(images),
+        prefill_batch_size=config.prefill_batch_size,
+        completion_batch_size=config.max_num_seqs,
+        prefill_step_size=config.prefill_step_size,
         compute_logprobs=False,
     )
     first_token: dict[int, float] = {}
@@ -166,13 +168,17 @@ def run_vision_bench(args: argparse.Namespace) -> int:
         return 2
     width, height = (int(side) for side in args.image_size.split("x"))
     prompt = question_prompt(tokenizer, vision.image_placeholder)
-    config = SchedulerConfig(max_num_seqs=args.concurrency, enable_prefix_cache=False)
+    config = SchedulerConfig(
+        max_num_seqs=args.concurrency,
+        prefill_batch_size=args.concurrency,
+        enable_prefix_cache=False,
+    )
     engine = EngineCore(
         model, tokenizer, EngineConfig(model_name=args.model, scheduler_config=config)
     )
     paths: list[Callable[[list[Any]], PathResult]] = [
         lambda images: run_sequential(vision, prompt, images, args.max_tokens),
-        lambda images: run_batch_generator(vision, prompt, images, args.max_tokens),
+        lambda images: run_batch_generator(vision, prompt, images, args.max_tokens, config),
         lambda images: run_engine(engine, prompt, images, args.max_tokens),
     ]
     print(_describe(args, prompt, tokenizer))
