@@ -269,6 +269,26 @@ def test_a_repeated_picture_is_a_prefix_cache_hit_and_another_picture_is_not(
     assert vision.waiting_for_encoding == 0 and vision.encode_seconds > 0
 
 
+def test_a_shared_system_prompt_before_pictures_is_stored_once_and_reused(
+    tiny_vision_model: Any, make_engine: MakeEngine
+) -> None:
+    system = "<|im_start|>system\nYou read pages and answer briefly.<|im_end|>\n"
+    boundary = len(tiny_vision_model[1].encode(system))
+    jobs = [
+        {"prompt": system + ASK, "images": [picture], "prefix_boundary": boundary}
+        for picture in PICTURES[:2]
+    ]
+    engine = make_engine(tiny_vision_model)
+    first, second = (run(generate_all(engine, [job]))[0] for job in jobs)
+    engine.close()
+    assert first.cached_tokens == 0 and second.cached_tokens >= boundary
+    uncached = make_engine(tiny_vision_model, enable_prefix_cache=False)
+    plain = run(generate_all(uncached, [dict(job, prefix_boundary=0) for job in jobs]))
+    assert [first.output_token_ids, second.output_token_ids] == [
+        final.output_token_ids for final in plain
+    ]
+
+
 def test_image_entries_are_saved_and_loaded_with_the_cache(
     tiny_vision_model: Any, make_engine: MakeEngine, tmp_path: Path
 ) -> None:
