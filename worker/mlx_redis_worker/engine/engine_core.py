@@ -141,7 +141,7 @@ class EngineCore(CacheControl, ReferenceApi, VisionRequests):
         placeholders go; a text-only model refuses them with ``ImagesNotSupportedError``.
         """
         self._check_usable()
-        arrival = time.monotonic()  # TTFT counts the image processing too
+        arrival = time.monotonic()
         vision = None
         if images or videos:
             vision = await self._prepare_vision(prompt, images, videos, request_id)
@@ -160,7 +160,8 @@ class EngineCore(CacheControl, ReferenceApi, VisionRequests):
             grammar=grammar,
             vision=vision,
         )
-        request.arrival_time = arrival
+        if vision is not None:
+            request.arrival_time = arrival  # its TTFT counts the processing of its images
         if request.request_id in self._request_loops:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         if not self._running:
