@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlx_redis_worker.bench.engine_bench import PathResult, _percentile
+from mlx_redis_worker.bench.engine_bench import PathResult, _percentile, drain
 from mlx_redis_worker.engine import EngineConfig, EngineCore, SamplingParams, SchedulerConfig
 from mlx_redis_worker.engine.vision import VisionModel, vision_model_of
 from mlx_redis_worker.models import load_model
@@ -94,8 +94,6 @@ def run_batch_generator(
         prefill_step_size=config.prefill_step_size,
         compute_logprobs=False,
     )
-    first_token: dict[int, float] = {}
-    tokens = 0
     start = time.perf_counter()
     uids = []
     for image in images:
@@ -115,19 +113,10 @@ def run_batch_generator(
             prompt_kwargs=[{**rest, **extra}],
             attention_mask=inputs["attention_mask"],
         )
-    remaining = set(uids)
-    while remaining:
-        _, responses = generator.next()
-        now = time.perf_counter()
-        for response in responses:
-            first_token.setdefault(response.uid, now - start)
-            if response.finish_reason != "stop":
-                tokens += 1
-            if response.finish_reason is not None:
-                remaining.discard(response.uid)
+    tokens, ttfts = drain(generator, uids, start)
     seconds = time.perf_counter() - start
     generator.close()
-    return PathResult(BATCH, len(images), tokens, seconds, list(first_token.values()))
+    return PathResult(BATCH, len(images), tokens, seconds, ttfts)
 
 
 def run_engine(engine: EngineCore, prompt: str, images: list[Any], limit: int) -> PathResult:

@@ -47,9 +47,9 @@ SHAPES: dict[str, Shape] = {
 }
 
 
-def tiny_config(arch: Arch, size: Size) -> dict[str, Any]:
-    """The ``config.json`` of a tiny model."""
-    shape = SHAPES[size]
+def tiny_config(arch: Arch, size: Size | Shape) -> dict[str, Any]:
+    """The ``config.json`` of a tiny model (of a size, or of any shape)."""
+    shape = size if isinstance(size, Shape) else SHAPES[size]
     eos_ids = [SPECIAL_TOKENS.index(t) for t in ("<|endoftext|>", "<|im_end|>")]
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen3ForCausalLM"],

@@ -25,7 +25,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from mlx_redis_worker.models.folder import atomic_folder, is_prepared, write_json
 from mlx_redis_worker.models.paths import tiny_vision_dir
-from mlx_redis_worker.models.tiny import SEED, random_parameters
+from mlx_redis_worker.models.tiny import SEED, Shape, random_parameters, tiny_config
 from mlx_redis_worker.models.tiny_tokenizer import IM_END, SPECIAL_TOKENS, train_tokenizer
 from mlx_redis_worker.models.tokenizer_files import SpecialTokens, save_tokenizer
 
@@ -43,6 +43,21 @@ TILE_TOKENS = tuple(
     for c in range(1, MAX_TILES_PER_SIDE + 1)
 )
 VISION_SPECIALS = (IMAGE_TOKEN, FAKE_IMAGE_TOKEN, GLOBAL_IMAGE_TOKEN, *TILE_TOKENS)
+# What the text model's config keeps of ``tiny``'s (the rest is the vision model's).
+TEXT_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "hidden_act",
+    "attention_bias",
+)
 
 # ChatML, where a message's content may be a list of parts: {"type": "text", "text": ...} or
 # {"type": "image"} (rendered as the image placeholder the processor expands).
@@ -62,13 +77,7 @@ VISION_CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class VisionShape:
-    # Text model (Llama).
-    hidden: int
-    layers: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    vocab: int  # trained tokenizer entries; the vision specials come on top (padded: 2b)
+    text: Shape  # the Llama text model, as ``tiny``'s (its vocab: the trained tokenizer's)
     # Vision tower (SigLIP) and connector.
     vision_hidden: int
     vision_layers: int
@@ -88,12 +97,7 @@ class VisionShape:
 
 VISION_SHAPES: dict[VisionSize, VisionShape] = {
     "small": VisionShape(
-        hidden=256,
-        layers=4,
-        intermediate=768,
-        heads=4,
-        kv_heads=2,
-        vocab=4096,
+        Shape(hidden=256, layers=4, intermediate=768, heads=4, kv_heads=2, vocab=4096),
         vision_hidden=64,
         vision_layers=2,
         vision_intermediate=256,
@@ -104,12 +108,7 @@ VISION_SHAPES: dict[VisionSize, VisionShape] = {
         longest_edge=64,
     ),
     "2b": VisionShape(
-        hidden=2048,
-        layers=24,
-        intermediate=8192,
-        heads=32,
-        kv_heads=32,
-        vocab=8192,
+        Shape(hidden=2048, layers=24, intermediate=8192, heads=32, kv_heads=32, vocab=8192),
         vision_hidden=1152,
         vision_layers=27,
         vision_intermediate=4304,
@@ -124,27 +123,14 @@ VISION_SHAPES: dict[VisionSize, VisionShape] = {
 
 
 def vision_config(size: VisionSize, tokenizer: Tokenizer) -> dict[str, Any]:
-    """The ``config.json`` of the tiny SmolVLM of ``size`` over ``tokenizer``'s ids."""
+    """The ``config.json`` of the tiny SmolVLM of ``size`` over ``tokenizer``'s ids: its text
+    model is ``tiny``'s Llama config of that shape, untied (SmolVLM has its own head)."""
     shape = VISION_SHAPES[size]
     vocab = shape.model_vocab or tokenizer.get_vocab_size()
-    eos_ids = [SPECIAL_TOKENS.index(t) for t in ("<|endoftext|>", IM_END)]
-    image_token_id = tokenizer.token_to_id(IMAGE_TOKEN)
-    text = {
-        "model_type": "llama",
-        "hidden_size": shape.hidden,
-        "num_hidden_layers": shape.layers,
-        "intermediate_size": shape.intermediate,
-        "num_attention_heads": shape.heads,
-        "num_key_value_heads": shape.kv_heads,
-        "head_dim": shape.hidden // shape.heads,
-        "rms_norm_eps": 1e-5,
+    decoder = tiny_config("llama", shape.text)
+    text = {key: decoder[key] for key in TEXT_KEYS} | {
         "vocab_size": vocab,
-        "rope_theta": 100000.0,
-        "max_position_embeddings": 16384,
         "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
     }
     vision = {
         "model_type": "smolvlm_vision",
@@ -160,11 +146,11 @@ def vision_config(size: VisionSize, tokenizer: Tokenizer) -> dict[str, Any]:
     return {
         "architectures": ["SmolVLMForConditionalGeneration"],
         "model_type": "smolvlm",
-        "image_token_id": image_token_id,
+        "image_token_id": tokenizer.token_to_id(IMAGE_TOKEN),
         "scale_factor": shape.scale_factor,
         "vocab_size": vocab,
-        "eos_token_id": eos_ids,
-        "pad_token_id": SPECIAL_TOKENS.index("<|endoftext|>"),
+        "eos_token_id": decoder["eos_token_id"],
+        "pad_token_id": decoder["pad_token_id"],
         "text_config": text,
         "vision_config": vision,
         "torch_dtype": "float32",
@@ -198,7 +184,7 @@ def processor_files(size: VisionSize) -> dict[str, dict[str, Any]]:
 
 def vision_tokenizer(size: VisionSize) -> Tokenizer:
     """The tiny models' trained BPE with the SmolVLM image tokens added after it."""
-    tokenizer = train_tokenizer(VISION_SHAPES[size].vocab, seed=SEED)
+    tokenizer = train_tokenizer(VISION_SHAPES[size].text.vocab, seed=SEED)
     tokenizer.add_special_tokens([AddedToken(t, special=True) for t in VISION_SPECIALS])
     return tokenizer
 
