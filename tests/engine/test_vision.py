@@ -325,6 +325,23 @@ def test_a_json_schema_over_a_picture(tiny_vision_model: Any, make_engine: MakeE
     assert set(json.loads(final.output_text)) == {"kind", "alone"}
 
 
+def test_a_chats_picture_and_video_parts_take_their_places(
+    tiny_vision_model: Any, make_engine: MakeEngine
+) -> None:
+    from mlx_redis_worker.engine.prompt import chat_prompt
+
+    parts = [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "What happens?"}]
+    ids, _ = chat_prompt(
+        tiny_vision_model[1], [{"role": "user", "content": parts}], system_prefix=False
+    )
+    text = "<|im_start|>user\n<image><video>What happens?<|im_end|>\n<|im_start|>assistant\n"
+    media = {"images": [PICTURES[0]], "videos": [[PICTURES[1], PICTURES[2]]]}
+    engine = make_engine(tiny_vision_model, enable_prefix_cache=False)
+    chat, plain = run(generate_all(engine, [{"prompt": ids, **media}, {"prompt": text, **media}]))
+    assert chat.output_token_ids == plain.output_token_ids
+    assert chat.prompt_tokens == plain.prompt_tokens
+
+
 def test_images_as_bytes_or_files_and_their_placeholders(
     tiny_vision_model: Any, make_engine: MakeEngine, tmp_path: Path
 ) -> None:
@@ -335,13 +352,15 @@ def test_images_as_bytes_or_files_and_their_placeholders(
         {"prompt": ASK, "images": [picture(1)]},
         {"prompt": ASK, "images": [png_bytes(1)]},
         {"prompt": ASK, "images": [str(path)]},
+        # A prompt of token ids (a rendered chat) is read back as its text.
+        {"prompt": engine.tokenizer.encode(ASK), "images": [picture(1)]},
         # No placeholder: the picture goes before the text.
         {"prompt": "What is in this picture?", "images": [picture(1)]},
         {"prompt": "<image>What is in this picture?", "images": [picture(1)]},
     ]
     finals = run(generate_all(engine, jobs))
-    assert len({tuple(f.output_token_ids) for f in finals[:3]}) == 1
-    assert finals[3].output_token_ids == finals[4].output_token_ids
+    assert len({tuple(f.output_token_ids) for f in finals[:4]}) == 1
+    assert finals[4].output_token_ids == finals[5].output_token_ids
     bad = [
         ({"images": [picture(1), picture(2)]}, "marks 1 image"),  # two pictures, one placeholder
         ({"images": [b"not an image"]}, "not a readable image"),
@@ -351,5 +370,5 @@ def test_images_as_bytes_or_files_and_their_placeholders(
     for keywords, message in bad:
         with pytest.raises(ValueError, match=message):
             run(engine.add_request(ASK, GREEDY, **keywords))
-    with pytest.raises(ValueError, match="text prompt"):
-        run(engine.add_request([1, 2, 3], GREEDY, images=[picture(1)]))
+    with pytest.raises(ValueError, match="token ids in"):
+        run(engine.add_request([1, 2, 10**6], GREEDY, images=[picture(1)]))

@@ -100,17 +100,19 @@ def prepare_vision_prompt(
     max_tokens: int,
 ) -> VisionPrompt:
     """Process ``prompt`` with its ``images`` and ``videos`` (a thread of the add path: this
-    resizes and normalizes pixels). ``ValueError`` for a token-id prompt, placeholders that do
-    not match the media, an image that cannot be read, or a prompt over ``max_tokens``."""
+    resizes and normalizes pixels). A prompt of token ids (a chat rendered by ``chat_prompt``)
+    is read back as its text, placeholders included. ``ValueError`` for token ids out of
+    range, placeholders that do not match the media, an image that cannot be read, or a
+    prompt over ``max_tokens``."""
+    tokenizer = vision.processor.tokenizer
     if not isinstance(prompt, str):
-        raise ValueError("a request with images or videos needs a text prompt, not token ids")
+        prompt = _text_of(tokenizer, prompt, vocab_size)
     if not all(isinstance(video, list) and video for video in videos):
         raise ValueError("each video must be a non-empty list of frames")
     from mlx_redis_worker.engine.images import as_rgb_image  # Pillow: the vision extra
 
     text, media = _place_media(prompt, vision.image_placeholder, images, videos)
     pictures = [as_rgb_image(item) for item in media]
-    tokenizer = vision.processor.tokenizer
     bos = getattr(tokenizer, "bos_token", None)
     processed = vision.processor(
         text=[text],
@@ -161,6 +163,19 @@ def token_embeddings(vision: VisionModel, token_ids: list[int]) -> mx.array:
     features = vision.vlm.get_input_embeddings(mx.array([token_ids]), None)
     embeddings: mx.array = features.inputs_embeds[0]
     return embeddings
+
+
+def _text_of(tokenizer: Any, token_ids: Any, vocab_size: int) -> str:
+    """The text of a token-id prompt, special tokens and all (the processor tokenizes it
+    again, each image placeholder expanded)."""
+    if not isinstance(token_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in token_ids
+    ):
+        raise ValueError(f"prompt must be a string or a list of token ids in [0, {vocab_size})")
+    text: str = tokenizer.decode(
+        token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
+    return text
 
 
 def _place_media(
