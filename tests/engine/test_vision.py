@@ -363,7 +363,7 @@ def test_images_as_bytes_or_files_and_their_placeholders(
     assert finals[4].output_token_ids == finals[5].output_token_ids
     bad = [
         ({"images": [picture(1), picture(2)]}, "marks 1 image"),  # two pictures, one placeholder
-        ({"images": [b"not an image"]}, "not a readable image"),
+        ({"images": [b"not an image"]}, "not an image of an allowed format"),
         ({"images": [3]}, "PIL image, bytes or a file path"),
         ({"videos": [[]]}, "non-empty list of frames"),
     ]

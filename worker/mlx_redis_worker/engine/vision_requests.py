@@ -46,6 +46,12 @@ class VisionRequests:
         return self._vision is not None
 
     @property
+    def supports_videos(self) -> bool:
+        """Whether this engine's model takes videos: as ``supports_images`` (a video is its
+        frames, each an image)."""
+        return self._vision is not None
+
+    @property
     def image_placeholder(self) -> str | None:
         """The text that marks an image's place in a prompt (None: a text-only model)."""
         return self._vision.image_placeholder if self._vision is not None else None
