@@ -159,33 +159,35 @@ def _image_request(tiny_vision_model: Any, rid: str, image: Any, max_tokens: int
     return Request(rid, vision.token_ids, params, vision=vision)
 
 
-def test_a_request_aborted_before_its_encoding_frees_its_slot(
+def test_a_request_aborted_during_its_encoding_frees_its_slot(
     tiny_vision_model: Any, on_a_stream: Any
 ) -> None:
-    # A budget of 8 image tokens a step: each of these pictures takes a step of its own.
+    # A budget of 8 image tokens a step: two tiles (4 tokens each) of a picture's five.
     scheduler = _scheduler(tiny_vision_model, on_a_stream, max_num_seqs=2, prefill_step_size=8)
     queue = scheduler.vision_queue
     assert queue is not None
     for rid, image in (("a", PICTURES[0]), ("b", PICTURES[1])):
         scheduler.add_request(_image_request(tiny_vision_model, rid, image))
-    scheduler.step()  # admits both (two slots) and encodes one; the other waits for encoding
-    assert (queue.requests_encoded, len(queue), scheduler.num_running) == (1, 1, 2)
-    (encoded,) = [s.request.request_id for s in scheduler.running.values()]
-    parked = "b" if encoded == "a" else "a"
+    scheduler.step()  # admits both (two slots) and encodes two tiles of the first
+    head = queue.head()
+    assert head is not None
+    first, tiles_done, tiles = head
+    assert (tiles_done, len(queue), scheduler.num_running) == (2, 2, 2) and tiles > 2
     text = tiny_vision_model[1].encode("the quick brown fox")
     scheduler.add_request(Request("text", text, SamplingParams(max_tokens=4, temperature=0.0)))
-    assert scheduler.abort_request(parked)
+    assert scheduler.abort_request(first)  # part-way through its tiles
     finals = {o.request_id: o for o in scheduler.step().outputs if o.finished}
-    assert finals[parked].finish_reason == "abort" and finals[parked].completion_tokens == 0
-    assert (scheduler.num_running, len(queue)) == (1, 0)  # its slot is free
-    while scheduler.num_waiting:  # the text request takes it once the prefill group is done
+    assert finals[first].finish_reason == "abort" and finals[first].completion_tokens == 0
+    other = "b" if first == "a" else "a"
+    head = queue.head()
+    assert head is not None and head[:2] == (other, 2)  # the next step went on with the other
+    while scheduler.num_waiting:  # the text request takes the freed slot
         finals |= {o.request_id: o for o in scheduler.step().outputs if o.finished}
-    assert encoded not in finals  # ... while the other picture's request still runs
     while scheduler.has_requests():
         finals |= {o.request_id: o for o in scheduler.step().outputs if o.finished}
     scheduler.close()
-    assert finals[encoded].completion_tokens == finals["text"].completion_tokens == 4
-    assert queue.requests_encoded == 1  # the aborted request's images were never encoded
+    assert finals[other].completion_tokens == finals["text"].completion_tokens == 4
+    assert queue.stats().requests_encoded == 1  # the aborted request's merge never ran
 
 
 def test_an_abort_while_the_pictures_are_processed_ends_the_request_unencoded(
@@ -216,8 +218,8 @@ def test_an_abort_while_the_pictures_are_processed_ends_the_request_unencoded(
 def test_running_streams_advance_every_step_while_images_are_encoded(
     tiny_vision_model: Any, on_a_stream: Any, budget: int
 ) -> None:
-    # The step's budget of image tokens is the prefill chunk: 8 lets one picture a step
-    # through, 2048 all three at once.
+    # The step's budget of image tokens is the prefill chunk: 8 lets two tiles (4 image
+    # tokens each) a step through, 2048 all three pictures at once.
     scheduler = _scheduler(
         tiny_vision_model, on_a_stream, max_consecutive_prefills=0, prefill_step_size=budget
     )
@@ -231,21 +233,21 @@ def test_running_streams_advance_every_step_while_images_are_encoded(
         streamed += sum(len(o.new_token_ids) for o in scheduler.step().outputs)
     requests = [_image_request(tiny_vision_model, f"image{i}", p) for i, p in enumerate(PICTURES)]
     sizes = [r.vision.image_tokens for r in requests if r.vision is not None]
-    assert min(sizes) > 8
+    assert min(sizes) > 8 and all(r.vision.tile_tokens == 4 for r in requests if r.vision)
     for request in requests:
         scheduler.add_request(request)
     encoded = []
-    for _ in range(len(PICTURES) + 2):
+    for _ in range(sum(sizes) // 8 + 2):
         outputs = {o.request_id: o for o in scheduler.step().outputs}
         assert len(outputs["text"].new_token_ids) == 1  # a token in every step
         encoded.append(queue.stats().image_tokens_encoded)
     for sequence in list(scheduler.running.values()):
         scheduler.abort_request(sequence.request.request_id)
     scheduler.close()
-    if budget == 8:  # a picture a step
-        assert encoded == [sum(sizes[:1]), sum(sizes[:2]), sum(sizes), sum(sizes), sum(sizes)]
+    if budget == 8:  # two tiles a step, spanning pictures
+        assert encoded == [min(8 * step, sum(sizes)) for step in range(1, len(encoded) + 1)]
     else:
-        assert encoded == [sum(sizes)] * (len(PICTURES) + 2)
+        assert encoded == [sum(sizes)] * len(encoded)
 
 
 def test_a_repeated_picture_is_a_prefix_cache_hit_and_another_picture_is_not(

@@ -10,9 +10,9 @@ placeholder. A request with images goes:
    never the event loop): the processor resizes, normalizes and tiles the images and expands
    each placeholder into its image tokens; the images' content hash keys those tokens for the
    prefix cache (``VisionPrompt.cache_key``), so the same page with the same prompt is a hit.
-2. ``prompt_embeddings``, on the engine thread, within each step's budget of image tokens
-   (the scheduler): the vision tower and the merge, for the positions the prefix cache does
-   not hold.
+2. ``tile_features`` then ``prompt_embeddings``, on the engine thread, a few tiles a step
+   within the step's budget of image tokens (``vision_queue``): the vision tower, then the
+   merge, for the positions the prefix cache does not hold.
 3. The prefill takes those embeddings chunk by chunk as it takes a text prompt's tokens
    (``phased_generator``); decoding is text.
 
@@ -80,9 +80,18 @@ class VisionPrompt:
     num_images: int
     image_tokens: int
     vision_end: int
+    # The vision tower's units of work: the processor's tiles (each picture's sub-images and
+    # its whole), encoded a few at a time within a step's budget; one unit when the image
+    # tokens do not split evenly over them.
+    tiles: int = 1
 
     def needs_encoding(self, cached_tokens: int) -> bool:
         return cached_tokens < self.vision_end
+
+    @property
+    def tile_tokens(self) -> int:
+        """Image tokens of one tile."""
+        return self.image_tokens // self.tiles
 
     def encoded(self) -> VisionPrompt:
         """This prompt without its pixel arrays, once encoded (a tiled page's arrays are tens
@@ -133,6 +142,7 @@ def prepare_vision_prompt(
         # The prompt's last token is fed as a token id when its first token is sampled.
         raise ValueError("a prompt must not end with an image")
     arrays = {k: v for k, v in processed.items() if k != "input_ids" and v is not None}
+    tiles = int(arrays["pixel_values"].shape[1]) if "pixel_values" in arrays else 1
     return VisionPrompt(
         token_ids=token_ids,
         cache_key=_cache_key(token_ids, image_positions, _content_digest(pictures), vocab_size),
@@ -140,19 +150,43 @@ def prepare_vision_prompt(
         num_images=len(pictures),
         image_tokens=len(image_positions),
         vision_end=image_positions[-1] + 1,
+        tiles=tiles if tiles > 0 and len(image_positions) % tiles == 0 else 1,
     )
 
 
-def prompt_embeddings(vision: VisionModel, prompt: VisionPrompt, start: int) -> mx.array:
+def tile_features(vision: VisionModel, prompt: VisionPrompt, first: int, count: int) -> mx.array:
+    """The image features of ``prompt``'s tiles ``first`` to ``first + count`` (engine thread:
+    runs the vision tower on them). mlx-vlm's own ``get_input_embeddings`` makes them, given
+    those tiles and a prompt of their image tokens alone: every position is then a feature."""
+    arrays = dict(prompt.arrays)
+    arrays.pop("attention_mask", None)
+    window = slice(first, first + count)
+    pixel_values = arrays.pop("pixel_values")[:, window]
+    if "pixel_attention_mask" in arrays:
+        arrays["pixel_attention_mask"] = arrays["pixel_attention_mask"][:, window]
+    ids = mx.array([[vision.image_token_id] * (count * prompt.tile_tokens)])
+    features: mx.array = vision.vlm.get_input_embeddings(ids, pixel_values, **arrays).inputs_embeds[
+        0
+    ]
+    mx.eval(features)
+    return features
+
+
+def prompt_embeddings(
+    vision: VisionModel, prompt: VisionPrompt, start: int, features: mx.array | None = None
+) -> mx.array:
     """The input embeddings of ``prompt``'s positions from ``start`` on, the image features
-    merged in (engine thread: runs the vision tower)."""
+    merged in by mlx-vlm's ``get_input_embeddings`` (engine thread): ``features`` of all its
+    tiles (``tile_features``), or computed here (the vision tower over every tile)."""
     arrays = dict(prompt.arrays)
     pixel_values = arrays.pop("pixel_values")
     mask = arrays.pop("attention_mask", None)
-    features = vision.vlm.get_input_embeddings(
+    if features is not None:
+        arrays["cached_image_features"] = features
+    merged = vision.vlm.get_input_embeddings(
         mx.array([prompt.token_ids]), pixel_values, mask=mask, **arrays
     )
-    embeddings: mx.array = features.inputs_embeds[0, start:]
+    embeddings: mx.array = merged.inputs_embeds[0, start:]
     mx.eval(embeddings)
     return embeddings
 
