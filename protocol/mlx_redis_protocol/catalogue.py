@@ -20,7 +20,7 @@ from redis.exceptions import ResponseError
 
 from mlx_redis_protocol.connection import RedisClient, as_text
 from mlx_redis_protocol.fair_share import TenantShare, tenant_shares
-from mlx_redis_protocol.heartbeat import Heartbeat, decode_heartbeat
+from mlx_redis_protocol.heartbeat import MEDIA_KINDS, Heartbeat, decode_heartbeat
 from mlx_redis_protocol.identifiers import is_valid_id
 from mlx_redis_protocol.keys import JobStream, Keys
 from mlx_redis_protocol.registry import Registered, read_registry
@@ -63,7 +63,17 @@ async def live_heartbeats(
 
 async def served_models(redis: RedisClient, keys: Keys) -> set[str]:
     """The models live workers advertise in their heartbeats."""
-    return {model for beat in await live_heartbeats(redis, keys) for model in beat.models}
+    return set(await served_media(redis, keys))
+
+
+async def served_media(redis: RedisClient, keys: Keys) -> dict[str, frozenset[str]]:
+    """The models live workers advertise, each with the media its jobs may carry ("image",
+    "video"; none for a text-only model) as any of its workers says."""
+    served: dict[str, frozenset[str]] = {}
+    for beat in await live_heartbeats(redis, keys):
+        for model, state in beat.models.items():
+            served[model] = served.get(model, frozenset()) | frozenset(state.media)
+    return served
 
 
 async def model_streams(redis: RedisClient, keys: Keys) -> list[JobStream]:
@@ -115,6 +125,8 @@ class ModelStatus:
     # Fair share by tenant (waiting for a pick, tokens served in 10 minutes); empty when the
     # model's workers never had fair share on.
     tenants: tuple[TenantShare, ...] = ()
+    # What its jobs may carry besides text ("image", "video"), as its live workers say.
+    media: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -122,6 +134,7 @@ class ModelStatus:
             "workers": list(self.workers),
             "free_slots": self.free_slots,
             "max_concurrency": self.max_concurrency,
+            "media": list(self.media),
             **self.queue.as_dict(),
             "tenants": [share.as_dict() for share in self.tenants],
         }
@@ -210,6 +223,7 @@ def _model_status(
         max_concurrency=sum(entry.max_concurrency for entry in served),
         queue=queue,
         tenants=tenants,
+        media=tuple(kind for kind in MEDIA_KINDS if any(kind in entry.media for entry in served)),
     )
 
 

@@ -49,10 +49,15 @@ def _add_model_commands(commands: Any) -> None:
     model = commands.add_parser("model", help="prepare offline model fixtures")
     model_commands = model.add_subparsers(dest="model_command", required=True)
     prepare = model_commands.add_parser("prepare", help="build an mlx-lm model folder")
-    prepare.add_argument("name", choices=["smollm2", "smollm2-draft", "tiny"])
+    prepare.add_argument("name", choices=["smollm2", "smollm2-draft", "tiny", "tiny-vision"])
     prepare.add_argument("--dtype", choices=["float32", "bfloat16", "q4"], default="float32")
     prepare.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
-    prepare.add_argument("--size", choices=["micro", "small", "medium"], default="small")
+    prepare.add_argument(
+        "--size",
+        choices=["micro", "small", "medium", "2b"],
+        default="small",
+        help="tiny: micro | small | medium; tiny-vision: small | 2b (SmolVLM2-2.2B's shape)",
+    )
     prepare.add_argument(
         "--cache-dir", default=None, help="default: ~/.cache/mlx-redis-worker/models"
     )
@@ -185,7 +190,10 @@ def _add_bench_commands(commands: Any) -> None:
     isolation.add_argument("--idle-sockets", type=int, default=1000)
     isolation.add_argument("--repeat", type=int, default=1, help="rotations of all attackers")
     isolation.add_argument(
-        "--attackers", default="", help="comma-separated attackers to run (default: all)"
+        "--attackers",
+        default=None,
+        help="the attackers to run, comma-separated (default: all; e.g. "
+        "image-bomb,image-50mb,image-flood)",
     )
     isolation.add_argument("--redis-url", default=None, help="default: a private redis-server")
     isolation.set_defaults(
@@ -279,6 +287,16 @@ def _add_bench_commands(commands: Any) -> None:
     speculative.set_defaults(
         func=_lazy("mlx_redis_worker.bench.speculative_bench", "run_speculative_bench")
     )
+
+    vision = benches.add_parser(
+        "vision", help="image requests: engine vs mlx-vlm one after another and batched"
+    )
+    vision.add_argument("--model", default="tiny-vision", help="tiny-vision | a folder")
+    vision.add_argument("--concurrency", type=int, default=8, help="image requests at once")
+    vision.add_argument("--max-tokens", type=int, default=64)
+    vision.add_argument("--image-size", default="512x384", help="WIDTHxHEIGHT of each picture")
+    vision.add_argument("--repeat", type=int, default=3, help="rotations of the three paths")
+    vision.set_defaults(func=_lazy("mlx_redis_worker.bench.vision_bench", "run_vision_bench"))
 
 
 def _length_range(text: str) -> tuple[int, int]:
@@ -380,6 +398,24 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
         "the draft model of speculative draft_model: a folder, hub id or fixture name "
         "(smollm2-draft); it must share the served models' tokenizer",
     ),
+    "media_threads": (int, "threads decoding jobs' images and videos (default 2)"),
+    "max_images": (int, "images in one job (default 16)"),
+    "max_image_bytes": (int, "one image file (default 20 MiB)"),
+    "max_image_pixels": (int, "width x height of an image or video frame (default 32 Mi)"),
+    "max_media_bytes": (int, "all media files of one job (default 128 MiB)"),
+    "max_video_bytes": (int, "one video file (default 64 MiB)"),
+    "max_video_frames": (int, "frames sampled from one video (default 64)"),
+    "max_video_seconds": (int, "a video's duration (default 600)"),
+    "media_fetch_hosts": (
+        str,
+        "hosts whose image/video URLs jobs may name, comma-separated (*.example.com: its "
+        "subdomains); default none: no URL is fetched",
+    ),
+    "media_fetch_networks": (
+        str,
+        "non-public networks (CIDRs) media URLs may resolve to all the same (default none)",
+    ),
+    "media_fetch_timeout": (float, "seconds one media URL may take (default 10)"),
 }
 
 

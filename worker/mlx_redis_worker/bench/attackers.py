@@ -1,7 +1,8 @@
 """The abusive HTTP clients of ``mlx-worker bench isolation``, each run as a process of its own.
 
 ``python -m mlx_redis_worker.bench.attackers NAME --port P --key K`` attacks the gateway on
-port P until SIGTERM, then prints one JSON line: what the attacker got back (statuses or
+port P until SIGTERM: it prints ``{"ready": true}`` once its attack is under way (what it
+sends built), and at the end one JSON line: what the attacker got back (statuses or
 connection errors, counted), how many exchanges it made, and its own CPU seconds. A process
 of its own, at the lowest CPU priority (Linux's ``SCHED_IDLE``, elsewhere niceness 19): the
 victim's client is not slowed by the attacker's coroutines in its event loop, and the
@@ -19,7 +20,10 @@ the worker's default ``max_schema_bytes`` lets through: a compile each), ``idle-
 (4 connections asking ``--model`` for 32 tokens under a new ``anyOf`` schema nested 4 deep and
 6 wide each time, about 110 KiB: a compile each, and 4 grammar rows in the victim's batch),
 ``logprobs-fanout`` (chat completions of ``n`` 4 with ``top_logprobs`` 20, 64 tokens: 4 jobs
-each, 20 alternatives a token).
+each, 20 alternatives a token), and the image attackers, 4 connections each (the attacker
+key's cap) asking ``--model`` for chat completions with images: ``image-bomb`` (a 65,535 x
+65,535 PNG header over 4 KB), ``image-50mb`` (a 50 MB image: its data URL, 67 MB),
+``image-flood`` (a new real 512 x 512 picture every time, about 1 MB as a data URL).
 
 Each attacker connects from ``--source`` (Linux routes all of 127.0.0.0/8 to the loopback
 interface), so that the gateway sees it as a client of its own, as a client on another host
@@ -43,6 +47,7 @@ from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from mlx_redis_worker.bench.hostile_images import data_url, huge_image, picture, png_bomb
 from mlx_redis_worker.bench.hostile_schemas import Schema, deep_anyof, nested_anyof
 
 FLOOD_CONNECTIONS = 200
@@ -57,6 +62,9 @@ NESTED_MAX_TOKENS = 32
 FANOUT_CHOICES = 4
 FANOUT_TOP_LOGPROBS = 20
 FANOUT_MAX_TOKENS = 64
+IMAGE_CONNECTIONS = 4  # the attacker key's concurrency cap
+FLOOD_IMAGE_SIZE = (512, 512)  # random pixels: about 770 KB as a PNG
+FLOOD_IMAGES = 8  # in turn, each after new text: no prefix-cache hit
 # The first attacker's address; the bench gives each attack phase the next one (``source``).
 FIRST_SOURCE = 2
 
@@ -209,6 +217,61 @@ async def logprobs_fanout(target: Target) -> None:
         )
 
 
+def _chat_with_image(target: Target, url: str, text: str) -> tuple[str, bytes]:
+    """A chat completion request (head, body) with text, then one image part (so a repeated
+    image after new text is no prefix-cache hit), closing its connection."""
+    content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": ""}}]
+    before, after = json.dumps(
+        {
+            "model": target.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 8,
+        },
+        separators=(",", ":"),
+    ).split('"url":""', 1)
+    # The URL spliced in as bytes: json.dumps of a 67 MB string costs seconds.
+    body = f'{before}"url":"'.encode() + url.encode() + f'"{after}'.encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{target.auth}"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head, body
+
+
+def _image_sender(images: Callable[[], list[str]]) -> Attack:
+    """IMAGE_CONNECTIONS connections sending chat requests with the image URLs ``images()``
+    makes (once, as the attack starts), in turn."""
+
+    async def attack(target: Target) -> None:
+        urls = images()
+        requests = [
+            _chat_with_image(target, url, f"describe picture {index}")
+            for index, url in enumerate(urls)
+        ]
+
+        async def sender(number: int) -> None:
+            index = number
+            while True:
+                head, body = requests[index % len(requests)]
+                index += IMAGE_CONNECTIONS
+                await target.exchange(head, body=body)
+
+        await asyncio.gather(*(sender(number) for number in range(IMAGE_CONNECTIONS)))
+
+    return attack
+
+
+def image_attacks() -> dict[str, Attack]:
+    return {
+        "image-bomb": _image_sender(lambda: [data_url(png_bomb())]),
+        "image-50mb": _image_sender(lambda: [data_url(huge_image())]),
+        "image-flood": _image_sender(
+            lambda: [data_url(picture(seed, FLOOD_IMAGE_SIZE)) for seed in range(FLOOD_IMAGES)]
+        ),
+    }
+
+
 def idle_sockets(count: int) -> Attack:
     async def attack(target: Target) -> None:
         async def hold() -> None:
@@ -241,6 +304,7 @@ def attacks(idle: int) -> dict[str, Attack]:
         "idle-sockets": idle_sockets(idle),
         "nested-anyof": nested_anyof_schema,
         "logprobs-fanout": logprobs_fanout,
+        **image_attacks(),
     }
 
 
@@ -249,6 +313,10 @@ async def _run(attack: Attack, target: Target) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     task = asyncio.create_task(attack(target))
+    # The attack's first step runs to its first wait: what it builds (the image attackers'
+    # files) is built. Then the bench starts the victim.
+    await asyncio.sleep(0)
+    print(json.dumps({"ready": True}), flush=True)
     await stop.wait()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -9,7 +9,8 @@ Phases alternate with baselines (base, A, base, B, …, base), so each attacker'
 against the baselines on either side of it, in the same run.
 
 Each attacker (``attackers``: huge header, huge body, read flood, resume flood, hostile
-schema, idle sockets) is a process of its own at the lowest CPU priority, connecting from an
+schema, idle sockets, and the image attackers: image bombs, 50 MB images, image floods;
+``--attackers`` picks some) is a process of its own at the lowest CPU priority, connecting from an
 address of its own (127.0.0.2, 127.0.0.3, …: one per attack phase), standing for a client on
 another host: the bench measures what its requests cost the gateway, Redis and the
 worker, not what sending them costs the attacker. Reported per attacker: the victim's tok/s
@@ -84,6 +85,13 @@ class Attacker:
         command += ["--idle-sockets", str(idle), "--model", MODEL_NAME]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE)
 
+    def wait_ready(self) -> None:
+        """Until its attack is under way (an image attacker builds its files first)."""
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if json.loads(line or b"{}").get("ready") is not True:
+            raise RuntimeError(f"the attacker did not start (exit {self.process.poll()})")
+
     def stop(self) -> dict[str, Any]:
         """Its report: statuses, exchanges, CPU seconds."""
         self.process.terminate()
@@ -136,9 +144,9 @@ class Bench:
     victim: _Connections
     max_tokens: int
     idle_sockets: int
-    attackers: list[str] = field(default_factory=lambda: list(attacks(0)))
     own_request: str = ""
     attacks_run: int = 0  # numbers each attack phase's source address
+    attackers: tuple[str, ...] = ()  # the attacks to run, in order (``attacks``' names)
 
 
 async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
@@ -156,6 +164,7 @@ async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
             source(bench.attacks_run),
         )
         bench.attacks_run += 1
+        await asyncio.to_thread(attacker.wait_ready)
         await asyncio.sleep(ATTACK_LEAD_SECONDS)
     pids = [bench.gateway_pid, bench.redis_pid, bench.worker_pid]
     cpu_before = [_cpu_seconds(pid) for pid in pids]
@@ -292,12 +301,11 @@ def _start_gateway(
 def run_isolation_bench(args: argparse.Namespace) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the gateway's too (inherited)
-    chosen = args.attackers.split(",") if args.attackers else list(attacks(0))
+    tokenizer = load_model(args.model)[1]
+    chosen = tuple(attacks(0)) if args.attackers is None else tuple(args.attackers.split(","))
     unknown = sorted(set(chosen) - set(attacks(0)))
     if unknown:
-        print(f"unknown attackers {unknown}; known: {', '.join(attacks(0))}", file=sys.stderr)
-        return 2
-    tokenizer = load_model(args.model)[1]
+        raise SystemExit(f"unknown attackers {', '.join(unknown)}: {', '.join(attacks(0))}")
     phases = 2 + args.repeat * 2 * len(chosen)
     prompts = [
         [tokenizer.decode(p) for p in make_prompts(tokenizer, args.concurrency, 32, seed=i)]
@@ -339,7 +347,7 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
                 victim_connections,
                 args.max_tokens,
                 args.idle_sockets,
-                chosen,
+                attackers=chosen,
             )
             return await _measure(bench, prompts, args.repeat)
 
