@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mlx_redis_worker.engine.request import SamplingParams
@@ -39,23 +39,14 @@ class GrammarLimits:
     max_mask_us: int = 250_000
 
     def __post_init__(self) -> None:
-        for name in GRAMMAR_LIMITS:
-            value = getattr(self, name)
+        for limit in fields(self):
+            name, value = limit.name, getattr(self, limit.name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GrammarLimits.{name} must be an integer >= 1, got {value!r}")
 
 
 # GrammarLimits' fields, in order (the worker's settings of the same names).
-GRAMMAR_LIMITS = (
-    "max_schema_bytes",
-    "max_grammar_symbols",
-    "max_grammar_lexer_fuel",
-    "max_mask_items",
-    "max_mask_lexer_fuel",
-    "max_lexer_states",
-    "max_grammar_compile_ms",
-    "max_mask_us",
-)
+GRAMMAR_LIMITS = tuple(limit.name for limit in fields(GrammarLimits))
 
 
 @dataclass(slots=True)
