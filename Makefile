@@ -75,6 +75,7 @@ $(STAMP)/venv: $(STAMP)/system pyproject.toml protocol/pyproject.toml worker/gat
 $(STAMP)/models: $(STAMP)/venv
 	$(BIN)/mlx-worker model prepare tiny --arch llama --size small
 	$(BIN)/mlx-worker model prepare smollm2 --dtype float32
+	$(BIN)/mlx-worker model prepare tiny-vision
 	@mkdir -p $(STAMP) && touch $@
 
 clean:

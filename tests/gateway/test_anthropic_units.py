@@ -127,6 +127,12 @@ def test_a_conversation_with_tool_use_and_results_is_the_chat_of_the_same_turns(
         count_only=True,
     )
     assert counted.job.count_only is True and counted.job.max_tokens == 1
+    with pytest.raises(ApiError, match="count_tokens cannot count images"):
+        parse_messages_request(
+            {"model": "tiny", "messages": [{"role": "user", "content": [PNG_BLOCK]}]},
+            limits=DEFAULT_LIMITS,
+            count_only=True,
+        )
 
 
 @pytest.mark.parametrize(

@@ -49,10 +49,15 @@ def _add_model_commands(commands: Any) -> None:
     model = commands.add_parser("model", help="prepare offline model fixtures")
     model_commands = model.add_subparsers(dest="model_command", required=True)
     prepare = model_commands.add_parser("prepare", help="build an mlx-lm model folder")
-    prepare.add_argument("name", choices=["smollm2", "smollm2-draft", "tiny"])
+    prepare.add_argument("name", choices=["smollm2", "smollm2-draft", "tiny", "tiny-vision"])
     prepare.add_argument("--dtype", choices=["float32", "bfloat16", "q4"], default="float32")
     prepare.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
-    prepare.add_argument("--size", choices=["micro", "small", "medium"], default="small")
+    prepare.add_argument(
+        "--size",
+        choices=["micro", "small", "medium", "2b"],
+        default="small",
+        help="tiny: micro | small | medium; tiny-vision: small | 2b (SmolVLM2-2.2B's shape)",
+    )
     prepare.add_argument(
         "--cache-dir", default=None, help="default: ~/.cache/mlx-redis-worker/models"
     )
@@ -221,7 +226,9 @@ def _add_bench_commands(commands: Any) -> None:
     )
     hostile.add_argument("--hostile", action="store_true", help="run this bench instead")
     hostile.add_argument(
-        "--kind", default="mixed", help="deep_anyof | long_enum | bounded_repeat | mixed"
+        "--kind",
+        default="mixed",
+        help="deep_anyof | nested_anyof | long_enum | bounded_repeat | mixed",
     )
     hostile.add_argument("--attackers", type=int, default=2, help="attacker requests in flight")
     hostile.add_argument("--attacker-tokens", type=int, default=16, help="max_tokens of each")
@@ -280,6 +287,16 @@ def _add_bench_commands(commands: Any) -> None:
     speculative.set_defaults(
         func=_lazy("mlx_redis_worker.bench.speculative_bench", "run_speculative_bench")
     )
+
+    vision = benches.add_parser(
+        "vision", help="image requests: engine vs mlx-vlm one after another and batched"
+    )
+    vision.add_argument("--model", default="tiny-vision", help="tiny-vision | a folder")
+    vision.add_argument("--concurrency", type=int, default=8, help="image requests at once")
+    vision.add_argument("--max-tokens", type=int, default=64)
+    vision.add_argument("--image-size", default="512x384", help="WIDTHxHEIGHT of each picture")
+    vision.add_argument("--repeat", type=int, default=3, help="rotations of the three paths")
+    vision.set_defaults(func=_lazy("mlx_redis_worker.bench.vision_bench", "run_vision_bench"))
 
 
 def _length_range(text: str) -> tuple[int, int]:
@@ -346,8 +363,13 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "worker_id": (str, "consumer name (default: host name + a stable suffix)"),
     "max_concurrency": (int, "jobs running at once (the engine's batch)"),
     "max_schema_bytes": (int, "a job's response_format, as compact JSON (default 131072)"),
-    "max_grammar_compile_ms": (int, "compiling a job's response_format (default 2000)"),
-    "max_mask_us": (int, "one token's mask of a job's response_format (default 10000)"),
+    "max_grammar_symbols": (int, "symbols of a job's grammar (default 500000)"),
+    "max_grammar_lexer_fuel": (int, "lexer work to build a job's grammar (default 1000000)"),
+    "max_mask_items": (int, "Earley items of one token's mask (default 50000)"),
+    "max_mask_lexer_fuel": (int, "lexer work of one token's mask (default 200000)"),
+    "max_lexer_states": (int, "lexer states one grammar may build (default 50000)"),
+    "max_grammar_compile_ms": (int, "safety net: compiling a job's grammar (default 30000)"),
+    "max_mask_us": (int, "safety net: one token's mask (default 250000)"),
     "cache_dir": (str, "where cache_save/cache_load keep prefix caches"),
     "lease_seconds": (float, "idle time after which another worker reclaims a job"),
     "fair_share": (bool, "start waiting jobs by fair share between tenants, not in order"),

@@ -81,6 +81,12 @@ def parse_messages_request(
         accepted = parse_request("chat", chat, limits=limits, user_key=user_key)
     except ApiError as error:
         raise _in_anthropic_terms(error, origins) from error
+    if count_only and accepted.job.has_media():
+        raise bad_request(
+            "count_tokens cannot count images: their tokens are made by the model's vision "
+            "processor on a worker, which a count does not run",
+            param="messages",
+        )
     job = replace(accepted.job, request_id=f"msg_{new_request_id()}", count_only=count_only or None)
     return replace(accepted, kind="messages", job=job)
 

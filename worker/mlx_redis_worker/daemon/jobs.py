@@ -208,6 +208,10 @@ class JobRunner:
         try:
             prompt = job_prompt(job, self.engine.tokenizer)
             if job.count_only:
+                if job.has_media():
+                    # Their tokens are the vision processor's to make: a count without them
+                    # would be short.
+                    raise ValueError("job.count_only cannot count images or videos")
                 count = prompt_length(prompt.prompt, self.engine.tokenizer)
                 return EarlyEnd("counted", finish_reason="length", prompt_tokens=count)
             params = SamplingParams(

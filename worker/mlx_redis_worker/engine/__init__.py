@@ -18,7 +18,8 @@ from mlx_redis_worker.engine.request import (
     TokenLogprob,
 )
 from mlx_redis_worker.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
-from mlx_redis_worker.engine.stats import EngineStats, MlxMemory, PrefixCacheStats
+from mlx_redis_worker.engine.stats import EngineStats, MlxMemory, PrefixCacheStats, VisionStats
+from mlx_redis_worker.engine.vision import ImagesNotSupportedError
 
 __all__ = [
     "AsyncEngineCore",
@@ -26,6 +27,7 @@ __all__ = [
     "EngineCore",
     "EngineStats",
     "EngineStoppedError",
+    "ImagesNotSupportedError",
     "MlxMemory",
     "ModelOwnershipError",
     "ModelRegistry",
@@ -43,5 +45,6 @@ __all__ = [
     "SchedulerOutput",
     "SpeculativeParams",
     "TokenLogprob",
+    "VisionStats",
     "get_registry",
 ]

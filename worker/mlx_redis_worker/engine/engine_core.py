@@ -17,7 +17,8 @@ The path of a request, in the order of this file:
 
 Every request ends with exactly one final output, also on abort, timeout, cancellation, stop
 and close. After the path: typed stats. The prefix cache's save, load and clear are in
-cache_control.py; what only the reference API needs is in reference_api.py.
+cache_control.py; what only the reference API needs is in reference_api.py; an image
+request's way in (its images processed off the loop) is in vision_requests.py.
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ from mlx_redis_worker.engine.scheduler import QueueFullError, Scheduler, Schedul
 from mlx_redis_worker.engine.speculative_batch import check_draft_model
 from mlx_redis_worker.engine.stats import EngineStats, MlxMemory, PrefixCacheStats, read_mlx_memory
 from mlx_redis_worker.engine.structured import CompiledGrammar
+from mlx_redis_worker.engine.vision import VisionPrompt
+from mlx_redis_worker.engine.vision_requests import VisionRequests
 
 __all__ = ["AsyncEngineCore", "EngineConfig", "EngineCore"]
 
 log = structlog.get_logger(__name__)
 
 
-class EngineCore(CacheControl, ReferenceApi):
+class EngineCore(CacheControl, ReferenceApi, VisionRequests):
     """Core engine: continuous batching of many requests over one model."""
 
     def __init__(
@@ -85,6 +88,7 @@ class EngineCore(CacheControl, ReferenceApi):
         self._max_prompt_tokens = scheduler_config.max_prompt_tokens
         self._max_logprobs = scheduler_config.max_logprobs
         self._vocab_size = model_vocab_size(model, tokenizer)
+        self._init_vision(model)
         # Where an open request's outputs go: its caller's event loop (add_request), or the
         # blocking batch it is part of (generate_batch_sync, reference_api.py).
         self._request_loops: dict[str, asyncio.AbstractEventLoop] = {}
@@ -131,11 +135,16 @@ class EngineCore(CacheControl, ReferenceApi):
         system prompt); the prefix cache keeps their KV state as one entry, stored as soon as
         prefill gets there. ``collect=False`` skips the per-request collector: the outputs then
         reach only the step listener (see ``set_step_listener``), and ``stream_outputs`` has
-        nothing to read. ``images``/``videos`` (reference API): refused, text-only engine.
+        nothing to read. ``images`` (each a PIL image, encoded bytes or a file path) and
+        ``videos`` (each a list of frames, as images) go with a text prompt to a
+        vision-language model (``supports_images``): see ``engine/vision.py`` for where their
+        placeholders go; a text-only model refuses them with ``ImagesNotSupportedError``.
         """
         self._check_usable()
+        arrival = time.monotonic()
+        vision = None
         if images or videos:
-            raise ValueError("images/videos were given, but this engine serves a text-only model")
+            vision = await self._prepare_vision(prompt, images, videos, request_id)
         # Off the loop and off the engine thread: the first constrained request builds the
         # tokenizer's index (about a second), and a new schema compiles (within its limits).
         grammar = None
@@ -143,8 +152,16 @@ class EngineCore(CacheControl, ReferenceApi):
             self._check_format_params(sampling_params)
             grammar = await self.scheduler.grammars.compile_async(sampling_params.response_format)
         request = self._make_request(
-            prompt, sampling_params, request_id, prefix_boundary, stream_interval, grammar=grammar
+            prompt,
+            sampling_params,
+            request_id,
+            prefix_boundary,
+            stream_interval,
+            grammar=grammar,
+            vision=vision,
         )
+        if vision is not None:
+            request.arrival_time = arrival  # its TTFT counts the processing of its images
         if request.request_id in self._request_loops:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         if not self._running:
@@ -153,6 +170,10 @@ class EngineCore(CacheControl, ReferenceApi):
             self._output_collectors[request.request_id] = RequestOutputCollector(aggregate=True)
         self._request_loops[request.request_id] = asyncio.get_running_loop()
         self._submit([request])
+        if self._aborted_while_prepared(request.request_id):
+            # It ends with an abort before the engine admits it (the abort follows the add
+            # on the engine thread's queue).
+            self._abort_in_background(request.request_id)
         return request.request_id
 
     def _make_request(
@@ -164,6 +185,7 @@ class EngineCore(CacheControl, ReferenceApi):
         stream_interval: int | None,
         *,
         grammar: CompiledGrammar | None = None,
+        vision: VisionPrompt | None = None,
     ) -> Request:
         """A checked request (caller's thread); ``ValueError`` / ``QueueFullError``."""
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
@@ -183,9 +205,15 @@ class EngineCore(CacheControl, ReferenceApi):
             raise ValueError(
                 f"logprobs {params.logprobs} is over this engine's limit of {self._max_logprobs}"
             )
-        token_ids = prompt_token_ids(
-            self.tokenizer, prompt, vocab_size=self._vocab_size, max_tokens=self._max_prompt_tokens
-        )
+        if vision is not None:
+            token_ids = vision.token_ids
+        else:
+            token_ids = prompt_token_ids(
+                self.tokenizer,
+                prompt,
+                vocab_size=self._vocab_size,
+                max_tokens=self._max_prompt_tokens,
+            )
         if not 0 <= prefix_boundary <= len(token_ids):
             raise ValueError(
                 f"prefix_boundary {prefix_boundary} is not in [0, {len(token_ids)}] "
@@ -205,6 +233,7 @@ class EngineCore(CacheControl, ReferenceApi):
             prefix_boundary=prefix_boundary,
             stream_interval=interval,
             grammar=grammar,
+            vision=vision,
         )
 
     def _grammar_for(self, params: SamplingParams | None) -> CompiledGrammar | None:
@@ -337,7 +366,11 @@ class EngineCore(CacheControl, ReferenceApi):
     # -- ending requests, and the engine -----------------------------------------------------
 
     async def abort_request(self, request_id: str) -> bool:
-        """Abort a waiting or running request; its stream ends with ``finish_reason="abort"``."""
+        """Abort a waiting or running request; its stream ends with ``finish_reason="abort"``.
+        A request whose images are being processed (its ``add_request`` not returned yet) ends
+        with an abort as soon as it is added."""
+        if self._abort_while_preparing(request_id):
+            return True
         try:
             return await asyncio.wrap_future(
                 self._engine_thread.call(lambda s: s.abort_request(request_id))
@@ -379,6 +412,7 @@ class EngineCore(CacheControl, ReferenceApi):
         self._engine_thread.stop()
         self._running = False
         self.scheduler.grammars.close()
+        self._close_vision()
         self.scheduler.prefix_cache = None
         self._release_model()
         self._closed = True
