@@ -49,7 +49,9 @@ def _add_model_commands(commands: Any) -> None:
     model = commands.add_parser("model", help="prepare offline model fixtures")
     model_commands = model.add_subparsers(dest="model_command", required=True)
     prepare = model_commands.add_parser("prepare", help="build an mlx-lm model folder")
-    prepare.add_argument("name", choices=["smollm2", "smollm2-draft", "tiny"])
+    prepare.add_argument(
+        "name", choices=["smollm2", "smollm2-draft", "tiny", "tiny-embed", "minilm"]
+    )
     prepare.add_argument("--dtype", choices=["float32", "bfloat16", "q4"], default="float32")
     prepare.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
     prepare.add_argument("--size", choices=["micro", "small", "medium"], default="small")
