@@ -33,6 +33,7 @@ class Limits:
     max_metadata_bytes: int = 16 * _KIB
     max_metadata_depth: int = 8
     max_schema_depth: int = 32
+    max_embedding_inputs: int = 2048  # an embedding job's ``input`` items
 
     def __post_init__(self) -> None:
         for limit in fields(self):

@@ -33,7 +33,7 @@ from mlx_redis_protocol.limits import Limits
 from mlx_redis_protocol.messages import ControlCommand, ControlReply, ErrorInfo
 from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe, retry_until_done
 from mlx_redis_protocol.wire import top_level_strings
-from mlx_redis_worker.engine import EngineCore
+from mlx_redis_worker.engine import AnyEngine
 from mlx_redis_worker.engine.prefix_cache import IncompatibleCacheError
 
 log = structlog.get_logger(__name__)
@@ -72,7 +72,7 @@ class ControlListener:
         hub: ChannelHub,
         keys: Keys,
         worker_id: str,
-        engines: Mapping[str, EngineCore],
+        engines: Mapping[str, AnyEngine],
         cache_dir: Path,
         reply_ttl: int,
         limits: Limits,
@@ -223,7 +223,7 @@ class ControlListener:
             return {"cleared": next(iter(cleared.values())) if len(self.engines) == 1 else cleared}
         raise CommandRefused("unknown_command", f"unknown command {kind!r}")
 
-    def _one_engine(self, command: ControlCommand) -> tuple[str, EngineCore]:
+    def _one_engine(self, command: ControlCommand) -> tuple[str, AnyEngine]:
         """The engine a cache save or load is for: the command's model, or the worker's only
         one. A saved cache holds one model's state, so a worker of several needs the name."""
         if command.model is not None:

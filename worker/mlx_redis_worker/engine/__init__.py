@@ -4,6 +4,7 @@ Public API mirrors the reference ``vllm_mlx.engine_core``.
 """
 
 from mlx_redis_worker.engine.config import EngineConfig, SchedulerConfig
+from mlx_redis_worker.engine.embedding_engine import EmbeddingEngineCore
 from mlx_redis_worker.engine.engine_core import AsyncEngineCore, EngineCore
 from mlx_redis_worker.engine.engine_thread import EngineStoppedError
 from mlx_redis_worker.engine.output_collector import RequestOutputCollector, RequestStreamState
@@ -20,8 +21,13 @@ from mlx_redis_worker.engine.request import (
 from mlx_redis_worker.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from mlx_redis_worker.engine.stats import EngineStats, MlxMemory, PrefixCacheStats
 
+# The engine of a served model, of either kind: text (EngineCore) or embeddings.
+AnyEngine = EngineCore | EmbeddingEngineCore
+
 __all__ = [
+    "AnyEngine",
     "AsyncEngineCore",
+    "EmbeddingEngineCore",
     "EngineConfig",
     "EngineCore",
     "EngineStats",

@@ -40,6 +40,8 @@ class Embeddings:
 class EmbeddingEngineCore(EngineBase[EmbeddingScheduler]):
     """Continuous batching of many embedding requests over one embedding model."""
 
+    makes_embeddings = True
+
     def __init__(
         self,
         model: EmbeddingModel,

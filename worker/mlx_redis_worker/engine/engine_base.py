@@ -29,7 +29,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Generic
+from typing import Any, ClassVar, Generic
 
 import structlog
 
@@ -54,6 +54,9 @@ log = structlog.get_logger(__name__)
 
 class EngineBase(Generic[S]):
     """An engine over one model: its scheduler ``S`` stepped by the engine thread."""
+
+    # Whether the engine embeds (``add_embedding_request``) rather than generates.
+    makes_embeddings: ClassVar[bool] = False
 
     def __init__(
         self,
