@@ -24,7 +24,6 @@ from mlx_redis_worker.engine.embedding_scheduler import (
     EmbeddingScheduler,
 )
 from mlx_redis_worker.engine.engine_base import EngineBase
-from mlx_redis_worker.engine.request import SamplingParams
 from mlx_redis_worker.engine.stats import RequestProgress, SchedulerStats
 
 
@@ -100,18 +99,7 @@ class EmbeddingEngineCore(EngineBase[EmbeddingScheduler]):
         self._check_room()
         return EmbeddingRequest(request_id or uuid.uuid4().hex, token_ids, length)
 
-    async def add_request(
-        self,
-        prompt: str | list[int],
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        images: list[Any] | None = None,
-        videos: list[Any] | None = None,
-        prefix_boundary: int = 0,
-        *,
-        stream_interval: int | None = None,
-        collect: bool = True,
-    ) -> str:
+    async def add_request(self, prompt: str | list[int], *args: Any, **kwargs: Any) -> str:
         """Refused: an embedding model generates no text."""
         raise ValueError(
             f"model {self.embedding_model.name!r} is an embedding model: it makes embeddings "

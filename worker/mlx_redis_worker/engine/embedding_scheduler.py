@@ -97,15 +97,7 @@ class EmbeddingScheduler:
         self._requests[request.request_id] = request
 
     def reject(self, request: EmbeddingRequest, message: str) -> None:
-        self._finished.outputs.append(
-            RequestOutput(
-                request_id=request.request_id,
-                finished=True,
-                finish_reason="error",
-                error=message,
-                prompt_tokens=request.num_prompt_tokens,
-            )
-        )
+        self._emit(request, "error", error=message)
 
     def abort_request(
         self, request_id: str, reason: str = "abort", message: str | None = None
@@ -181,16 +173,7 @@ class EmbeddingScheduler:
             if done:
                 self._requests.pop(request.request_id)
                 self._count(request, "stop")
-            self._finished.outputs.append(
-                RequestOutput(
-                    request_id=request.request_id,
-                    embeddings=data,
-                    embedding_index=first,
-                    finished=done,
-                    finish_reason="stop" if done else None,
-                    prompt_tokens=request.num_prompt_tokens,
-                )
-            )
+            self._emit(request, "stop" if done else None, vectors=data, index=first)
 
     def _fail_batch(self, batch: list[tuple[EmbeddingRequest, int]], exc: BaseException) -> None:
         self.batch_failures += 1
@@ -207,10 +190,24 @@ class EmbeddingScheduler:
         self._count(request, reason)
         if error is not None:
             log.warning("request_failed", request_id=request.request_id, error=error)
+        self._emit(request, reason, error=error)
+
+    def _emit(
+        self,
+        request: EmbeddingRequest,
+        reason: str | None,
+        *,
+        error: str | None = None,
+        vectors: list[bytes] | None = None,
+        index: int = 0,
+    ) -> None:
+        """The request's output of this step: its vectors, and its end when ``reason``."""
         self._finished.outputs.append(
             RequestOutput(
                 request_id=request.request_id,
-                finished=True,
+                embeddings=vectors,
+                embedding_index=index,
+                finished=reason is not None,
                 finish_reason=reason,
                 error=error,
                 prompt_tokens=request.num_prompt_tokens,

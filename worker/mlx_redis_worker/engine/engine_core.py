@@ -35,22 +35,13 @@ log = structlog.get_logger(__name__)
 class EngineCore(EngineBase[Scheduler], CacheControl, ReferenceApi):
     """Core engine: continuous batching of many generation requests over one model."""
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        config: EngineConfig | None = None,
-        engine_id: str | None = None,
-        force_model_ownership: bool = True,
-    ) -> None:
-        super().__init__(model, tokenizer, config, engine_id, force_model_ownership)
-        scheduler_config = self.config.scheduler_config or SchedulerConfig()
+    def _build_scheduler(self, scheduler_config: SchedulerConfig) -> Scheduler:
+        """The scheduler over mlx-lm's batch generator, and the limits a request is checked
+        against before it reaches it."""
         self._max_prompt_tokens = scheduler_config.max_prompt_tokens
         self._max_logprobs = scheduler_config.max_logprobs
-        self._vocab_size = model_vocab_size(model, tokenizer)
+        self._vocab_size = model_vocab_size(self.model, self.tokenizer)
         self._fingerprint: str | None = None
-
-    def _build_scheduler(self, scheduler_config: SchedulerConfig) -> Scheduler:
         draft = self.config.draft
         if draft is not None:
             check_draft_model(self.model, self.tokenizer, draft)
