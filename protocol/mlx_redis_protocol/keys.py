@@ -202,6 +202,10 @@ class Keys:
         """One gateway API key's rate-limit bucket and in-flight requests (one hash)."""
         return f"{self.prefix}:quota:{{{_checked(key_name, 'API key name')}}}"
 
+    def quota_tokens(self, key_name: str) -> str:
+        """One gateway API key's tokens-per-minute bucket (a hash)."""
+        return f"{self.prefix}:quota:{{{_checked(key_name, 'API key name')}}}:tokens"
+
     def quota_in_flight(self, key_name: str) -> str:
         """One gateway API key's in-flight requests, by lease expiry (a sorted set)."""
         return f"{self.prefix}:quota:{{{_checked(key_name, 'API key name')}}}:in_flight"

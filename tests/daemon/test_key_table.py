@@ -160,6 +160,7 @@ def test_every_name_the_keys_build_and_the_probes_touch_is_a_row_of_the_table() 
         keys.reply("t-1"),
         keys.quota("k-1"),
         keys.quota_in_flight("k-1"),
+        keys.quota_tokens("k-1"),
     ]
 
     async def probed() -> list[str]:

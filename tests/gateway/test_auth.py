@@ -113,7 +113,11 @@ def test_api_key_add_refuses_a_bad_limit_without_touching_the_file(tmp_path: Pat
     path = tmp_path / "keys.toml"
     add_key(path, "team-a")
     text = path.read_text()
-    for flags in (["--requests-per-minute", "0"], ["--max-concurrent", "-1"]):
+    for flags in (
+        ["--requests-per-minute", "0"],
+        ["--max-concurrent", "-1"],
+        ["--tokens-per-minute", "0"],
+    ):
         bad = mlx_worker("api-key", "add", "team-b", "--file", str(path), *flags)
         assert bad.returncode == 2 and "must be at least 1" in bad.stderr, bad.stderr
         assert bad.stdout == "" and path.read_text() == text

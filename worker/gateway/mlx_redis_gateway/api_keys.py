@@ -6,6 +6,7 @@
     name = "team-a"              # 1-128 of A-Z a-z 0-9 . _ : - (names its quota in Redis)
     sha256 = "9f86d08..."        # hex digest of the secret
     requests_per_minute = 600    # optional: the rate limit (a token bucket, bursts of this many)
+    tokens_per_minute = 200000   # optional: prompt and completion tokens (a bucket, see quotas)
     max_concurrent = 16          # optional: requests in flight at once
     operator = true              # optional: may see the status page (default false)
 
@@ -29,6 +30,8 @@ from typing import Any, Final
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id
 
 SECRET_PREFIX: Final = "mlxw-"
+# A key's optional limits (integers >= 1), as the file and ``ApiKey`` name them.
+LIMITS: Final = ("requests_per_minute", "max_concurrent", "tokens_per_minute")
 # The file's modification time is looked at no more often than this.
 RELOAD_CHECK_SECONDS: Final = 1.0
 # A file changed more recently than this may be half written (an editor that truncates, then
@@ -42,6 +45,7 @@ class ApiKey:
     sha256: str
     requests_per_minute: int | None = None
     max_concurrent: int | None = None
+    tokens_per_minute: int | None = None
     operator: bool = False  # may read the fleet's status (page and JSON)
 
 
@@ -86,7 +90,7 @@ def _entry(entry: Any, where: str) -> ApiKey:
     if not isinstance(sha, str) or len(sha) != 64 or not _is_hex(sha):
         raise KeyFileError(f"{where} ({name}): sha256 must be 64 hex digits")
     limits = {}
-    for field in ("requests_per_minute", "max_concurrent"):
+    for field in LIMITS:
         value = entry.get(field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise KeyFileError(f"{where} ({name}): {field} must be an integer")
@@ -157,22 +161,24 @@ def add_key(
     *,
     requests_per_minute: int | None,
     max_concurrent: int | None,
+    tokens_per_minute: int | None = None,
     operator: bool = False,
 ) -> str:
     """Append a new key to ``path`` (created when missing, mode 0600); returns its secret."""
     existing = parse_keys(path.read_text(), str(path)) if path.exists() else {}
     if any(key.name == name for key in existing.values()):
         raise KeyFileError(f"{path}: a key named {name!r} exists already")
-    limits = {"requests_per_minute": requests_per_minute, "max_concurrent": max_concurrent}
+    limits = {
+        "requests_per_minute": requests_per_minute,
+        "max_concurrent": max_concurrent,
+        "tokens_per_minute": tokens_per_minute,
+    }
     # The name's and the limits' rules, before anything is written: an entry that fails them
     # would leave a file no gateway starts with and no later add can read.
     _entry({"name": name, "sha256": "0" * 64, **limits}, "new key")
     secret = new_secret()
     lines = ["", "[[key]]", f'name = "{name}"', f'sha256 = "{digest(secret)}"']
-    if requests_per_minute is not None:
-        lines.append(f"requests_per_minute = {requests_per_minute}")
-    if max_concurrent is not None:
-        lines.append(f"max_concurrent = {max_concurrent}")
+    lines += [f"{field} = {value}" for field, value in limits.items() if value is not None]
     if operator:
         lines.append("operator = true")
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

@@ -84,6 +84,12 @@ def add_gateway_commands(commands: Any) -> None:
     add.add_argument("--requests-per-minute", type=int, default=None)
     add.add_argument("--max-concurrent", type=int, default=None)
     add.add_argument(
+        "--tokens-per-minute",
+        type=int,
+        default=None,
+        help="prompt and completion tokens a minute (a bucket of one minute's worth)",
+    )
+    add.add_argument(
         "--operator", action="store_true", help="the key may read the status page and JSON"
     )
     add.set_defaults(func=run_add_key)
@@ -239,6 +245,7 @@ def run_add_key(args: argparse.Namespace) -> int:
             args.name,
             requests_per_minute=args.requests_per_minute,
             max_concurrent=args.max_concurrent,
+            tokens_per_minute=args.tokens_per_minute,
             operator=args.operator,
         )
     except (OSError, KeyFileError) as exc:

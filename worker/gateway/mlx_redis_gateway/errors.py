@@ -29,6 +29,8 @@ class ApiError(Exception):
     # For 401 on a page a browser loads: the WWW-Authenticate challenge (it then asks for a
     # key as the Basic password).
     challenge: str | None = None
+    # More headers of the answer (a 429's ``x-ratelimit-*``).
+    extra_headers: dict[str, str] | None = None
 
     def body(self) -> dict[str, Any]:
         return {
@@ -46,6 +48,7 @@ class ApiError(Exception):
             headers["Retry-After"] = str(max(1, round(self.retry_after + 0.5)))
         if self.challenge is not None:
             headers["WWW-Authenticate"] = self.challenge
+        headers.update(self.extra_headers or {})
         return headers
 
 

@@ -33,6 +33,7 @@ from mlx_redis_gateway.quotas import Quotas
 from mlx_redis_gateway.redis_health import HealthProbe
 from mlx_redis_gateway.settings import GatewaySettings
 from mlx_redis_gateway.shaping import DONE_MESSAGE, ResponseShape, Shaper, sse_data, sse_message
+from mlx_redis_gateway.token_meter import prompt_token_bound
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.connection import is_unavailable
 from mlx_redis_protocol.errors import (
@@ -53,6 +54,9 @@ T = TypeVar("T")
 RESUMABLE_HEADER: Final = "x-resumable"
 # SSE comments sent on a quiet stream, so proxies and clients do not time it out.
 PING_SECONDS: Final = 15
+# How long a request aborted for its client's leaving is followed to its end, for its token
+# charge to be settled by its usage (past that it keeps what it was charged).
+SETTLE_AFTER_ABORT_SECONDS: Final = 10.0
 
 
 class Gateway:
@@ -93,6 +97,10 @@ class Gateway:
         leases = asyncio.create_task(
             supervise("quota leases", self.quotas.keep_leases), name="quota leases"
         )
+        # Supervised too: streamed tokens left unsent would be charged to nobody.
+        charges = asyncio.create_task(
+            supervise("token charges", self.quotas.meter.keep_charging), name="token charges"
+        )
         log.info(
             "gateway_ready",
             auth=self.keys is not None,
@@ -103,9 +111,10 @@ class Gateway:
             yield
         finally:
             leases.cancel()
+            charges.cancel()
             for task in list(self._background):
                 task.cancel()
-            await asyncio.gather(leases, *self._background, return_exceptions=True)
+            await asyncio.gather(leases, charges, *self._background, return_exceptions=True)
             await self.quotas.close()
             await self.client.aclose()
 
@@ -128,15 +137,16 @@ class Gateway:
         self, accepted: CompletionRequest, key: ApiKey | None
     ) -> ResponseShape:
         """Queue a request of one job, once its key's quota admits it (429 otherwise); its
-        quota lease is given back if it could not be queued."""
+        quota lease (and tokens) are given back if it could not be queued."""
         request_id = accepted.request_id
         if key is not None:
-            await self.quotas.admit_or_refuse(key, request_id)
+            tokens = prompt_token_bound(accepted.job)
+            await self.quotas.admit_or_refuse(key, request_id, tokens=tokens)
         try:
             shape = self.shape(accepted, key)
             await self.queue(accepted.job, shape)
         except BaseException:
-            await self.quotas.release(request_id)
+            await self.quotas.withdraw(request_id)
             raise
         return shape
 
@@ -187,11 +197,18 @@ class Gateway:
         )
 
     async def events(self, request_id: str) -> AsyncIterator[Event]:
-        """The request's events; a failure to follow it ends as an ApiError."""
+        """The request's events; a failure to follow it ends as an ApiError. A request this
+        gateway admitted under a tokens-per-minute limit is charged its tokens as they pass
+        (its ``done`` settles the charge before it is handed on)."""
         events = self.client.stream(request_id, timeout=self.settings.event_timeout)
+        meter = self.quotas.meter
         try:
             async with aclosing(events):
                 async for event in events:
+                    if event.terminal:
+                        await meter.settle(request_id, event)
+                    else:
+                        meter.count(request_id, event)
                     yield event
         except RequestNotFound as exc:
             raise ApiError(404, str(exc), code="request_not_found") from exc
@@ -296,13 +313,17 @@ class Gateway:
         ends on its own."""
 
         async def left() -> None:
+            wait = self.settings.event_timeout
             if not resumable and self.settings.abort_on_disconnect:
                 log.info("client_left_aborting", request_id=request_id)
                 with contextlib.suppress(ClientError):
                     await self.client.abort(request_id, timeout=1.0)
-            else:
+                # Only to settle its tokens: an aborted job ends within a second or so.
+                wait = SETTLE_AFTER_ABORT_SECONDS if self.quotas.meter.is_open(request_id) else 0
+            if wait:
                 with contextlib.suppress(ClientError, ApiError):
-                    await self.client.wait(request_id, timeout=self.settings.event_timeout)
+                    end = await self.client.wait(request_id, timeout=wait)
+                    await self.quotas.meter.settle(request_id, end)
             await self.quotas.release(request_id)
 
         return left

@@ -23,6 +23,7 @@ from mlx_redis_gateway.fanout import (
 from mlx_redis_gateway.gateway import Gateway, answer, client_left, event_stream, unavailable
 from mlx_redis_gateway.openai_api import CompletionRequest, Kind, parse_request
 from mlx_redis_gateway.shaping import Shaper
+from mlx_redis_gateway.token_meter import prompt_token_bound
 from mlx_redis_protocol.connection import is_unavailable
 from mlx_redis_protocol.errors import ClientError, RedisUnavailable
 from mlx_redis_protocol.messages import Job
@@ -77,7 +78,7 @@ class CompletionRoutes:
         ]
         queued = {c.request_id: asyncio.Event() for c in choices}
         if key is not None:
-            await self._admit_all(key, [c.request_id for c in choices])
+            await self._admit_all(key, [c.job for c in accepted.choices])
 
         async def submit(job: Job) -> None:
             await gateway.queue(job, shape)
@@ -93,7 +94,8 @@ class CompletionRoutes:
         await asyncio.wait({leaders, queuing}, return_when=asyncio.FIRST_COMPLETED)
         leaders.cancel()
         if queuing.done() and queuing.exception() is not None:
-            await self._release_all([c.request_id for c in choices])
+            await self._release_all([c for c in queued if queued[c].is_set()])
+            await self._release_all([c for c in queued if not queued[c].is_set()], withdraw=True)
             raise _as_api_error(queuing.exception())
         structlog.contextvars.bind_contextvars(request_id=request_id)
         log.info("gateway_request", kind=accepted.kind, model=accepted.model, choices=len(choices))
@@ -159,21 +161,24 @@ class CompletionRoutes:
                     await gateway.client.abort(job_id, timeout=1.0)
         await self._release_all(jobs)
 
-    async def _admit_all(self, key: ApiKey, request_ids: list[str]) -> None:
-        """Each job of a fanned-out request counts against its key's limits, as a request of
-        its own would; refused (429) unless all are admitted."""
+    async def _admit_all(self, key: ApiKey, jobs: list[Job]) -> None:
+        """Each job of a fanned-out request counts against its key's limits (its prompt's
+        tokens too), as a request of its own would; refused (429) unless all are admitted."""
         admitted: list[str] = []
         try:
-            for request_id in request_ids:
-                await self.gateway.quotas.admit_or_refuse(key, request_id)
-                admitted.append(request_id)
+            for job in jobs:
+                tokens = prompt_token_bound(job)
+                await self.gateway.quotas.admit_or_refuse(key, job.request_id, tokens=tokens)
+                admitted.append(job.request_id)
         except BaseException:
-            await self._release_all(admitted)
+            await self._release_all(admitted, withdraw=True)
             raise
 
-    async def _release_all(self, request_ids: list[str]) -> None:
+    async def _release_all(self, request_ids: list[str], *, withdraw: bool = False) -> None:
+        """Give the jobs' leases back (``withdraw``: and their tokens, never queued)."""
+        quotas = self.gateway.quotas
         for request_id in request_ids:
-            await self.gateway.quotas.release(request_id)
+            await (quotas.withdraw if withdraw else quotas.release)(request_id)
 
 
 def _log_queuing_failure(task: asyncio.Future[None]) -> None:
