@@ -123,10 +123,14 @@ def test_client_and_command_line_beside_a_text_model(
                 client.generate("Side by side", model=TEXT, max_tokens=4, timeout=60),
                 client.embed(["too long " * 200], model=EMBED, timeout=60),
                 client.generate("Side by side", model=EMBED, max_tokens=4, timeout=60),
+                client.cache_save("embedder", model=EMBED, timeout=30),
                 return_exceptions=True,
             )
 
-    embedded, generated, too_long, wrong_kind = asyncio.run(scenario())
+    embedded, generated, too_long, wrong_kind, saved = asyncio.run(scenario())
+    (reply,) = saved
+    assert not reply.ok and reply.error is not None and reply.error.code == "invalid_field"
+    assert "is an embedding model: it keeps no prefix cache" in reply.error.message
     for got, text in zip(embedded.as_floats(), TEXTS, strict=True):
         np.testing.assert_allclose(got, own_vector(tiny_embed_model, text), atol=2e-6)
     assert isinstance(generated, DoneEvent) and generated.usage.completion_tokens > 0

@@ -225,15 +225,22 @@ class ControlListener:
 
     def _one_engine(self, command: ControlCommand) -> tuple[str, AnyEngine]:
         """The engine a cache save or load is for: the command's model, or the worker's only
-        one. A saved cache holds one model's state, so a worker of several needs the name."""
+        one. A saved cache holds one model's state, so a worker of several needs the name;
+        an embedding model keeps none."""
         if command.model is not None:
-            return command.model, self.engines[command.model]
-        if len(self.engines) == 1:
-            return next(iter(self.engines.items()))
-        raise CommandRefused(
-            "invalid_field",
-            f"{command.kind} needs model: this worker serves {', '.join(self.engines)}",
-        )
+            model, engine = command.model, self.engines[command.model]
+        elif len(self.engines) == 1:
+            model, engine = next(iter(self.engines.items()))
+        else:
+            raise CommandRefused(
+                "invalid_field",
+                f"{command.kind} needs model: this worker serves {', '.join(self.engines)}",
+            )
+        if engine.makes_embeddings:
+            raise CommandRefused(
+                "invalid_field", f"model {model!r} is an embedding model: it keeps no prefix cache"
+            )
+        return model, engine
 
     def _error(self, command: ControlCommand, code: str, message: str) -> ControlReply:
         return ControlReply(

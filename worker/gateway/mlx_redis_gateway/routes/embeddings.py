@@ -14,6 +14,7 @@ from mlx_redis_gateway.embeddings_api import (
 )
 from mlx_redis_gateway.errors import ApiError, from_error_event
 from mlx_redis_gateway.gateway import Gateway, client_left, unavailable
+from mlx_redis_gateway.token_meter import prompt_token_bound
 from mlx_redis_protocol.connection import is_unavailable
 from mlx_redis_protocol.embeddings import EmbeddingCollector, EmbeddingFailed, Embeddings
 from mlx_redis_protocol.errors import RedisUnavailable
@@ -36,11 +37,12 @@ class EmbeddingRoutes:
         await gateway.check_served(accepted.model)
         request_id = accepted.job.request_id
         if key is not None:
-            await gateway.quotas.admit_or_refuse(key, request_id)
+            tokens = prompt_token_bound(accepted.job)
+            await gateway.quotas.admit_or_refuse(key, request_id, tokens=tokens)
         try:
             await gateway.client.submit_job(accepted.job)
         except BaseException as exc:
-            await gateway.quotas.release(request_id)
+            await gateway.quotas.withdraw(request_id)
             if isinstance(exc, RedisUnavailable) or is_unavailable(exc):
                 raise unavailable(exc) from exc
             raise
