@@ -145,9 +145,9 @@ def _add_bench_commands(commands: Any) -> None:
     )
     embeddings.add_argument("--model", default="minilm", help="an embedding model")
     embeddings.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="batch sizes")
-    embeddings.add_argument("--inputs", type=int, default=512, help="texts per measurement")
+    embeddings.add_argument("--inputs", type=int, default=256, help="texts per measurement")
     embeddings.add_argument("--words", type=int, default=12, help="words per text")
-    embeddings.add_argument("--repeat", type=int, default=3, help="rotations of both ways")
+    embeddings.add_argument("--repeat", type=int, default=5, help="rotations of both ways")
     embeddings.set_defaults(
         func=_lazy("mlx_redis_worker.bench.embeddings_bench", "run_embeddings_bench")
     )

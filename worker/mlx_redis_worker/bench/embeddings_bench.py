@@ -12,8 +12,10 @@ so drift hits both alike:
   scheduler batches the 64 requests' inputs into each forward pass: continuous batching of
   requests, as a worker runs them.
 
-Reported per batch size: inputs per second of each (median over the rotations), the ratio
-engine / direct, and the batching gain (inputs/s at the largest batch over batch 1).
+Reported per batch size: inputs per second of each (median over the rotations) and the ratio
+engine / direct; and the batching gain of each (inputs/s at the largest batch over batch 1).
+Ratios are medians of the per-rotation ratios (the two figures of a ratio measured next to
+each other), which a machine whose speed drifts between rotations leaves fair.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ class Measured:
 
     def median(self, way: str, batch: int) -> float:
         return statistics.median(self.rates[(way, batch)])
+
+    def ratio(self, top: tuple[str, int], bottom: tuple[str, int]) -> float:
+        """The median of the per-rotation ratios ``top / bottom``."""
+        pairs = zip(self.rates[top], self.rates[bottom], strict=True)
+        return statistics.median(a / b for a, b in pairs)
 
 
 def make_texts(count: int, words: int, seed: int = 7) -> list[str]:
@@ -120,10 +127,11 @@ def format_embeddings(measured: Measured, args: argparse.Namespace) -> str:
     ]
     for batch in batches:
         direct, engine = measured.median(DIRECT, batch), measured.median(ENGINE, batch)
-        lines.append(f"{batch:>6} {direct:>12.1f} {engine:>12.1f} {engine / direct:>16.2f}")
+        paired = measured.ratio((ENGINE, batch), (DIRECT, batch))
+        lines.append(f"{batch:>6} {direct:>12.1f} {engine:>12.1f} {paired:>16.2f}")
     low, high = batches[0], batches[-1]
     for way in (ENGINE, DIRECT):
-        gain = measured.median(way, high) / measured.median(way, low)
+        gain = measured.ratio((way, high), (way, low))
         lines.append(f"batching gain, {way}: {gain:.2f}x (batch {high} over batch {low})")
     return "\n".join(lines)
 
