@@ -39,11 +39,11 @@ def fleet(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
 
 def own_vector(model: EmbeddingModel, item: str | list[int]) -> np.ndarray[Any, Any]:
     """The model's vector of one input, computed alone in this process."""
-    return model.embed([model.input_ids(item, 0)])[0]
+    return model.embed([model.input_ids(item)])[0]
 
 
 def token_count(model: EmbeddingModel, texts: list[str]) -> int:
-    return sum(len(model.input_ids(text, 0)) for text in texts)
+    return sum(len(model.input_ids(text)) for text in texts)
 
 
 def test_openai_sdk_embeds_as_openai_does(

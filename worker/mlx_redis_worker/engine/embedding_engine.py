@@ -10,6 +10,7 @@ forward pass. ``add_embedding_request`` checks and tokenizes a request's inputs 
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +73,10 @@ class EmbeddingEngineCore(EngineBase[EmbeddingScheduler]):
         input over the model's token limit, too many inputs or tokens), ``QueueFullError``
         when the engine is full."""
         self._check_usable()
-        return await self._open(self._make_request(inputs, request_id, dimensions), collect=collect)
+        # Off the event loop: a job's texts may be a megabyte to tokenize.
+        request = await asyncio.to_thread(self._make_request, inputs, request_id, dimensions)
+        self._check_room()
+        return await self._open(request, collect=collect)
 
     def _make_request(
         self, inputs: list[str | list[int]], request_id: str | None, dimensions: int | None
@@ -85,18 +89,13 @@ class EmbeddingEngineCore(EngineBase[EmbeddingScheduler]):
         if len(inputs) > limits.max_inputs:
             raise ValueError(f"{len(inputs)} inputs are over the limit of {limits.max_inputs}")
         length = model.check_dimensions(dimensions)
-        token_ids = []
-        total = 0
-        for index, item in enumerate(inputs):
-            ids = model.input_ids(item, index)
-            total += len(ids)
-            if total > limits.max_request_tokens:
-                raise ValueError(
-                    f"the inputs are over the limit of {limits.max_request_tokens} tokens "
-                    "per request"
-                )
-            token_ids.append(ids)
-        self._check_room()
+        token_ids = model.inputs_ids(inputs)
+        total = sum(len(ids) for ids in token_ids)
+        if total > limits.max_request_tokens:
+            raise ValueError(
+                f"the inputs are {total} tokens, over the limit of {limits.max_request_tokens} "
+                "tokens per request"
+            )
         return EmbeddingRequest(request_id or uuid.uuid4().hex, token_ids, length)
 
     async def add_request(self, prompt: str | list[int], *args: Any, **kwargs: Any) -> str:

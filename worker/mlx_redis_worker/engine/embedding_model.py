@@ -39,30 +39,42 @@ class EmbeddingModel:
 
     # -- inputs (the caller's thread) --------------------------------------------------------
 
-    def input_ids(self, item: str | list[int], index: int) -> list[int]:
-        """The model's input for one text or one list of token ids (``ValueError`` naming
-        input ``index`` for one the model cannot take)."""
-        if isinstance(item, str):
-            if not item:
-                raise ValueError(f"input[{index}] is an empty string")
-            body = list(self.tokenizer.encode(item, add_special_tokens=False))
-        else:
-            if not item:
-                raise ValueError(f"input[{index}] is an empty list of token ids")
-            bad = next((t for t in item if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
+    def inputs_ids(self, items: list[str | list[int]]) -> list[list[int]]:
+        """The model's input for each text or list of token ids, the texts tokenized in one
+        batch (``ValueError`` naming the first input the model cannot take)."""
+        texts = [item for item in items if isinstance(item, str)]
+        if any(not text for text in texts):
+            empty = next(i for i, item in enumerate(items) if item == "")
+            raise ValueError(f"input[{empty}] is an empty string")
+        encoded = iter(
+            self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        )
+        result = []
+        for index, item in enumerate(items):
+            body = list(next(encoded)) if isinstance(item, str) else self._token_ids(item, index)
+            ids = [*self.special_prefix, *body, *self.special_suffix]
+            if len(ids) > self.max_input_tokens:
                 raise ValueError(
-                    f"input[{index}] holds token id {bad}, outside the model's vocabulary "
-                    f"[0, {self.vocab_size})"
+                    f"input[{index}] is {len(ids)} tokens, over the model's limit of "
+                    f"{self.max_input_tokens} tokens per input"
                 )
-            body = list(item)
-        ids = [*self.special_prefix, *body, *self.special_suffix]
-        if len(ids) > self.max_input_tokens:
+            result.append(ids)
+        return result
+
+    def input_ids(self, item: str | list[int]) -> list[int]:
+        """The model's input for one text or list of token ids."""
+        return self.inputs_ids([item])[0]
+
+    def _token_ids(self, item: list[int], index: int) -> list[int]:
+        if not item:
+            raise ValueError(f"input[{index}] is an empty list of token ids")
+        bad = next((t for t in item if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
             raise ValueError(
-                f"input[{index}] is {len(ids)} tokens, over the model's limit of "
-                f"{self.max_input_tokens} tokens per input"
+                f"input[{index}] holds token id {bad}, outside the model's vocabulary "
+                f"[0, {self.vocab_size})"
             )
-        return ids
+        return list(item)
 
     def check_dimensions(self, dimensions: int | None) -> int:
         """The vector length a request gets (``ValueError`` for one the model cannot give)."""
@@ -97,7 +109,7 @@ class EmbeddingModel:
         output = self.model(mx.array(tokens), attention_mask=mx.array(mask))
         vectors = output.text_embeds.astype(mx.float32)
         mx.eval(vectors)
-        return np.array(vectors, copy=False)
+        return np.asarray(vectors)
 
 
 def cut_to(vector: np.ndarray[Any, np.dtype[np.float32]], dimensions: int) -> bytes:
