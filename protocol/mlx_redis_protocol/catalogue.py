@@ -63,7 +63,17 @@ async def live_heartbeats(
 
 async def served_models(redis: RedisClient, keys: Keys) -> set[str]:
     """The models live workers advertise in their heartbeats."""
-    return {model for beat in await live_heartbeats(redis, keys) for model in beat.models}
+    return set(await served_media(redis, keys))
+
+
+async def served_media(redis: RedisClient, keys: Keys) -> dict[str, frozenset[str]]:
+    """The models live workers advertise, each with the media its jobs may carry ("image",
+    "video"; none for a text-only model) as any of its workers says."""
+    served: dict[str, frozenset[str]] = {}
+    for beat in await live_heartbeats(redis, keys):
+        for model, state in beat.models.items():
+            served[model] = served.get(model, frozenset()) | frozenset(state.media)
+    return served
 
 
 async def model_streams(redis: RedisClient, keys: Keys) -> list[JobStream]:

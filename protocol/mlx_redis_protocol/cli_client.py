@@ -45,7 +45,17 @@ from mlx_redis_protocol.errors import (
     StreamRewritten,
     StreamTimeout,
 )
-from mlx_redis_protocol.messages import DeltaEvent, DoneEvent, ErrorEvent, Event, Job, ResetEvent
+from mlx_redis_protocol.limits import DEFAULT_LIMITS
+from mlx_redis_protocol.media_inputs import StagedMedia, prepare_media, video_input
+from mlx_redis_protocol.messages import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    Job,
+    ResetEvent,
+    VideoInput,
+)
 from mlx_redis_protocol.replay_log import read_log
 
 CTL_COMMANDS: Final = ("stats", "ping", "abort", "cache-save", "cache-load", "cache-clear")
@@ -131,6 +141,22 @@ def add_commands(subparsers: Any) -> None:
         ),
     )
     submit.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="an image file for a vision-language model (repeat for several)",
+    )
+    submit.add_argument(
+        "--video", action="append", default=None, metavar="PATH", help="a video file (repeat)"
+    )
+    submit.add_argument(
+        "--video-fps", type=float, default=None, help="frames sampled per second (default 1)"
+    )
+    submit.add_argument(
+        "--video-max-frames", type=int, default=None, help="at most this many frames a video"
+    )
+    submit.add_argument(
         "--no-stream", action="store_true", help="print the request id and exit at once"
     )
     _output_options(submit)
@@ -214,7 +240,7 @@ async def _run(args: argparse.Namespace, out: TextIO) -> int:
     if args.command == "models":
         return await run_models(args, out)
     # A mistake in the job is said before Redis is asked anything.
-    job = _job(args) if args.command == "submit" else None
+    job, blobs = _job(args) if args.command == "submit" else (None, {})
     if args.command == "embed":
         job = embed_job(args)
     async with Client(
@@ -226,6 +252,8 @@ async def _run(args: argparse.Namespace, out: TextIO) -> int:
         if job is not None and args.command == "embed":
             return await run_embed(client, job, args, out)
         if job is not None:
+            for blob_id, data in blobs.items():  # big media files, before the job names them
+                await client.store_blob(blob_id, data)
             return await _submit(client, job, args, out)
         if args.command == "stream":
             return await _follow(client, args.request_id, args, out)
@@ -234,7 +262,8 @@ async def _run(args: argparse.Namespace, out: TextIO) -> int:
     raise ValueError(f"unknown command {args.command!r}")
 
 
-def _job(args: argparse.Namespace) -> Job:
+def _job(args: argparse.Namespace) -> tuple[Job, dict[str, bytes]]:
+    """The job the flags ask for, and the blobs (big media files) to store for it."""
     sampling = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -248,14 +277,31 @@ def _job(args: argparse.Namespace) -> Job:
     options: Any = {name: value for name, value in sampling.items() if value is not None}
     if (response_format := _response_format(args)) is not None:
         options["response_format"] = response_format
+    staged = _media(args)
+    if staged is not None:
+        options["images"], options["videos"] = staged.images, staged.videos
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
-    return build_job(
+    job = build_job(
         prompt=args.prompt if args.raw else None,
         prompt_token_ids=None,
         messages=None if args.raw else [*system, {"role": "user", "content": args.prompt}],
         request_id=args.request_id,
-        options=options,
+        options={name: value for name, value in options.items() if value is not None},
     )
+    return job, staged.blobs if staged is not None else {}
+
+
+def _media(args: argparse.Namespace) -> StagedMedia | None:
+    """``--image`` / ``--video`` files as the job's media (big ones to blobs)."""
+    if not args.image and not args.video:
+        if args.video_fps is not None or args.video_max_frames is not None:
+            raise ValueError("--video-fps and --video-max-frames need --video")
+        return None
+    videos = [
+        VideoInput(data=video.data, fps=args.video_fps, max_frames=args.video_max_frames)
+        for video in (video_input(path, DEFAULT_LIMITS, path) for path in args.video or ())
+    ]
+    return prepare_media(args.image or (), videos, DEFAULT_LIMITS)
 
 
 async def _submit(client: Client, job: Job, args: argparse.Namespace, out: TextIO) -> int:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from mlx_redis_protocol.catalogue import served_models
+from mlx_redis_protocol.catalogue import served_media
 from mlx_redis_protocol.channels import ChannelHub
 from mlx_redis_protocol.codec_job import decode_job, encode_job
 from mlx_redis_protocol.connection import (
@@ -59,6 +59,11 @@ from mlx_redis_protocol.errors import ClientError, RedisUnavailable, StreamRewri
 from mlx_redis_protocol.identifiers import new_request_id
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
+from mlx_redis_protocol.media_inputs import (
+    DEFAULT_BLOB_TTL_SECONDS,
+    DEFAULT_INLINE_MEDIA_BYTES,
+    prepare_media,
+)
 from mlx_redis_protocol.messages import (
     TOOL_CHOICE_MODES,
     ChatMessage,
@@ -139,6 +144,8 @@ class Client:
         unavailable_timeout: float = 60.0,
         require_worker: bool = True,
         retry_commands: bool = True,
+        inline_media_bytes: int = DEFAULT_INLINE_MEDIA_BYTES,
+        blob_ttl: int = DEFAULT_BLOB_TTL_SECONDS,
         redis: RedisClient | None = None,
         **redis_options: Any,
     ) -> None:
@@ -148,8 +155,12 @@ class Client:
             raise ValueError("recheck_interval and unavailable_timeout must be > 0")
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
+        if blob_ttl < 1 or inline_media_bytes < 0:
+            raise ValueError("blob_ttl must be at least 1 second, inline_media_bytes >= 0")
         self.keys = Keys(prefix)
         self.log_ttl = log_ttl
+        self.blob_ttl = blob_ttl
+        self.inline_media_bytes = inline_media_bytes
         self.abort_ttl = abort_ttl
         self.limits = limits
         self.recheck_interval = recheck_interval
@@ -174,6 +185,7 @@ class Client:
         # (for fleets an autoscaler grows from zero workers; the log TTL bounds its wait).
         self.require_worker = require_worker
         self._served: frozenset[str] = frozenset()
+        self._media: dict[str, frozenset[str]] = {}  # what each served model takes
         self._served_at = -float("inf")
         # The catalogue read in progress, shared by every caller that wants one meanwhile (a
         # burst of submits after an idle spell reads it once, not once per submit).
@@ -268,17 +280,41 @@ class Client:
 
         ``model=NAME`` (an option, like the sampling fields) names the fleet's model to run it
         with: see ``submit_job`` for what happens when no live worker serves it.
+        ``images`` and ``videos`` (options): bytes, paths or ``ImageInput``/``VideoInput``,
+        a video also as a list of frames; a file over ``inline_media_bytes`` is stored in a
+        blob (``blob_ttl``) that the job references.
         Raises ProtocolError (before touching Redis) if the job would be invalid.
         """
+        fields: dict[str, Any] = dict(options)
+        blobs: dict[str, bytes] = {}
+        if fields.get("images") or fields.get("videos"):
+            staged = prepare_media(
+                fields.pop("images", ()),
+                fields.pop("videos", ()),
+                self.limits,
+                self.inline_media_bytes,
+            )
+            fields["images"], fields["videos"], blobs = staged.images, staged.videos, staged.blobs
         job = build_job(
             prompt=prompt,
             prompt_token_ids=prompt_token_ids,
             messages=messages,
             request_id=request_id,
-            options=options,
+            options={name: value for name, value in fields.items() if value is not None},
             limits=self.limits,
         )
+        # Stored once the job is known valid: a job that cannot run leaves no blob behind.
+        for blob_id, data in blobs.items():
+            await self.store_blob(blob_id, data)
         return await self.submit_job(job)
+
+    async def store_blob(self, blob_id: str, data: bytes) -> None:
+        """Store a media file under ``blob_id`` for a job to reference (with ``blob_ttl``)."""
+        key = self.keys.blob(blob_id)
+        await self._retried(
+            f"blob {blob_id!r} was not stored",
+            lambda redis: redis.set(key, data, ex=self.blob_ttl),
+        )
 
     async def submit_job(self, job: Job) -> str:
         """Queue an already built Job; returns its request id.
@@ -299,7 +335,17 @@ class Client:
         if job.model is not None:
             served = await self._models_for(job.model) if self.require_worker else None
             if served is not None and job.model not in served:
-                await self._refuse(job, served)
+                listed = ", ".join(sorted(served)) or "none"
+                message = f"no live worker serves model {job.model!r} (served: {listed})"
+                await self._refuse(job, "unknown_model", message)
+                return job.request_id
+            missing = _media_kinds(job) - self._media.get(job.model, frozenset())
+            if served is not None and missing:
+                message = (
+                    f"invalid_field: model {job.model!r} does not take "
+                    f"{' or '.join(sorted(kind + 's' for kind in missing))}"
+                )
+                await self._refuse(job, "invalid_job", message)
                 return job.request_id
             stream = self.keys.model_stream(job.model).stream
         # The queued marker goes first, so a subscriber arriving any time after this call
@@ -328,18 +374,23 @@ class Client:
         return await asyncio.shield(self._reading_served)
 
     async def _read_served(self) -> frozenset[str]:
-        served = frozenset(
-            await self._retried(
-                "the fleet's models could not be read",
-                lambda redis: served_models(redis, self.keys),
-            )
+        media = await self._retried(
+            "the fleet's models could not be read",
+            lambda redis: served_media(redis, self.keys),
         )
-        self._served, self._served_at = served, time.monotonic()
+        served = frozenset(media)
+        self._served, self._media, self._served_at = served, media, time.monotonic()
         return served
 
     async def serves(self, model: str) -> bool:
         """Whether a live worker serves ``model`` (a positive answer is cached briefly)."""
         return model in await self._models_for(model)
+
+    async def media_of(self, model: str) -> frozenset[str]:
+        """The media ``model``'s live workers say it takes ("image", "video"; none for a
+        text-only model or one no live worker serves)."""
+        await self._models_for(model)
+        return self._media.get(model, frozenset())
 
     async def _models_for(self, model: str) -> frozenset[str]:
         """The served models, for a job naming ``model``: a read that found it is trusted
@@ -350,24 +401,24 @@ class Client:
             return self._served
         return await self.served_models()
 
-    async def _refuse(self, job: Job, served: frozenset[str]) -> None:
-        """End a request whose model no live worker serves: its queued marker and a terminal
-        ``unknown_model`` error (attempt 0: no worker ran it), in one script call, so
-        whoever follows the request sees it end. The job itself is not queued."""
-        listed = ", ".join(sorted(served)) or "none"
+    async def _refuse(self, job: Job, code: str, message: str) -> None:
+        """End a request the fleet cannot run (its model no live worker serves, or does not
+        take its media): its queued marker and a terminal error (attempt 0: no worker ran
+        it), in one script call, so whoever follows the request sees it end. The job itself
+        is not queued."""
         events: list[Event] = [
             QueuedEvent(request_id=job.request_id, seq=0, attempt=0),
             ErrorEvent(
                 request_id=job.request_id,
                 seq=1,
                 attempt=0,
-                code="unknown_model",
-                message=f"no live worker serves model {job.model!r} (served: {listed})",
+                code=code,
+                message=message,
                 metadata=job.metadata,
             ),
         ]
         await self._retried(
-            f"job {job.request_id!r} was not queued (unknown model)",
+            f"job {job.request_id!r} was not queued ({code})",
             lambda redis: publish_events(redis, self.keys, events, ttl_seconds=self.log_ttl),
         )
 
@@ -605,6 +656,13 @@ def build_job(
         **fields,
     )
     return decode_job(encode_job(job), limits)
+
+
+def _media_kinds(job: Job) -> frozenset[str]:
+    """The media a job carries: "image", "video"."""
+    return frozenset(
+        kind for kind, items in (("image", job.images), ("video", job.videos)) if items
+    )
 
 
 def _chat_message(turn: Mapping[str, Any] | ChatMessage) -> ChatMessage:

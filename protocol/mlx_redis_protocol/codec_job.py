@@ -5,6 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from mlx_redis_protocol.codec_media import (
+    check_placements,
+    encode_image,
+    encode_parts,
+    encode_video,
+    read_content,
+    read_images,
+    read_videos,
+)
 from mlx_redis_protocol.codec_tools import (
     encode_tool,
     encode_tool_call,
@@ -54,6 +63,10 @@ def encode_job(job: Job) -> bytes:
             value = encode_tool_choice(value)
         elif name == "input" and isinstance(value, tuple):
             value = [list(item) if isinstance(item, tuple) else item for item in value]
+        elif name == "images":
+            value = [encode_image(image) for image in value]
+        elif name == "videos":
+            value = [encode_video(video) for video in value]
         elif name in ("metadata", "response_format", "speculative") and isinstance(value, Mapping):
             value = dict(value)  # anything else goes as it is, for the decoder to refuse
         elif isinstance(value, tuple):
@@ -63,7 +76,8 @@ def encode_job(job: Job) -> bytes:
 
 
 def _message_fields(message: ChatMessage) -> dict[str, Any]:
-    fields: dict[str, Any] = {"role": message.role, "content": message.content}
+    content: Any = encode_parts(message) if message.parts is not None else message.content
+    fields: dict[str, Any] = {"role": message.role, "content": content}
     if message.tool_calls:
         fields["tool_calls"] = [encode_tool_call(call) for call in message.tool_calls]
     if message.tool_call_id is not None:
@@ -101,6 +115,9 @@ def _decode_job(data: object, limits: Limits) -> Job:
     reader.request_id = _request_id(reader)
     prompt, prompt_token_ids, messages, inputs = _prompt(reader)
     tools = read_tools(reader)
+    images = read_images(reader)
+    videos = read_videos(reader, images)
+    check_placements(reader, messages, images, videos)
     return Job(
         request_id=reader.request_id or new_request_id(),
         prompt=prompt,
@@ -133,6 +150,8 @@ def _decode_job(data: object, limits: Limits) -> Job:
         speculative=_speculative(reader),
         input=inputs,
         dimensions=_dimensions(reader, inputs),
+        images=images,
+        videos=videos,
     )
 
 
@@ -308,7 +327,9 @@ def _messages(reader: FieldReader) -> tuple[ChatMessage, ...] | None:
         role = turn.required_string("role", non_empty=True, max_len=MAX_ROLE_LEN)
         tool_calls = read_message_tool_calls(turn)
         # An assistant turn that only calls tools may leave its content out (OpenAI's null).
-        content = turn.string("content", required=not tool_calls, max_len=reader.limits.max_str_len)
+        if not tool_calls and not turn.has("content"):
+            raise turn.error("missing_field", "content", "is required")
+        content, parts = read_content(turn)
         messages.append(
             ChatMessage(
                 role=role,
@@ -316,6 +337,7 @@ def _messages(reader: FieldReader) -> tuple[ChatMessage, ...] | None:
                 tool_calls=tool_calls or None,
                 tool_call_id=read_tool_call_id(turn),
                 name=turn.string("name", max_len=MAX_ROLE_LEN),
+                parts=parts,
             )
         )
     return tuple(messages)

@@ -63,7 +63,7 @@ def read_tools(reader: FieldReader) -> tuple[Tool, ...] | None:
         return None
     tools = []
     for index, item in enumerate(items):
-        entry = _sub_reader(reader, f"tools[{index}]", item)
+        entry = reader.nested(f"tools[{index}]", item)
         name = entry.required_string("name")
         if not is_tool_name(name):
             raise entry.error("invalid_field", "name", f"must be {TOOL_NAME_RULE}")
@@ -104,7 +104,7 @@ def read_tool_choice(reader: FieldReader, tools: tuple[Tool, ...] | None) -> Too
             raise reader.error("invalid_field", "tool_choice", rule)
         choice = ToolChoice(TOOL_CHOICE_MODES[TOOL_CHOICE_MODES.index(value)])
     elif isinstance(value, dict):
-        entry = _sub_reader(reader, "tool_choice", value)
+        entry = reader.nested("tool_choice", value)
         choice = ToolChoice("function", entry.required_string("name"))
     else:
         raise reader.error("invalid_field", "tool_choice", "must be a string or a map")
@@ -129,7 +129,7 @@ def read_tool_call_id(turn: FieldReader) -> str | None:
 
 
 def _tool_call(reader: FieldReader, index: int, item: object) -> ToolCall:
-    entry = _sub_reader(reader, f"tool_calls[{index}]", item)
+    entry = reader.nested(f"tool_calls[{index}]", item)
     call_id = entry.required_string("id", non_empty=True, max_len=MAX_CALL_ID_LEN)
     name = entry.required_string("name")
     if not is_tool_name(name):
@@ -160,7 +160,7 @@ def read_tool_call_deltas(reader: FieldReader) -> tuple[ToolCallDelta, ...]:
     items = reader.array("tool_calls", max_items=MAX_TOOL_CALLS)
     deltas = []
     for index, item in enumerate(items or ()):
-        entry = _sub_reader(reader, f"tool_calls[{index}]", item)
+        entry = reader.nested(f"tool_calls[{index}]", item)
         call_index: Any = entry.message.get("index")
         if not is_integer(call_index) or not 0 <= call_index < MAX_TOOL_CALLS:
             raise entry.error(
@@ -183,11 +183,3 @@ def read_tool_call_deltas(reader: FieldReader) -> tuple[ToolCallDelta, ...]:
 def read_tool_calls(reader: FieldReader) -> tuple[ToolCall, ...]:
     items = reader.array("tool_calls", max_items=MAX_TOOL_CALLS)
     return tuple(_tool_call(reader, index, item) for index, item in enumerate(items or ()))
-
-
-def _sub_reader(reader: FieldReader, name: str, item: object) -> FieldReader:
-    if not isinstance(item, dict):
-        raise reader.error("invalid_field", name, "must be a map")
-    entry = FieldReader(item, f"{reader.what}.{name}", reader.limits)
-    entry.request_id = reader.request_id
-    return entry

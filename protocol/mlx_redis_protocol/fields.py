@@ -31,6 +31,15 @@ class FieldReader:
     def error(self, code: str, name: str, rule: str) -> ProtocolError:
         return ProtocolError(code, f"{self.what}.{name} {rule}", request_id=self.request_id)
 
+    def nested(self, name: str, value: object) -> FieldReader:
+        """A reader of the map ``value`` found at ``name`` (its errors name ``what.name``
+        and carry this reader's request id); ``invalid_field`` when it is no map."""
+        if not isinstance(value, dict):
+            raise self.error("invalid_field", name, "must be a map")
+        reader = FieldReader(value, f"{self.what}.{name}", self.limits)
+        reader.request_id = self.request_id
+        return reader
+
     def has(self, name: str) -> bool:
         """True when the field is present and not nil (nil counts as absent)."""
         return self.message.get(name) is not None

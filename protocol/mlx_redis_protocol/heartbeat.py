@@ -19,6 +19,8 @@ from mlx_redis_protocol.identifiers import is_valid_id
 # Numbers a reader takes from a worker's document: exact in a float, so a time or a count
 # past it (a hostile or broken writer) cannot overflow the arithmetic that shows it.
 MAX_EXACT_INT: Final = 2**53
+# The media a model may take besides text, as heartbeats list them.
+MEDIA_KINDS: Final = ("image", "video")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +30,9 @@ class ServedModel:
     max_concurrency: int
     free_slots: int
     in_flight: int
+    # The media its jobs may carry besides text: "image", "video" (a vision-language model);
+    # empty for a text-only model (and from workers that predate media).
+    media: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,7 @@ class Heartbeat:
                         "max_concurrency": m.max_concurrency,
                         "free_slots": m.free_slots,
                         "in_flight": m.in_flight,
+                        "media": list(m.media),
                     }
                     for name, m in self.models.items()
                 },
@@ -139,10 +145,17 @@ def _models(value: Any) -> dict[str, ServedModel]:
             max_concurrency=int_or_zero(served.get("max_concurrency")),
             free_slots=int_or_zero(served.get("free_slots")),
             in_flight=int_or_zero(served.get("in_flight")),
+            media=_media(served.get("media")),
         )
         for name, served in value.items()
         if isinstance(name, str) and isinstance(served, dict)
     }
+
+
+def _media(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        return ()
+    return tuple(kind for kind in MEDIA_KINDS if kind in value)
 
 
 def int_or_zero(value: Any) -> int:

@@ -198,6 +198,11 @@ class Keys:
         shape and owner), in the request's slot; it expires with the request's log."""
         return f"{self.prefix}:gateway:{{{_checked(request_id, 'request id')}}}"
 
+    def blob(self, blob_id: str) -> str:
+        """A media file a producer stored for its jobs (a string, with a TTL): the key a job's
+        ``blob`` reference names; workers only read it."""
+        return f"{self.prefix}:blob:{{{_checked(blob_id, 'blob id')}}}"
+
     def quota(self, key_name: str) -> str:
         """One gateway API key's rate-limit bucket and in-flight requests (one hash)."""
         return f"{self.prefix}:quota:{{{_checked(key_name, 'API key name')}}}"

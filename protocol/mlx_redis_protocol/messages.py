@@ -7,9 +7,12 @@ Lists are tuples so a message can't be changed after it was validated.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar, Final, Literal, TypedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, TypedDict
+
+if TYPE_CHECKING:
+    from mlx_redis_protocol.media_inputs import ImageLike, VideoLike
 
 # Job fields that map 1:1 onto the engine's SamplingParams (same names, same meaning).
 SAMPLING_FIELDS: Final = (
@@ -76,6 +79,63 @@ class JobOptions(TypedDict, total=False):
     parallel_tool_calls: bool
     thinking: bool
     speculative: Mapping[str, Any]
+    # Bytes, paths or ImageInput; a video also as a list of frames (media_inputs).
+    images: Sequence[ImageLike]
+    videos: Sequence[VideoLike]
+
+
+# An image's ``detail`` (OpenAI's): "low" shrinks it to fit LOW_DETAIL_SIDE pixels a side
+# before the model sees it; "high" and "auto" leave its size to the model's processor.
+ImageDetail = Literal["auto", "low", "high"]
+IMAGE_DETAILS: Final[tuple[ImageDetail, ...]] = ("auto", "low", "high")
+LOW_DETAIL_SIDE: Final = 512
+# Frames sampled per second of a video file when its job names no rate.
+DEFAULT_VIDEO_FPS: Final = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ImageInput:
+    """One image of a job, from exactly one source: its file's bytes inline (``data``), a
+    blob a producer stored in Redis (``blob``: the id of ``{prefix}:blob:{id}``), or an
+    ``http(s)`` ``url`` (fetched only by workers whose operator allows its host)."""
+
+    data: bytes | None = None
+    blob: str | None = None
+    url: str | None = None
+    detail: ImageDetail | None = None
+
+    @property
+    def source(self) -> str:
+        """Which source it has: "data", "blob" or "url"."""
+        return "data" if self.data is not None else "blob" if self.blob is not None else "url"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VideoInput:
+    """One video of a job: a file (one source, as for an image) whose frames the worker
+    samples at ``fps`` (at most ``max_frames`` of them), or the list of its ``frames``."""
+
+    data: bytes | None = None
+    blob: str | None = None
+    url: str | None = None
+    frames: tuple[ImageInput, ...] | None = None
+    fps: float | None = None
+    max_frames: int | None = None
+
+    @property
+    def source(self) -> str:
+        """ "data", "blob", "url" or "frames"."""
+        if self.frames is not None:
+            return "frames"
+        return "data" if self.data is not None else "blob" if self.blob is not None else "url"
+
+
+@dataclass(frozen=True, slots=True)
+class ContentPart:
+    """A piece of a chat turn: text, or the place of the job's next image or video."""
+
+    type: Literal["text", "image", "video"]
+    text: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,6 +195,9 @@ class ChatMessage:
     tool_calls: tuple[ToolCall, ...] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # A turn of text, image and video parts (``content`` is its text joined): the job's
+    # images and videos take the places of its media parts, in order.
+    parts: tuple[ContentPart, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -191,6 +254,14 @@ class Job:
     # model documents them (Matryoshka).
     input: tuple[str | tuple[int, ...], ...] | None = None
     dimensions: int | None = None
+    # Images and videos the model sees (a vision-language model's job): placed where the
+    # chat's media parts say, the rest in the last user turn.
+    images: tuple[ImageInput, ...] | None = None
+    videos: tuple[VideoInput, ...] | None = None
+
+    def has_media(self) -> bool:
+        """True when the job carries images or videos."""
+        return bool(self.images) or bool(self.videos)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The set sampling fields, ready for ``SamplingParams(**kwargs)`` (lists, not tuples)."""
@@ -206,7 +277,25 @@ class Job:
         parsed), or None for a plain prompt."""
         if self.messages is None:
             return None
-        return [chat_turn(m) for m in self.messages]
+        return [chat_turn(m) for m in self.placed_messages()]
+
+    def placed_messages(self) -> tuple[ChatMessage, ...]:
+        """``messages`` with a place for each of the job's images and videos: those no media
+        part places go at the start of the last user turn (images first), where a model's
+        own prompt format puts a lone image."""
+        messages = self.messages or ()
+        unplaced = []
+        for kind, media in (("image", self.images), ("video", self.videos)):
+            places = sum(1 for m in messages for part in m.parts or () if part.type == kind)
+            unplaced += [ContentPart(kind)] * (len(media or ()) - places)  # type: ignore[arg-type]
+        users = [index for index, m in enumerate(messages) if m.role == "user"]
+        if not unplaced or not users:
+            return messages
+        last = messages[users[-1]]
+        text = (ContentPart("text", last.content),) if last.content else ()
+        parts = last.parts if last.parts is not None else text
+        placed = replace(last, parts=(*unplaced, *parts))
+        return (*messages[: users[-1]], placed, *messages[users[-1] + 1 :])
 
     def calls_tools(self) -> bool:
         """True when the model is offered tools it may call (tools, and a choice not none)."""
@@ -220,7 +309,14 @@ class Job:
 def chat_turn(message: ChatMessage) -> dict[str, Any]:
     """One turn as chat templates take it: OpenAI's shape, arguments as a parsed object
     (what templates render with ``tojson``)."""
-    turn: dict[str, Any] = {"role": message.role, "content": message.content}
+    content: Any = message.content
+    if message.parts is not None:
+        # The shape vision-language chat templates take: {"type": "image"} marks a place.
+        content = [
+            {"type": "text", "text": part.text} if part.type == "text" else {"type": part.type}
+            for part in message.parts
+        ]
+    turn: dict[str, Any] = {"role": message.role, "content": content}
     if message.tool_calls:
         turn["tool_calls"] = [
             {

@@ -584,7 +584,8 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
         {"messages": [{"role": "tool", "content": "1"}]},
         "messages[0].tool_call_id",
     ),
-    ("chat", {"messages": [{"role": "user", "content": IMAGE_PARTS}]}, "messages[0].content"),
+    # An image part whose file is no image of an allowed format (3 bytes of base64).
+    ("chat", {"messages": [{"role": "user", "content": IMAGE_PARTS}]}, "messages[0].content[1]"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("chat", {"response_format": {"type": "xml"}}, "response_format"),
     ("text", {"prompt": [[1, 2]]}, "prompt"),

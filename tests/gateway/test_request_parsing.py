@@ -348,7 +348,7 @@ REFUSALS: list[tuple[Kind, Any, str]] = [
                 }
             ]
         ),
-        "messages[0].content",
+        "messages[0].content[1]",  # a data: URL that is not base64
     ),
     (
         "chat",

@@ -104,10 +104,10 @@ def test_a_served_model_queues_on_its_stream(redis_url: str, keys: Keys) -> None
 def test_a_job_naming_no_model_goes_to_the_default_stream_unchecked(
     redis_url: str, keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def no_catalogue(*_: object) -> set[str]:
+    async def no_catalogue(*_: object) -> dict[str, frozenset[str]]:
         raise AssertionError("a job naming no model must not read the catalogue")
 
-    monkeypatch.setattr(client_module, "served_models", no_catalogue)
+    monkeypatch.setattr(client_module, "served_media", no_catalogue)
 
     async def main() -> None:
         async with Client(redis_url, prefix=keys.prefix) as client:
@@ -123,13 +123,13 @@ def test_a_positive_answer_is_reused_briefly_and_a_miss_is_read_again(
     redis_url: str, keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reads: list[float] = []
-    real = client_module.served_models
+    real = client_module.served_media
 
-    async def counted(redis: RedisClient, keys: Keys) -> set[str]:
+    async def counted(redis: RedisClient, keys: Keys) -> dict[str, frozenset[str]]:
         reads.append(time.monotonic())
         return await real(redis, keys)
 
-    monkeypatch.setattr(client_module, "served_models", counted)
+    monkeypatch.setattr(client_module, "served_media", counted)
 
     async def main() -> None:
         async with Client(redis_url, prefix=keys.prefix) as client:
@@ -160,15 +160,15 @@ def test_concurrent_submits_after_an_idle_spell_share_one_catalogue_read(
     redis_url: str, keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reads = 0
-    real = client_module.served_models
+    real = client_module.served_media
 
-    async def counted(redis: RedisClient, keys: Keys) -> set[str]:
+    async def counted(redis: RedisClient, keys: Keys) -> dict[str, frozenset[str]]:
         nonlocal reads
         reads += 1
         await asyncio.sleep(0.05)  # a read that takes a while, as a SCAN of many keys does
         return await real(redis, keys)
 
-    monkeypatch.setattr(client_module, "served_models", counted)
+    monkeypatch.setattr(client_module, "served_media", counted)
 
     async def main() -> None:
         async with Client(redis_url, prefix=keys.prefix) as client:

@@ -106,7 +106,9 @@ def test_a_heartbeat_round_trips() -> None:
         in_flight=3,
         default_model="a",
         models={
-            "a": ServedModel(max_concurrency=8, free_slots=6, in_flight=2),
+            "a": ServedModel(
+                max_concurrency=8, free_slots=6, in_flight=2, media=("image", "video")
+            ),
             "b": ServedModel(max_concurrency=4, free_slots=3, in_flight=1),
         },
         version="1.2.3",
@@ -114,7 +116,13 @@ def test_a_heartbeat_round_trips() -> None:
     encoded = json.loads(beat.encode())
     # Older readers show one model: `model` names the default.
     assert encoded["model"] == encoded["default_model"] == "a"
-    assert encoded["models"]["b"] == {"max_concurrency": 4, "free_slots": 3, "in_flight": 1}
+    assert encoded["models"]["b"] == {
+        "max_concurrency": 4,
+        "free_slots": 3,
+        "in_flight": 1,
+        "media": [],  # a text-only model
+    }
+    assert encoded["models"]["a"]["media"] == ["image", "video"]
     assert decode_heartbeat(beat.encode()) == beat
     assert decode_heartbeat(beat.encode().encode()) == beat
     assert beat.serves("b") and not beat.serves("c")

@@ -198,6 +198,12 @@ def _add_bench_commands(commands: Any) -> None:
     isolation.add_argument("--max-tokens", type=int, default=48)
     isolation.add_argument("--idle-sockets", type=int, default=1000)
     isolation.add_argument("--repeat", type=int, default=1, help="rotations of all attackers")
+    isolation.add_argument(
+        "--attackers",
+        default=None,
+        help="the attackers to run, comma-separated (default: all; e.g. "
+        "image-bomb,image-50mb,image-flood)",
+    )
     isolation.add_argument("--redis-url", default=None, help="default: a private redis-server")
     isolation.set_defaults(
         func=_lazy("mlx_redis_worker.bench.isolation_bench", "run_isolation_bench")
@@ -384,6 +390,24 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
         "the draft model of speculative draft_model: a folder, hub id or fixture name "
         "(smollm2-draft); it must share the served models' tokenizer",
     ),
+    "media_threads": (int, "threads decoding jobs' images and videos (default 2)"),
+    "max_images": (int, "images in one job (default 16)"),
+    "max_image_bytes": (int, "one image file (default 20 MiB)"),
+    "max_image_pixels": (int, "width x height of an image or video frame (default 32 Mi)"),
+    "max_media_bytes": (int, "all media files of one job (default 128 MiB)"),
+    "max_video_bytes": (int, "one video file (default 64 MiB)"),
+    "max_video_frames": (int, "frames sampled from one video (default 64)"),
+    "max_video_seconds": (int, "a video's duration (default 600)"),
+    "media_fetch_hosts": (
+        str,
+        "hosts whose image/video URLs jobs may name, comma-separated (*.example.com: its "
+        "subdomains); default none: no URL is fetched",
+    ),
+    "media_fetch_networks": (
+        str,
+        "non-public networks (CIDRs) media URLs may resolve to all the same (default none)",
+    ),
+    "media_fetch_timeout": (float, "seconds one media URL may take (default 10)"),
 }
 
 

@@ -74,6 +74,22 @@ def add_gateway_commands(commands: Any) -> None:
         "Without API keys other names get a 400 (DNS rebinding); with keys, Host is checked "
         "only when this names one",
     )
+    gateway.add_argument(
+        "--media-fetch-host",
+        action="append",
+        metavar="NAME",
+        help="a host whose image URLs the gateway fetches (repeatable; *.example.com: its "
+        "subdomains); default none: images come as data: URLs only",
+    )
+    gateway.add_argument(
+        "--media-fetch-network",
+        action="append",
+        metavar="CIDR",
+        help="a non-public network those hosts may resolve to all the same (repeatable)",
+    )
+    gateway.add_argument(
+        "--media-fetch-timeout", type=float, default=10.0, help="seconds an image URL may take"
+    )
     gateway.set_defaults(func=run_gateway)
 
     api_key = commands.add_parser("api-key", help="manage the gateway's API keys")
@@ -138,6 +154,9 @@ def run_gateway(args: argparse.Namespace) -> int:
             quota_lease_seconds=args.quota_lease_seconds,
             http=http,
             allowed_hosts=tuple(args.allowed_host or ()),
+            media_fetch_hosts=tuple(args.media_fetch_host or ()),
+            media_fetch_networks=tuple(args.media_fetch_network or ()),
+            media_fetch_timeout=args.media_fetch_timeout,
         )
     except ValueError as exc:
         return _fail(str(exc))

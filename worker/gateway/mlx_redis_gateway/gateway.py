@@ -28,6 +28,7 @@ from mlx_redis_gateway.auth import Authenticator
 from mlx_redis_gateway.browser_guard import require_json
 from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.http_limits import read_json
+from mlx_redis_gateway.media_parts import MediaResolver
 from mlx_redis_gateway.openai_api import CompletionRequest
 from mlx_redis_gateway.quotas import Quotas
 from mlx_redis_gateway.redis_health import HealthProbe
@@ -75,6 +76,7 @@ class Gateway:
             # client to retry, rather than held open while Redis is away.
             retry_commands=False,
         )
+        self.media = MediaResolver(settings.fetch_policy, settings.limits, self.client.store_blob)
         self.keys = KeyFile(settings.api_keys) if settings.api_keys is not None else None
         self.auth = Authenticator(self.keys)
         self.health = HealthProbe(self.client)
@@ -133,6 +135,24 @@ class Gateway:
                 code="model_not_found",
             )
 
+    async def check_media(self, accepted: CompletionRequest) -> None:
+        """A request with images for a model whose workers take none: 400 before anything."""
+        if accepted.job.images and "image" not in await self.client.media_of(accepted.model):
+            raise ApiError(
+                400,
+                f"the model {accepted.model!r} does not take images",
+                param="messages",
+                code="invalid_job",
+            )
+
+    async def with_media(self, accepted: CompletionRequest) -> CompletionRequest:
+        """An admitted request's images made ready to queue: URLs fetched, big files stored
+        as blobs. After admission: a request over its quota costs no fetch and no Redis
+        memory."""
+        if not accepted.job.images:
+            return accepted
+        return accepted.with_job(await self.media.resolve(accepted.job, accepted.blobs))
+
     async def admit_and_submit(
         self, accepted: CompletionRequest, key: ApiKey | None
     ) -> ResponseShape:
@@ -144,6 +164,7 @@ class Gateway:
             await self.quotas.admit_or_refuse(key, request_id, tokens=tokens)
         try:
             shape = self.shape(accepted, key)
+            accepted = await self.with_media(accepted)
             await self.queue(accepted.job, shape)
         except BaseException:
             await self.quotas.withdraw(request_id)

@@ -13,11 +13,12 @@ import json
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
 from mlx_redis_gateway.errors import ApiError, bad_request
 from mlx_redis_gateway.fanout import ChoiceJob
+from mlx_redis_gateway.media_parts import IMAGE_PART_TYPES, ChatImages, staged_images
 from mlx_redis_protocol.client import build_job
 from mlx_redis_protocol.codec_job import MAX_SEED
 from mlx_redis_protocol.codec_tools import MAX_TOOLS, TOOL_NAME_RULE, is_tool_name
@@ -25,7 +26,15 @@ from mlx_redis_protocol.errors import ProtocolError
 from mlx_redis_protocol.fields import FieldReader
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id, new_request_id
 from mlx_redis_protocol.limits import Limits
-from mlx_redis_protocol.messages import PROMPT_PREFIX, ChatMessage, Job, Tool, ToolCall
+from mlx_redis_protocol.media_inputs import DEFAULT_INLINE_MEDIA_BYTES
+from mlx_redis_protocol.messages import (
+    PROMPT_PREFIX,
+    ChatMessage,
+    ContentPart,
+    Job,
+    Tool,
+    ToolCall,
+)
 
 Kind = Literal["chat", "text"]
 
@@ -68,6 +77,14 @@ class CompletionRequest:
     resumable: bool | None  # asked for in the body (None: not said; the header may say)
     choices: tuple[ChoiceJob, ...] = ()  # more than one: a fanned-out request
     fan_out_id: str | None = None  # a fanned-out request's own id (its jobs': ``{id}.{index}``)
+    # Big images of the chat, moved out of its job: stored (blob id -> file) before it is
+    # queued (``media_parts.MediaResolver``).
+    blobs: Mapping[str, bytes] = field(default_factory=dict)
+
+    def with_job(self, job: Job) -> CompletionRequest:
+        """The request with ``job``'s images in its job and every choice's."""
+        choices = tuple(replace(c, job=replace(c.job, images=job.images)) for c in self.choices)
+        return replace(self, job=job, choices=choices, blobs={})
 
     @property
     def request_id(self) -> str:
@@ -157,7 +174,11 @@ def _parse(
     }
     if kind == "chat":
         options |= _tool_options(reader)
-    prompts, messages = _prompt(reader, kind)
+    images = ChatImages(limits)
+    prompts, messages = _prompt(reader, kind, images)
+    blobs: dict[str, bytes] = {}
+    if images.images:
+        options["images"], blobs = staged_images(images.images, DEFAULT_INLINE_MEDIA_BYTES)
     if len(prompts) * n > MAX_CHOICES:
         raise bad_request(
             f"n times the prompts is over {MAX_CHOICES} choices", param="n", code="limit_exceeded"
@@ -207,6 +228,7 @@ def _parse(
         resumable=reader.boolean("resumable"),
         choices=choices if fan_out else (),
         fan_out_id=request_id if fan_out else None,
+        blobs=blobs,
     )
 
 
@@ -366,7 +388,9 @@ def _metadata(reader: _BodyReader, user_key: str | None) -> dict[str, Any] | Non
     return kept or None
 
 
-def _prompt(reader: _BodyReader, kind: Kind) -> tuple[list[str | None], list[ChatMessage] | None]:
+def _prompt(
+    reader: _BodyReader, kind: Kind, images: ChatImages
+) -> tuple[list[str | None], list[ChatMessage] | None]:
     """The request's prompts (completions: a string, or a list of them, each a choice of its
     own), or its one chat."""
     if kind == "text":
@@ -387,10 +411,10 @@ def _prompt(reader: _BodyReader, kind: Kind) -> tuple[list[str | None], list[Cha
     assert items is not None  # required
     if not items:
         raise bad_request("messages must not be empty", param="messages")
-    return [None], [_message(item, index) for index, item in enumerate(items)]
+    return [None], [_message(item, index, images) for index, item in enumerate(items)]
 
 
-def _message(item: object, index: int) -> ChatMessage:
+def _message(item: object, index: int, images: ChatImages) -> ChatMessage:
     param = f"messages[{index}]"
     if not isinstance(item, dict):
         raise bad_request(f"{param} must be an object", param=param)
@@ -405,9 +429,11 @@ def _message(item: object, index: int) -> ChatMessage:
     if role == "tool" and not isinstance(tool_call_id, str):
         raise bad_request(f"{param}.tool_call_id is required", param=f"{param}.tool_call_id")
     name = item.get("name")
+    content, parts = _content(item.get("content"), f"{param}.content", images, role)
     return ChatMessage(
         role=role,
-        content=_content(item.get("content"), f"{param}.content"),
+        content=content,
+        parts=parts,
         tool_calls=_tool_calls(item.get("tool_calls"), f"{param}.tool_calls"),
         tool_call_id=tool_call_id if role == "tool" else None,
         name=name if isinstance(name, str) and role == "tool" else None,
@@ -441,23 +467,35 @@ def _arguments(value: object) -> str:
     return json.dumps(value) if isinstance(value, dict) else value if isinstance(value, str) else ""
 
 
-def _content(content: object, param: str) -> str:
-    """A message's text: a string, or text parts joined (other parts are refused)."""
+def _content(
+    content: object, param: str, images: ChatImages, role: str
+) -> tuple[str, tuple[ContentPart, ...] | None]:
+    """A message's text (a string, or its text parts joined) and, when it holds images (a
+    user turn's ``image_url`` parts), its parts in order. Other parts are refused."""
     if isinstance(content, str):
-        return content
+        return content, None
     if content is None:
-        return ""
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                raise bad_request(f"{param} may hold only text parts", param=param)
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise bad_request(f"{param}: a text part needs a string text", param=param)
-            texts.append(text)
-        return "".join(texts)
-    raise bad_request(f"{param} must be a string or an array of text parts", param=param)
+        return "", None
+    if not isinstance(content, list):
+        raise bad_request(f"{param} must be a string or an array of content parts", param=param)
+    parts: list[ContentPart] = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in IMAGE_PART_TYPES and role == "user":
+            assert isinstance(part, dict)
+            parts.append(images.add(part, f"{param}[{index}]"))
+            continue
+        if kind != "text":
+            raise bad_request(
+                f"{param} may hold only text parts (and image_url parts in a user turn)",
+                param=param,
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad_request(f"{param}: a text part needs a string text", param=param)
+        parts.append(ContentPart("text", text))
+    text = "".join(part.text for part in parts)
+    return text, tuple(parts) if any(part.type == "image" for part in parts) else None
 
 
 def check_request_id(request_id: str) -> str:

@@ -54,25 +54,37 @@ def _message(item: Mapping[str, Any], param: str) -> dict[str, Any]:
     role = item.get("role")
     if role not in _ROLES:
         raise bad_request(f"{param}.role must be one of {', '.join(_ROLES)}", param=f"{param}.role")
-    return {"role": role, "content": _text(item.get("content"), f"{param}.content")}
+    return {"role": role, "content": _content(item.get("content"), f"{param}.content")}
 
 
-def _text(content: object, param: str) -> str:
-    """A string, or text parts joined (anything else is refused)."""
+def _content(content: object, param: str) -> str | list[dict[str, Any]]:
+    """A string, or text parts joined; with ``input_image`` parts, chat's parts (text and
+    the images, which the chat parser reads). Anything else is refused."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{param} must be a string or an array of text parts", param=param)
-    texts = []
+        raise bad_request(f"{param} must be a string or an array of content parts", param=param)
+    parts: list[dict[str, Any]] = []
     for part in content:
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise bad_request(
+                    f"{param}: an input_image needs its image_url (a data: or http(s) URL; "
+                    "file_id is not supported)",
+                    param=param,
+                )
+            parts.append(part)
+            continue
         if not (
             isinstance(part, dict)
             and part.get("type") in _TEXT_PARTS
             and isinstance(part.get("text"), str)
         ):
-            raise bad_request(f"{param} may hold only text parts", param=param)
-        texts.append(part["text"])
-    return "".join(texts)
+            raise bad_request(f"{param} may hold only text and input_image parts", param=param)
+        parts.append({"type": "text", "text": part["text"]})
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
 
 
 def _function_call(item: Mapping[str, Any], param: str) -> dict[str, Any]:
@@ -86,7 +98,7 @@ def _function_call(item: Mapping[str, Any], param: str) -> dict[str, Any]:
 def _function_call_output(item: Mapping[str, Any], param: str) -> dict[str, Any]:
     if not isinstance(item.get("call_id"), str):
         raise bad_request(f"{param}.call_id must be a string", param=f"{param}.call_id")
-    output = _text(item.get("output"), f"{param}.output")
+    output = _content(item.get("output"), f"{param}.output")
     return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
 
 

@@ -9,6 +9,7 @@ from mlx_redis_gateway.http_limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from mlx_redis_gateway.quotas import LEASE_SECONDS
 from mlx_redis_protocol.constants import DEFAULT_LOG_TTL_SECONDS, DEFAULT_PREFIX, DEFAULT_REDIS_URL
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
+from mlx_redis_protocol.media_fetch import FetchPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,17 @@ class GatewaySettings:
     # Host names answered besides the loopback ones ("*": any); checked without API keys,
     # or with them when any is named.
     allowed_hosts: tuple[str, ...] = ()
+    # Hosts whose image URLs the gateway fetches (``*.example.com``: its subdomains); none:
+    # images come as data: URLs only. Only public addresses, unless a network is listed.
+    media_fetch_hosts: tuple[str, ...] = ()
+    media_fetch_networks: tuple[str, ...] = ()
+    media_fetch_timeout: float = 10.0
+
+    @property
+    def fetch_policy(self) -> FetchPolicy:
+        return FetchPolicy.of(
+            self.media_fetch_hosts, self.media_fetch_timeout, self.media_fetch_networks
+        )
 
     def checked_hosts(self) -> tuple[str, ...] | None:
         """The Host allowlist to enforce; None: any Host."""
@@ -40,6 +52,7 @@ class GatewaySettings:
         return self.allowed_hosts
 
     def __post_init__(self) -> None:
+        self.fetch_policy  # noqa: B018  # a network that is not one
         if self.quota_lease_seconds < 1:
             raise ValueError(
                 f"--quota-lease-seconds must be at least 1, got {self.quota_lease_seconds}"

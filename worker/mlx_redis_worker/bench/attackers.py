@@ -15,7 +15,11 @@ request ids with the attacker's key), ``resume-flood`` (200 connections resuming
 attacker's own finished request, ``--own-request``), ``hostile-schema`` (4 connections
 asking ``--model`` for chat completions in a new deep ``anyOf`` schema each time, as large as
 the worker's default ``max_schema_bytes`` lets through: a compile each), ``idle-sockets``
-(``--idle-sockets`` connections that send nothing, reopened when closed).
+(``--idle-sockets`` connections that send nothing, reopened when closed), and the image
+attackers, 4 connections each (the attacker key's cap) asking ``--model`` for chat
+completions with images: ``image-bomb`` (a 65,535 x 65,535 PNG header over 4 KB),
+``image-50mb`` (a 50 MB image: its data URL, 67 MB), ``image-flood`` (a new real 512 x 512
+picture every time, about 1 MB as a data URL).
 
 Each attacker connects from ``--source`` (Linux routes all of 127.0.0.0/8 to the loopback
 interface), so that the gateway sees it as a client of its own, as a client on another host
@@ -38,6 +42,7 @@ from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from mlx_redis_worker.bench.hostile_images import data_url, huge_image, picture, png_bomb
 from mlx_redis_worker.bench.hostile_schemas import deep_anyof
 
 FLOOD_CONNECTIONS = 200
@@ -47,6 +52,9 @@ SCHEMA_WIDTH = 8
 HUGE_HEADER = 16 * 1024 * 1024
 HUGE_BODY = 500 * 1024 * 1024
 PIECE = b"a" * 65536
+IMAGE_CONNECTIONS = 4  # the attacker key's concurrency cap
+FLOOD_IMAGE_SIZE = (512, 512)  # random pixels: about 770 KB as a PNG
+FLOOD_IMAGES = 32
 # The first attacker's address; the bench gives each attack phase the next one (``source``).
 FIRST_SOURCE = 2
 
@@ -170,6 +178,62 @@ async def hostile_schema(target: Target) -> None:
     await asyncio.gather(*(sender(number) for number in range(SCHEMA_CONNECTIONS)))
 
 
+def _chat_with_image(target: Target, url: str, text: str) -> tuple[str, bytes]:
+    """A chat completion request (head, body) with text, then one image part (so a repeated
+    image after new text is no prefix-cache hit), closing its connection."""
+    content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": ""}}]
+    before, after = json.dumps(
+        {
+            "model": target.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 8,
+        },
+        separators=(",", ":"),
+    ).split('"url":""', 1)
+    # The URL spliced in as bytes: json.dumps of a 67 MB string costs seconds.
+    body = f'{before}"url":"'.encode() + url.encode() + f'"{after}'.encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{target.auth}"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head, body
+
+
+def _image_sender(images: Callable[[], list[str]]) -> Attack:
+    """IMAGE_CONNECTIONS connections sending chat requests with the image URLs ``images()``
+    makes (once, as the attack starts), in turn."""
+
+    async def attack(target: Target) -> None:
+        urls = images()
+        requests = [
+            _chat_with_image(target, url, f"describe picture {index}")
+            for index, url in enumerate(urls)
+        ]
+
+        async def sender(number: int) -> None:
+            index = number
+            while True:
+                head, body = requests[index % len(requests)]
+                index += IMAGE_CONNECTIONS
+                await target.exchange(head, body=body)
+
+        await asyncio.gather(*(sender(number) for number in range(IMAGE_CONNECTIONS)))
+
+    return attack
+
+
+def image_attacks() -> dict[str, Attack]:
+    return {
+        "image-bomb": _image_sender(lambda: [data_url(png_bomb())]),
+        "image-50mb": _image_sender(lambda: [data_url(huge_image())]),
+        # More pictures than the attacker key's 30 requests a minute: each one admitted new.
+        "image-flood": _image_sender(
+            lambda: [data_url(picture(seed, FLOOD_IMAGE_SIZE)) for seed in range(FLOOD_IMAGES)]
+        ),
+    }
+
+
 def idle_sockets(count: int) -> Attack:
     async def attack(target: Target) -> None:
         async def hold() -> None:
@@ -200,6 +264,7 @@ def attacks(idle: int) -> dict[str, Attack]:
         "resume-flood": resume_flood,
         "hostile-schema": hostile_schema,
         "idle-sockets": idle_sockets(idle),
+        **image_attacks(),
     }
 
 

@@ -9,7 +9,8 @@ Phases alternate with baselines (base, A, base, B, …, base), so each attacker'
 against the baselines on either side of it, in the same run.
 
 Each attacker (``attackers``: huge header, huge body, read flood, resume flood, hostile
-schema, idle sockets) is a process of its own at the lowest CPU priority, connecting from an
+schema, idle sockets, and the image attackers: image bombs, 50 MB images, image floods;
+``--attackers`` picks some) is a process of its own at the lowest CPU priority, connecting from an
 address of its own (127.0.0.2, 127.0.0.3, …: one per attack phase), standing for a client on
 another host: the bench measures what its requests cost the gateway, Redis and the
 worker, not what sending them costs the attacker. Reported per attacker: the victim's tok/s
@@ -138,6 +139,7 @@ class Bench:
     idle_sockets: int
     own_request: str = ""
     attacks_run: int = 0  # numbers each attack phase's source address
+    attackers: tuple[str, ...] = ()  # the attacks to run, in order (``attacks``' names)
 
 
 async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
@@ -198,7 +200,7 @@ async def _measure(bench: Bench, prompts: list[list[str]], repeat: int) -> list[
         phases: list[Phase] = []
         batch = iter(prompts[1:])
         for _ in range(repeat):
-            for name in attacks(0):
+            for name in bench.attackers:
                 phases.append(await _phase(bench, "", next(batch)))
                 phases.append(await _phase(bench, name, next(batch)))
         phases.append(await _phase(bench, "", next(batch)))
@@ -292,7 +294,11 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the gateway's too (inherited)
     tokenizer = load_model(args.model)[1]
-    phases = 2 + args.repeat * 2 * len(attacks(0))
+    chosen = tuple(attacks(0)) if args.attackers is None else tuple(args.attackers.split(","))
+    unknown = sorted(set(chosen) - set(attacks(0)))
+    if unknown:
+        raise SystemExit(f"unknown attackers {', '.join(unknown)}: {', '.join(attacks(0))}")
+    phases = 2 + args.repeat * 2 * len(chosen)
     prompts = [
         [tokenizer.decode(p) for p in make_prompts(tokenizer, args.concurrency, 32, seed=i)]
         for i in range(phases)
@@ -333,6 +339,7 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
                 victim_connections,
                 args.max_tokens,
                 args.idle_sockets,
+                attackers=chosen,
             )
             return await _measure(bench, prompts, args.repeat)
 

@@ -14,7 +14,7 @@ from typing import Any
 from mlx_redis_protocol.messages import PROMPT_PREFIX, SYSTEM_PREFIX, Job
 from mlx_redis_worker.engine import ResponseFormat
 from mlx_redis_worker.engine.output_parser import OutputParser
-from mlx_redis_worker.engine.prompt import chat_prompt, encode_prompt
+from mlx_redis_worker.engine.prompt import chat_prompt, chat_text, encode_prompt
 from mlx_redis_worker.engine.tool_calls import (
     Markers,
     fallback_messages,
@@ -54,10 +54,14 @@ def job_prompt(job: Job, tokenizer: Any) -> JobPrompt:
     boundary = job.prefix_boundary if isinstance(job.prefix_boundary, int) else 0
     response_format = _response_format(job)
     if job.prompt is not None:
+        if job.has_media():  # the engine puts the media before the text, or at its markers
+            return JobPrompt(job.prompt, 0, response_format, None)
         if job.prefix_boundary == PROMPT_PREFIX:
             return _whole_prompt(encode_prompt(tokenizer, job.prompt), response_format, None)
         return JobPrompt(job.prompt, boundary, response_format, None)
     if job.prompt_token_ids is not None:
+        if job.has_media():
+            raise ValueError("a job with images or videos needs prompt or messages, not token ids")
         prompt = list(job.prompt_token_ids)
         if job.prefix_boundary == PROMPT_PREFIX:
             return _whole_prompt(prompt, response_format, None)
@@ -76,9 +80,16 @@ def job_prompt(job: Job, tokenizer: Any) -> JobPrompt:
     # mlx-lm turns thinking off for a model whose vocabulary has no think tokens; a
     # template that thinks in text keeps its own default.
     thinking = job.thinking if job.thinking is not None or thought is None else True
-    token_ids, system_end = chat_prompt(
-        tokenizer, messages, system_prefix=system_prefix, tools=tools, thinking=thinking
-    )
+    text: str | None = None
+    if job.has_media():
+        # A vision-language model's engine takes the text with the template's image markup
+        # (its processor expands it); the prefix cache keys its images by content instead.
+        text = chat_text(tokenizer, messages, tools=tools, thinking=thinking)
+        token_ids, system_end = encode_prompt(tokenizer, text), 0
+    else:
+        token_ids, system_end = chat_prompt(
+            tokenizer, messages, system_prefix=system_prefix, tools=tools, thinking=thinking
+        )
     thought_open = thought is not None and _opens_thought(tokenizer, token_ids, thought)
     if thought is not None and not thought_open and _closes_thought(tokenizer, token_ids, thought):
         thought = None  # thinking turned off: the template closed an empty thought
@@ -99,6 +110,8 @@ def job_prompt(job: Job, tokenizer: Any) -> JobPrompt:
         parser = OutputParser(
             syntax=syntax if calls else None, thought=thought, thought_open=thought_open
         )
+    if text is not None:
+        return JobPrompt(text, 0, response_format, parser)
     if job.prefix_boundary == PROMPT_PREFIX:
         return _whole_prompt(token_ids, response_format, parser)
     return JobPrompt(token_ids, system_end if system_prefix else boundary, response_format, parser)

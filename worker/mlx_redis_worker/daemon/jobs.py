@@ -38,8 +38,10 @@ from mlx_redis_protocol.replay_log import (
 )
 from mlx_redis_worker.daemon.job_prompt import job_prompt
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
+from mlx_redis_worker.daemon.media_loader import LoadedMedia, MediaLoader, engine_media
 from mlx_redis_worker.daemon.publisher import AttemptLost, EventPublisher
 from mlx_redis_worker.engine import AnyEngine, QueueFullError, SamplingParams, SpeculativeParams
+from mlx_redis_worker.media.errors import MediaError
 
 log = structlog.get_logger(__name__)
 
@@ -92,6 +94,7 @@ class JobRunner:
         model: str,
         idempotency_seconds: int = DEFAULT_IDEMPOTENCY_SECONDS,
         default_speculative: SpeculativeParams | None = None,
+        media: MediaLoader | None = None,
     ) -> None:
         """``model``: the fleet's name of the engine's model; the queue is its stream;
         ``idempotency_seconds``: how long a finished request id is remembered."""
@@ -107,6 +110,7 @@ class JobRunner:
         self.max_deliveries = max_deliveries
         self.default_stream_interval = default_stream_interval
         self.default_speculative = default_speculative
+        self.media = media  # None: a worker that reads no media (jobs with any are refused)
         self.in_flight: dict[str, str] = {}  # request_id -> entry id
         # Duplicates: entries of requests that another entry's run owns (BEGIN_ATTEMPT said
         # DUPLICATE). They hold no slot; their leases are kept, and once the owner's run ends
@@ -200,6 +204,12 @@ class JobRunner:
             return EarlyEnd.invalid(
                 "invalid_field", f"model {self.model!r} is {kind}: it takes {wanted} only"
             )
+        media: LoadedMedia | None = None
+        if job.has_media():
+            loaded = await self._load_media(job)
+            if isinstance(loaded, EarlyEnd):
+                return loaded
+            media = loaded
         try:
             if job.input is not None:
                 self.in_flight[rid] = delivery.entry_id
@@ -228,6 +238,8 @@ class JobRunner:
                 prefix_boundary=prompt.prefix_boundary,
                 stream_interval=job.stream_interval or self.default_stream_interval,
                 collect=False,
+                images=media.images or None if media is not None else None,
+                videos=media.videos or None if media is not None else None,
             )
         except (ValueError, TypeError) as exc:
             # Checks that need the model (a prompt's token count, the chat template): the
@@ -238,6 +250,21 @@ class JobRunner:
             self.in_flight.pop(rid, None)
             return REQUEUED
         return None
+
+    async def _load_media(self, job: Job) -> LoadedMedia | EarlyEnd:
+        """The job's images and videos decoded (off the loop, in the media pool), or how the
+        job ends: its model takes none of that kind, or a file is refused."""
+        taken = engine_media(self.engine)
+        wanted = [kind for kind, items in (("image", job.images), ("video", job.videos)) if items]
+        missing = [kind for kind in wanted if kind not in taken]
+        if missing or self.media is None:
+            kinds = " or ".join(f"{kind}s" for kind in missing or wanted)
+            return EarlyEnd.invalid("invalid_field", f"model {self.model!r} does not take {kinds}")
+        try:
+            return await self.media.load(job)
+        except MediaError as exc:
+            log.info("job_media_refused", code=exc.code, error=exc.message)
+            return EarlyEnd.invalid(exc.code, f"job.{exc.message}")
 
     async def _written(self, rid: str, written: asyncio.Future[None]) -> bool:
         """Wait for the running request's terminal event to be in the log: True. False when

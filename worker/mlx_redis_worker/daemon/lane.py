@@ -27,6 +27,7 @@ from mlx_redis_worker.daemon.fair_queue import (
 )
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner
+from mlx_redis_worker.daemon.media_loader import engine_media
 from mlx_redis_worker.engine import AnyEngine
 
 log = structlog.get_logger(__name__)
@@ -204,6 +205,7 @@ class ModelLane:
             max_concurrency=self.max_concurrency,
             free_slots=max(self.max_concurrency - in_flight, 0),
             in_flight=in_flight,
+            media=engine_media(self.engine),
         )
 
     async def stats(self) -> dict[str, Any]:
@@ -222,6 +224,13 @@ class ModelLane:
         }
         if self.fair is not None:
             stats["tenants"] = await self.tenant_shares()
+        if self.runner.media is not None:
+            media = self.runner.media
+            # The pool is the worker's (every lane's jobs decode there); the counts this lane's.
+            stats["media"] = {
+                **dataclasses.asdict(media.counts),
+                "pool": dataclasses.asdict(media.pool.stats),
+            }
         return stats
 
     async def tenant_shares(self) -> list[dict[str, Any]] | dict[str, str]:

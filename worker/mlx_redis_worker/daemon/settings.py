@@ -22,6 +22,8 @@ from mlx_redis_protocol.constants import (
     DEFAULT_REDIS_URL,
 )
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id
+from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
+from mlx_redis_protocol.media_fetch import FetchPolicy
 from mlx_redis_worker.daemon.job_queue import DEFAULT_DEAD_LETTER_MAXLEN
 
 if TYPE_CHECKING:
@@ -137,6 +139,22 @@ class WorkerSettings:
     # The draft model of speculative draft_model (a fixture name, folder or hub id, loaded like
     # the served models); it must share the tokenizer of every model this worker serves.
     draft_model: str | None = None
+    # Images and videos of jobs (docs/vision.md): the threads that decode them (off the event
+    # loop and the engine thread), and the limits checked before any decoding (Limits').
+    media_threads: int = 2
+    max_images: int = DEFAULT_LIMITS.max_images
+    max_image_bytes: int = DEFAULT_LIMITS.max_image_bytes
+    max_image_pixels: int = DEFAULT_LIMITS.max_image_pixels
+    max_media_bytes: int = DEFAULT_LIMITS.max_media_bytes
+    max_video_bytes: int = DEFAULT_LIMITS.max_video_bytes
+    max_video_frames: int = DEFAULT_LIMITS.max_video_frames
+    max_video_seconds: int = DEFAULT_LIMITS.max_video_seconds
+    # The hosts whose media URLs a job may name (comma-separated; ``*.example.com`` for its
+    # subdomains). Empty: this worker fetches no URL. Only public addresses are fetched,
+    # unless a network is listed in media_fetch_networks (CIDRs, comma-separated).
+    media_fetch_hosts: str = ""
+    media_fetch_networks: str = ""
+    media_fetch_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -158,6 +176,8 @@ class WorkerSettings:
             "max_schema_bytes",
             "max_grammar_compile_ms",
             "max_mask_us",
+            "media_threads",
+            "media_fetch_timeout",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -180,6 +200,8 @@ class WorkerSettings:
             raise ValueError(f"default_model must be {ID_RULE}, got {self.default_model!r}")
         if self.memory_limit_mb is not None and self.memory_limit_mb <= 0:
             raise ValueError("memory_limit_mb must be > 0")
+        self.limits  # noqa: B018  # Limits checks its own fields
+        self.fetch_policy  # noqa: B018  # a network that is not one
         speculative = parse_speculative(self.speculative)
         if speculative is not None and speculative[0] == "draft_model" and not self.draft_model:
             raise ValueError("speculative draft_model needs a draft model: set draft_model")
@@ -204,6 +226,29 @@ class WorkerSettings:
             max_schema_bytes=self.max_schema_bytes,
             max_grammar_compile_ms=self.max_grammar_compile_ms,
             max_mask_us=self.max_mask_us,
+        )
+
+    @property
+    def limits(self) -> Limits:
+        """The protocol's limits with this worker's media limits."""
+        return dataclasses.replace(
+            DEFAULT_LIMITS,
+            max_images=self.max_images,
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+            max_media_bytes=self.max_media_bytes,
+            max_video_bytes=self.max_video_bytes,
+            max_video_frames=self.max_video_frames,
+            max_video_seconds=self.max_video_seconds,
+        )
+
+    @property
+    def fetch_policy(self) -> FetchPolicy:
+        """Which media URLs jobs may name (none by default)."""
+        return FetchPolicy.of(
+            self.media_fetch_hosts.split(","),
+            self.media_fetch_timeout,
+            self.media_fetch_networks.split(","),
         )
 
     @property

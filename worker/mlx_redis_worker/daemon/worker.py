@@ -29,6 +29,8 @@ from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
 from mlx_redis_worker.daemon.job_queue import JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner, speculative_params
 from mlx_redis_worker.daemon.lane import ModelLane
+from mlx_redis_worker.daemon.media_loader import MediaLoader
+from mlx_redis_worker.daemon.media_pool import MediaPool
 from mlx_redis_worker.daemon.memory_fit import check_fit
 from mlx_redis_worker.daemon.metrics import Metrics
 from mlx_redis_worker.daemon.permissions import check_permissions
@@ -100,6 +102,8 @@ class Worker:
         self._stop = asyncio.Event()
         self.started_at = time.time()
         self.ready = asyncio.Event()
+        # Every lane's jobs decode their images and videos here (tenants take turns).
+        self.media_pool = MediaPool(settings.media_threads)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -314,6 +318,7 @@ class Worker:
             log.info("worker_stopped")
             return status
         finally:
+            self.media_pool.close()
             if metrics is not None:
                 metrics.close()
 
@@ -332,13 +337,20 @@ class Worker:
             keys=self.keys,
             queue=queue,
             publisher=publisher,
-            limits=DEFAULT_LIMITS,
+            limits=settings.limits,
             max_deliveries=settings.max_deliveries,
             default_stream_interval=settings.stream_interval,
             default_speculative=speculative_params(parse_speculative(settings.speculative)),
             worker_id=settings.worker_id,
             model=name,
             idempotency_seconds=settings.idempotency_seconds,
+            media=MediaLoader(
+                redis=redis,
+                keys=self.keys,
+                limits=settings.limits,
+                pool=self.media_pool,
+                fetch=settings.fetch_policy,
+            ),
         )
         backlog = await retry_until_done(
             lambda: queue.read_own_pending(BACKLOG_READ_LIMIT), "read own pending"

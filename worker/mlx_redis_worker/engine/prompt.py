@@ -79,15 +79,10 @@ def chat_prompt(
     versions, a default template the model never saw) would leave the sender guessing what to
     send instead.
     """
-    if not has_chat_template(tokenizer):
-        raise ValueError(NO_CHAT_TEMPLATE)
-    extra: dict[str, Any] = {}
-    if tools is not None:
-        extra["tools"] = tools
-    if thinking is not None:
-        extra["enable_thinking"] = thinking
-    rendered = _render(tokenizer, messages, generation_prompt=True, **extra)
-    token_ids = encode_prompt(tokenizer, rendered)
+    extra = _template_options(tools, thinking)
+    token_ids = encode_prompt(
+        tokenizer, chat_text(tokenizer, messages, tools=tools, thinking=thinking)
+    )
     if not system_prefix:
         return token_ids, 0
     # The common prefix of the whole chat and its system turns rendered alone: exact even when
@@ -97,6 +92,31 @@ def chat_prompt(
         tokenizer, _render(tokenizer, system, generation_prompt=False, **extra)
     )
     return token_ids, shared_prefix_length(system_ids, token_ids)
+
+
+def chat_text(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    thinking: bool | None = None,
+) -> str:
+    """``messages`` rendered with the model's chat template as text, generation prompt
+    included (a vision-language model's turns may hold ``{"type": "image"}`` parts: its
+    template writes its own image markup, which the engine's processor expands)."""
+    if not has_chat_template(tokenizer):
+        raise ValueError(NO_CHAT_TEMPLATE)
+    extra = _template_options(tools, thinking)
+    return _render(tokenizer, messages, generation_prompt=True, **extra)
+
+
+def _template_options(tools: list[dict[str, Any]] | None, thinking: bool | None) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    if tools is not None:
+        extra["tools"] = tools
+    if thinking is not None:
+        extra["enable_thinking"] = thinking
+    return extra
 
 
 def shared_prefix_length(a: list[int], b: list[int]) -> int:

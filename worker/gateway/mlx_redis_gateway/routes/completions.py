@@ -51,6 +51,7 @@ class CompletionRoutes:
             user_key=key.name if key is not None else None,
         )
         await gateway.check_served(accepted.model)
+        await gateway.check_media(accepted)
         if accepted.choices:
             return await self._fan_out(request, accepted, key)
         request_id = accepted.request_id
@@ -79,6 +80,11 @@ class CompletionRoutes:
         queued = {c.request_id: asyncio.Event() for c in choices}
         if key is not None:
             await self._admit_all(key, [c.job for c in accepted.choices])
+        try:
+            accepted = await gateway.with_media(accepted)
+        except BaseException:
+            await self._release_all([c.request_id for c in choices], withdraw=True)
+            raise
 
         async def submit(job: Job) -> None:
             await gateway.queue(job, shape)

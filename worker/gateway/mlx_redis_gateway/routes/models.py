@@ -17,8 +17,9 @@ class ModelRoutes:
 
     async def models(self, request: Request) -> Response:
         self.gateway.auth.api_key(request)
-        served = await self.gateway.client.served_models()
-        data = [_model_object(name) for name in sorted(served)]
+        client = self.gateway.client
+        served = await client.served_models()
+        data = [_model_object(name, await client.media_of(name)) for name in sorted(served)]
         return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
@@ -26,7 +27,7 @@ class ModelRoutes:
         self.gateway.auth.api_key(request)
         name = request.path_params["model"]
         await self.gateway.check_served(name)
-        return JSONResponse(_model_object(name))
+        return JSONResponse(_model_object(name, await self.gateway.client.media_of(name)))
 
     async def health(self, request: Request) -> Response:
         """200 while Redis answers, 503 only when it cannot be reached; how busy the
@@ -50,5 +51,14 @@ class ModelRoutes:
         )
 
 
-def _model_object(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "mlx-redis-worker"}
+def _model_object(name: str, media: frozenset[str]) -> dict[str, Any]:
+    """OpenAI's model object, and what it takes (``input_modalities``: ``text``, and
+    ``image``/``video`` for a vision-language model)."""
+    modalities = ["text", *(kind for kind in ("image", "video") if kind in media)]
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "mlx-redis-worker",
+        "input_modalities": modalities,
+    }

@@ -35,6 +35,7 @@ class ResponseRoutes:
             user_key=key.name if key is not None else None,
         )
         await gateway.check_served(accepted.model)
+        await gateway.check_media(accepted)
         request_id = accepted.request_id
         shape = await gateway.admit_and_submit(accepted, key)
         created = time.time()
