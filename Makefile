@@ -76,6 +76,7 @@ $(STAMP)/venv: $(STAMP)/system pyproject.toml protocol/pyproject.toml worker/gat
 $(STAMP)/models: $(STAMP)/venv
 	$(BIN)/mlx-worker model prepare tiny --arch llama --size small
 	$(BIN)/mlx-worker model prepare smollm2 --dtype float32
+	$(BIN)/mlx-worker model prepare tiny-vision
 	$(BIN)/mlx-worker model prepare tiny-embed
 	$(BIN)/mlx-worker model prepare minilm
 	@mkdir -p $(STAMP) && touch $@

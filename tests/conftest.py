@@ -61,6 +61,13 @@ def minilm_model() -> EmbeddingModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_vision_model() -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of the random-weight SmolVLM (``tiny-vision``; the vision extra):
+    the language model as an mlx-lm model, its vision parts on ``model.vision``."""
+    return load_model("tiny-vision")
+
+
+@pytest.fixture(scope="session")
 def reference() -> GreedyReference:
     """Greedy texts of the tiny model from an engine in this process."""
     return tiny_reference()

@@ -20,7 +20,7 @@ from redis.exceptions import ResponseError
 
 from mlx_redis_protocol.connection import RedisClient, as_text
 from mlx_redis_protocol.fair_share import TenantShare, tenant_shares
-from mlx_redis_protocol.heartbeat import Heartbeat, decode_heartbeat
+from mlx_redis_protocol.heartbeat import MEDIA_KINDS, Heartbeat, decode_heartbeat
 from mlx_redis_protocol.identifiers import is_valid_id
 from mlx_redis_protocol.keys import JobStream, Keys
 from mlx_redis_protocol.registry import Registered, read_registry
@@ -125,6 +125,8 @@ class ModelStatus:
     # Fair share by tenant (waiting for a pick, tokens served in 10 minutes); empty when the
     # model's workers never had fair share on.
     tenants: tuple[TenantShare, ...] = ()
+    # What its jobs may carry besides text ("image", "video"), as its live workers say.
+    media: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -132,6 +134,7 @@ class ModelStatus:
             "workers": list(self.workers),
             "free_slots": self.free_slots,
             "max_concurrency": self.max_concurrency,
+            "media": list(self.media),
             **self.queue.as_dict(),
             "tenants": [share.as_dict() for share in self.tenants],
         }
@@ -220,6 +223,7 @@ def _model_status(
         max_concurrency=sum(entry.max_concurrency for entry in served),
         queue=queue,
         tenants=tenants,
+        media=tuple(kind for kind in MEDIA_KINDS if any(kind in entry.media for entry in served)),
     )
 
 

@@ -252,9 +252,7 @@ async def _run(args: argparse.Namespace, out: TextIO) -> int:
         if job is not None and args.command == "embed":
             return await run_embed(client, job, args, out)
         if job is not None:
-            for blob_id, data in blobs.items():  # big media files, before the job names them
-                await client.store_blob(blob_id, data)
-            return await _submit(client, job, args, out)
+            return await _submit(client, job, blobs, args, out)
         if args.command == "stream":
             return await _follow(client, args.request_id, args, out)
         if args.command == "ctl":
@@ -304,8 +302,11 @@ def _media(args: argparse.Namespace) -> StagedMedia | None:
     return prepare_media(args.image or (), videos, DEFAULT_LIMITS)
 
 
-async def _submit(client: Client, job: Job, args: argparse.Namespace, out: TextIO) -> int:
-    request_id = await client.submit_job(job)
+async def _submit(
+    client: Client, job: Job, blobs: dict[str, bytes], args: argparse.Namespace, out: TextIO
+) -> int:
+    """``blobs``: the job's big media files, stored just before it is queued."""
+    request_id = await client.submit_job(job, blobs=blobs)
     if args.no_stream:
         print(request_id, file=out, flush=True)
         refusal = await _refusal(client, request_id) if args.model is not None else None

@@ -27,7 +27,17 @@ from mlx_redis_protocol.cli_output import (
 from mlx_redis_protocol.keys import Keys
 
 # Short: the verb runs a handful of commands and must not hang on a stalled Redis.
-_HEADER = ("MODEL", "WORKERS", "FREE/MAX", "QUEUED", "LAG", "PENDING", "OLDEST", "DEAD")
+_HEADER = (
+    "MODEL",
+    "WORKERS",
+    "FREE/MAX",
+    "MEDIA",
+    "QUEUED",
+    "LAG",
+    "PENDING",
+    "OLDEST",
+    "DEAD",
+)
 
 
 def add_models_command(
@@ -43,6 +53,7 @@ def add_models_command(
             "One row per model that a live worker serves or that has a job stream:\n"
             "  WORKERS   its live workers\n"
             "  FREE/MAX  their free and total slots\n"
+            "  MEDIA     what its jobs may carry besides text (image, video; - for text only)\n"
             "  QUEUED    entries in its stream (waiting and pending)\n"
             "  LAG       entries not yet delivered to a worker (- when Redis cannot tell)\n"
             "  PENDING   entries delivered and not yet acknowledged\n"
@@ -89,11 +100,12 @@ def describe_fleet(fleet: Fleet) -> list[str]:
                 model.model,
                 str(len(model.workers)),
                 f"{model.free_slots}/{model.max_concurrency}",
+                ",".join(model.media) or "-",
                 *_queue_cells(model.queue),
             )
             for model in fleet.models
         ]
-        lines += aligned(rows, "lrrrrrrr")
+        lines += aligned(rows, "lrrlrrrrr")
         lines += [_tenants_line(model) for model in fleet.models if model.tenants]
     else:
         lines.append("no live worker serves a model, and no model has a job stream")

@@ -303,10 +303,7 @@ class Client:
             options={name: value for name, value in fields.items() if value is not None},
             limits=self.limits,
         )
-        # Stored once the job is known valid: a job that cannot run leaves no blob behind.
-        for blob_id, data in blobs.items():
-            await self.store_blob(blob_id, data)
-        return await self.submit_job(job)
+        return await self.submit_job(job, blobs=blobs)
 
     async def store_blob(self, blob_id: str, data: bytes) -> None:
         """Store a media file under ``blob_id`` for a job to reference (with ``blob_ttl``)."""
@@ -316,8 +313,10 @@ class Client:
             lambda redis: redis.set(key, data, ex=self.blob_ttl),
         )
 
-    async def submit_job(self, job: Job) -> str:
-        """Queue an already built Job; returns its request id.
+    async def submit_job(self, job: Job, *, blobs: Mapping[str, bytes] | None = None) -> str:
+        """Queue an already built Job; returns its request id. ``blobs`` (blob id -> file):
+        the media files the job references, stored just before it is queued (not for a job
+        refused here: it leaves nothing behind).
 
         A job naming a ``model`` goes to that model's stream when a live worker serves it;
         when none does, the request ends at once with an ``unknown_model`` error event (its
@@ -348,6 +347,8 @@ class Client:
                 await self._refuse(job, "invalid_job", message)
                 return job.request_id
             stream = self.keys.model_stream(job.model).stream
+        for blob_id, blob in (blobs or {}).items():
+            await self.store_blob(blob_id, blob)
         # The queued marker goes first, so a subscriber arriving any time after this call
         # finds the log. Two commands, not MULTI: in a Cluster they live on different slots.
         queued = QueuedEvent(request_id=job.request_id, seq=0, attempt=0)

@@ -42,8 +42,8 @@ def test_a_text_only_model_refuses_media_jobs_and_keeps_serving(
         async with Client(redis_url, prefix=prefix, inline_media_bytes=4096) as client:
             beat: Any = json.loads(await client.redis.get(client.keys.worker("w1")))
             assert beat["models"][MODEL]["media"] == []  # text only, as the heartbeat says
-            # Named model: refused at submit time, nothing queued, no worker involved.
-            refused = await client.generate("Describe", model=MODEL, images=[small], timeout=10)
+            # Named model: refused at submit time, nothing queued or stored, no worker involved.
+            refused = await client.generate("Describe", model=MODEL, images=[big], timeout=10)
             assert isinstance(refused, ErrorEvent) and refused.code == "invalid_job"
             assert refused.attempt == 0
             assert f"model {MODEL!r} does not take images" in refused.message

@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
 from mlx_redis_worker.engine import EngineCore
@@ -39,3 +40,11 @@ def make_engine(
 def engine(tiny_model: Any, make_engine: Callable[..., EngineCore]) -> EngineCore:
     """An engine over the tiny llama with the default scheduler."""
     return make_engine(tiny_model)
+
+
+@pytest.fixture
+def on_a_stream() -> Iterator[Any]:
+    """A stream of this thread's own, for tests that step a ``Scheduler`` themselves."""
+    stream = mx.new_stream(mx.default_device())
+    with mx.stream(stream):
+        yield stream

@@ -46,6 +46,7 @@ ENGINE_KEYS = [
     "batch_failures",
     "model_seconds",
     "speculation",
+    "vision",
 ]
 SPECULATION_KEYS = [
     "steps",
@@ -105,6 +106,7 @@ def test_the_stats_dicts_are_the_typed_stats(engine: EngineCore) -> None:
     assert list(view) == ENGINE_KEYS
     assert list(view["health"]) == HEALTH_KEYS and view["requests"] == []
     assert list(view["speculation"]) == SPECULATION_KEYS
+    assert view["vision"] is None  # a text model's engine
     for method in ("prompt_lookup", "draft_model"):
         assert list(view["speculation"][method]) == SPECULATION_METHOD_KEYS
     assert view["total_completion_tokens"] == typed.scheduler.total_completion_tokens

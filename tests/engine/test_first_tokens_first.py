@@ -6,7 +6,6 @@ scheduler over the tiny model, counted in steps rather than seconds.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,13 +97,6 @@ def test_arrival_order_breaks_ties_between_equal_lengths() -> None:
 
 
 # -- the step sequence over the real model -----------------------------------------------------
-
-
-@pytest.fixture
-def on_a_stream() -> Iterator[Any]:
-    stream = mx.new_stream(mx.default_device())
-    with mx.stream(stream):
-        yield stream
 
 
 def prompts_of_lengths(tokenizer: Any, lengths: list[int]) -> list[list[int]]:

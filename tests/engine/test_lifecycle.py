@@ -10,6 +10,7 @@ import pytest
 
 from mlx_redis_worker.engine import (
     EngineCore,
+    ImagesNotSupportedError,
     ModelOwnershipError,
     QueueFullError,
     SamplingParams,
@@ -154,12 +155,15 @@ def test_engine_restarts_after_stop(engine: EngineCore) -> None:
 
 
 def test_images_on_a_text_model_are_a_clear_error(tiny_model: Any, engine: EngineCore) -> None:
+    assert not engine.supports_images and engine.image_placeholder is None
+
     async def scenario() -> Any:
         rid = await engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0))
-        with pytest.raises(ValueError, match="text-only"):
+        # A typed error (a ValueError: the worker's invalid_job), before any image is read.
+        with pytest.raises(ImagesNotSupportedError, match="text-only"):
             await engine.add_request(PROMPTS[1], images=["cat.png"])
-        with pytest.raises(ValueError, match="text-only"):
-            await engine.add_request(PROMPTS[1], videos=["cat.mp4"])
+        with pytest.raises(ImagesNotSupportedError, match="text-only"):
+            await engine.add_request(PROMPTS[1], videos=[["cat.png"]])
         final = (await collect(engine, rid))[-1]
         await engine.stop()
         return final

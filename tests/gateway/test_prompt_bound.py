@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from mlx_redis_gateway.token_meter import prompt_token_bound
-from mlx_redis_protocol.messages import ChatMessage, Job, Tool, ToolCall
+from mlx_redis_gateway.token_meter import TOKENS_PER_IMAGE, prompt_token_bound
+from mlx_redis_protocol.messages import ChatMessage, ImageInput, Job, Tool, ToolCall
 from mlx_redis_worker.daemon.job_prompt import job_prompt
 from mlx_redis_worker.models.loading import locate_model
 from tests.support.tool_models import QWEN3_STYLE_TEMPLATE, with_template
@@ -95,3 +95,12 @@ def test_the_bound_is_at_least_the_rendered_prompts_tokens(
         assert tokens <= bound, (job.request_id, tokens, bound)
         if job.request_id == "r-english":  # a bound, not a wild guess: English is ~4 bytes a token
             assert bound <= 5 * tokens
+
+
+def test_each_image_adds_its_allowance() -> None:
+    """An image's tokens are the model's to count: the bound adds an allowance per image, so
+    an image flood pays at admission for more than its text (its done event settles)."""
+    text = Job(request_id="r", messages=(ChatMessage(role="user", content="What is it?"),))
+    pictures = tuple(ImageInput(blob=f"b{index}") for index in range(3))
+    with_images = Job(request_id="r", messages=text.messages, images=pictures)
+    assert prompt_token_bound(with_images) == prompt_token_bound(text) + 3 * TOKENS_PER_IMAGE

@@ -58,7 +58,12 @@ def _hostile_status() -> FleetStatus:
         version='1.0"><img src=x onerror=alert(1)>',
     )
     model = ModelStatus(
-        "tiny", (worker,), 7, 8, _queue("p:jobs:tiny", length=3, pending=1, lag=2, dead_letters=1)
+        "tiny",
+        (worker,),
+        7,
+        8,
+        _queue("p:jobs:tiny", length=3, pending=1, lag=2, dead_letters=1),
+        media=("image", "<video>"),  # a hostile heartbeat's kind would be dropped; escaped anyway
     )
     return FleetStatus(
         at=4_700.0,
@@ -86,6 +91,7 @@ def test_render_escapes_what_comes_from_redis() -> None:
     assert fragment in page and "<script>" not in fragment
     assert 'data-request-id="req-1"' in fragment and 'data-tokens="17"' in fragment
     assert 'data-max="1"' in fragment  # all-zero throughput: an axis from 0 to 1
+    assert '<span class="muted media">+ images, &lt;video&gt;s</span>' in page
 
 
 def _browser_executable() -> str:

@@ -29,9 +29,13 @@ from tests.support.waiting import run
 
 
 def beat(
-    worker_id: str, models: Mapping[str, tuple[int, int]], default: str | None = None
+    worker_id: str,
+    models: Mapping[str, tuple[int, int]],
+    default: str | None = None,
+    media: Mapping[str, tuple[str, ...]] | None = None,
 ) -> Heartbeat:
-    """A current worker's heartbeat; ``models`` maps a name to (free slots, max)."""
+    """A current worker's heartbeat; ``models`` maps a name to (free slots, max), ``media``
+    a name to what it takes besides text."""
     return Heartbeat(
         worker_id=worker_id,
         pid=1,
@@ -39,7 +43,12 @@ def beat(
         in_flight=0,
         default_model=default if default is not None else next(iter(models), None),
         models={
-            name: ServedModel(max_concurrency=cap, free_slots=free, in_flight=cap - free)
+            name: ServedModel(
+                max_concurrency=cap,
+                free_slots=free,
+                in_flight=cap - free,
+                media=(media or {}).get(name, ()),
+            )
             for name, (free, cap) in models.items()
         },
         version="test",
@@ -193,8 +202,10 @@ def test_models_command_prints_a_table_and_warnings(
         redis = await connect(redis_url)
         try:
             await prepare_fleet(redis, keys)
-            # A third worker whose default model is `b`: the fleet disagrees.
-            await write_beat(redis, keys, beat("w3", {"a": (1, 1), "b": (1, 1)}, default="b"))
+            # A third worker whose default model is `b` (a vision model): the fleet disagrees.
+            served = {"a": (1, 1), "b": (1, 1)}
+            vision = {"b": ("image", "video")}
+            await write_beat(redis, keys, beat("w3", served, default="b", media=vision))
         finally:
             await redis.aclose()
 
@@ -205,6 +216,7 @@ def test_models_command_prints_a_table_and_warnings(
         "MODEL",
         "WORKERS",
         "FREE/MAX",
+        "MEDIA",
         "QUEUED",
         "LAG",
         "PENDING",
@@ -212,10 +224,10 @@ def test_models_command_prints_a_table_and_warnings(
         "DEAD",
     ]
     rows = {line.split()[0]: line.split() for line in lines[1:4]}
-    assert rows["a"][:6] == ["a", "3", "5/13", "5", "3", "2"]
-    assert rows["a"][6].endswith("s") and rows["a"][7] == "1"
-    assert rows["b"] == ["b", "2", "3/3", "0", "-", "0", "-", "0"]
-    assert rows["c"] == ["c", "0", "0/0", "1", "1", "0", "-", "0"]
+    assert rows["a"][:7] == ["a", "3", "5/13", "-", "5", "3", "2"]
+    assert rows["a"][7].endswith("s") and rows["a"][8] == "1"
+    assert rows["b"] == ["b", "2", "3/3", "image,video", "0", "-", "0", "-", "0"]
+    assert rows["c"] == ["c", "0", "0/0", "-", "1", "1", "0", "-", "0"]
     # Columns are aligned: every row as wide as the header's last column ends.
     assert len({len(line) for line in lines[:4]}) == 1
     assert lines[4] == (
@@ -248,6 +260,7 @@ def test_models_command_json(
         "workers": ["w1", "w2"],
         "free_slots": 4,
         "max_concurrency": 12,
+        "media": [],  # text only
         "length": 5,
         "lag": 3,
         "pending": 2,

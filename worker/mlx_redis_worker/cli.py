@@ -50,11 +50,17 @@ def _add_model_commands(commands: Any) -> None:
     model_commands = model.add_subparsers(dest="model_command", required=True)
     prepare = model_commands.add_parser("prepare", help="build an mlx-lm model folder")
     prepare.add_argument(
-        "name", choices=["smollm2", "smollm2-draft", "tiny", "tiny-embed", "minilm"]
+        "name",
+        choices=["smollm2", "smollm2-draft", "tiny", "tiny-vision", "tiny-embed", "minilm"],
     )
     prepare.add_argument("--dtype", choices=["float32", "bfloat16", "q4"], default="float32")
     prepare.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
-    prepare.add_argument("--size", choices=["micro", "small", "medium"], default="small")
+    prepare.add_argument(
+        "--size",
+        choices=["micro", "small", "medium", "2b"],
+        default="small",
+        help="tiny: micro | small | medium; tiny-vision: small | 2b (SmolVLM2-2.2B's shape)",
+    )
     prepare.add_argument(
         "--cache-dir", default=None, help="default: ~/.cache/mlx-redis-worker/models"
     )
@@ -294,6 +300,16 @@ def _add_bench_commands(commands: Any) -> None:
     speculative.set_defaults(
         func=_lazy("mlx_redis_worker.bench.speculative_bench", "run_speculative_bench")
     )
+
+    vision = benches.add_parser(
+        "vision", help="image requests: engine vs mlx-vlm one after another and batched"
+    )
+    vision.add_argument("--model", default="tiny-vision", help="tiny-vision | a folder")
+    vision.add_argument("--concurrency", type=int, default=8, help="image requests at once")
+    vision.add_argument("--max-tokens", type=int, default=64)
+    vision.add_argument("--image-size", default="512x384", help="WIDTHxHEIGHT of each picture")
+    vision.add_argument("--repeat", type=int, default=3, help="rotations of the three paths")
+    vision.set_defaults(func=_lazy("mlx_redis_worker.bench.vision_bench", "run_vision_bench"))
 
 
 def _length_range(text: str) -> tuple[int, int]:

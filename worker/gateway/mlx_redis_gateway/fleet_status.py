@@ -68,6 +68,7 @@ class FleetStatus:
                             "max_concurrency": m.max_concurrency,
                             "free_slots": m.free_slots,
                             "in_flight": m.in_flight,
+                            "media": list(m.media),
                         }
                         for name, m in beat.models.items()
                     },

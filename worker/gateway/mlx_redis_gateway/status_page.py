@@ -140,13 +140,20 @@ def _workers(status: FleetStatus) -> str:
     return _section("workers", "Workers", head, rows, "no live workers")
 
 
+def _takes(media: tuple[str, ...]) -> str:
+    """What a model takes besides text (a vision-language model: images, videos)."""
+    if not media:
+        return ""
+    return f' <span class="muted media">+ {_e(", ".join(f"{kind}s" for kind in media))}</span>'
+
+
 def _queues(status: FleetStatus) -> str:
     rows = []
     for model in status.fleet.models:
         slots = f"{model.free_slots}/{model.max_concurrency}" if model.workers else "no workers"
         rows.append(
             f'<tr class="queue" data-model="{_e(model.model)}">'
-            f"<td><code>{_e(model.model)}</code></td>"
+            f"<td><code>{_e(model.model)}</code>{_takes(model.media)}</td>"
             f'<td class="num">{len(model.workers)}</td><td class="num">{slots}</td>'
             f"{_queue_cells(model.queue)}</tr>"
         )

@@ -49,6 +49,10 @@ TEMPLATE_TOKENS: Final = 64
 TOKENS_PER_MESSAGE: Final = 8
 TOKENS_PER_TOOL: Final = 16
 TOOLS_PREAMBLE_TOKENS: Final = 256
+# An image's tokens are the model's processor's to count (SmolVLM: 64 per 512-pixel tile plus
+# one for the whole, up to 17 tiles): no bound without the model, so an allowance that makes
+# an image flood pay at admission for more than its text; the done event settles the rest.
+TOKENS_PER_IMAGE: Final = 1024
 
 
 def prompt_token_bound(job: Job) -> int:
@@ -66,6 +70,7 @@ def prompt_token_bound(job: Job) -> int:
         size += TOKENS_PER_MESSAGE + len(message.content.encode()) + len(message.role)
         for call in message.tool_calls or ():
             size += len(call.name.encode()) + len(call.arguments.encode()) + TOKENS_PER_TOOL
+    size += TOKENS_PER_IMAGE * len(job.images or ())
     if job.tools:
         size += TOOLS_PREAMBLE_TOKENS
         for tool in job.tools:

@@ -1,7 +1,8 @@
 """The abusive HTTP clients of ``mlx-worker bench isolation``, each run as a process of its own.
 
 ``python -m mlx_redis_worker.bench.attackers NAME --port P --key K`` attacks the gateway on
-port P until SIGTERM, then prints one JSON line: what the attacker got back (statuses or
+port P until SIGTERM: it prints ``{"ready": true}`` once its attack is under way (what it
+sends built), and at the end one JSON line: what the attacker got back (statuses or
 connection errors, counted), how many exchanges it made, and its own CPU seconds. A process
 of its own, at the lowest CPU priority (Linux's ``SCHED_IDLE``, elsewhere niceness 19): the
 victim's client is not slowed by the attacker's coroutines in its event loop, and the
@@ -54,7 +55,7 @@ HUGE_BODY = 500 * 1024 * 1024
 PIECE = b"a" * 65536
 IMAGE_CONNECTIONS = 4  # the attacker key's concurrency cap
 FLOOD_IMAGE_SIZE = (512, 512)  # random pixels: about 770 KB as a PNG
-FLOOD_IMAGES = 32
+FLOOD_IMAGES = 8  # in turn, each after new text: no prefix-cache hit
 # The first attacker's address; the bench gives each attack phase the next one (``source``).
 FIRST_SOURCE = 2
 
@@ -227,7 +228,6 @@ def image_attacks() -> dict[str, Attack]:
     return {
         "image-bomb": _image_sender(lambda: [data_url(png_bomb())]),
         "image-50mb": _image_sender(lambda: [data_url(huge_image())]),
-        # More pictures than the attacker key's 30 requests a minute: each one admitted new.
         "image-flood": _image_sender(
             lambda: [data_url(picture(seed, FLOOD_IMAGE_SIZE)) for seed in range(FLOOD_IMAGES)]
         ),
@@ -273,6 +273,10 @@ async def _run(attack: Attack, target: Target) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     task = asyncio.create_task(attack(target))
+    # The attack's first step runs to its first wait: what it builds (the image attackers'
+    # files) is built. Then the bench starts the victim.
+    await asyncio.sleep(0)
+    print(json.dumps({"ready": True}), flush=True)
     await stop.wait()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

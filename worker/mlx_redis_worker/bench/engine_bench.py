@@ -131,10 +131,20 @@ def run_batch_generator(
         prefill_batch_size=config.prefill_batch_size,
         prefill_step_size=config.prefill_step_size,
     )
-    first_token: dict[int, float] = {}
-    tokens = 0
     start = time.perf_counter()
     uids = generator.insert(prompts, [max_tokens] * len(prompts))
+    tokens, ttfts = drain(generator, uids, start)
+    seconds = time.perf_counter() - start
+    generator.close()
+    return PathResult("raw mlx-lm BatchGenerator", len(prompts), tokens, seconds, ttfts)
+
+
+def drain(generator: Any, uids: list[int], start: float) -> tuple[int, list[float]]:
+    """Step a batch generator (mlx-lm's, or mlx-vlm's of the same interface) until every
+    sequence in ``uids`` finished: the tokens it generated (a stop token not counted) and each
+    sequence's first-token time from ``start``."""
+    first_token: dict[int, float] = {}
+    tokens = 0
     remaining = set(uids)
     while remaining:
         _, responses = generator.next()
@@ -145,11 +155,7 @@ def run_batch_generator(
                 tokens += 1
             if response.finish_reason is not None:
                 remaining.discard(response.uid)
-    seconds = time.perf_counter() - start
-    generator.close()
-    return PathResult(
-        "raw mlx-lm BatchGenerator", len(prompts), tokens, seconds, list(first_token.values())
-    )
+    return tokens, list(first_token.values())
 
 
 def engine_host_us(before: EngineStats, after: EngineStats) -> float:

@@ -22,6 +22,7 @@ import os
 import statistics
 import tempfile
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -125,8 +126,8 @@ class _ModelClient(Client):
         super().__init__(prefix=prefix, redis=redis)
         self.model = model
 
-    async def submit_job(self, job: Job) -> str:
-        return await super().submit_job(replace(job, model=self.model))
+    async def submit_job(self, job: Job, *, blobs: Mapping[str, bytes] | None = None) -> str:
+        return await super().submit_job(replace(job, model=self.model), blobs=blobs)
 
 
 async def _load(

@@ -19,7 +19,8 @@ from mlx_redis_worker.engine.request import (
     TokenLogprob,
 )
 from mlx_redis_worker.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
-from mlx_redis_worker.engine.stats import EngineStats, MlxMemory, PrefixCacheStats
+from mlx_redis_worker.engine.stats import EngineStats, MlxMemory, PrefixCacheStats, VisionStats
+from mlx_redis_worker.engine.vision import ImagesNotSupportedError
 
 # The engine of a served model, of either kind: text (EngineCore) or embeddings.
 AnyEngine = EngineCore | EmbeddingEngineCore
@@ -32,6 +33,7 @@ __all__ = [
     "EngineCore",
     "EngineStats",
     "EngineStoppedError",
+    "ImagesNotSupportedError",
     "MlxMemory",
     "ModelOwnershipError",
     "ModelRegistry",
@@ -49,5 +51,6 @@ __all__ = [
     "SchedulerOutput",
     "SpeculativeParams",
     "TokenLogprob",
+    "VisionStats",
     "get_registry",
 ]

@@ -6,11 +6,13 @@ path every request takes from there (the engine thread, outputs, abort, stop) is
 ``engine_base.EngineBase``'s, shared with the embedding engine. Here: ``add_request``
 tokenizes and checks a generation request in the caller, so bad input is a ``ValueError`` to
 whoever sent it and never reaches the batch. The prefix cache's save, load and clear are in
-cache_control.py; what only the reference API needs is in reference_api.py.
+cache_control.py; what only the reference API needs is in reference_api.py; an image
+request's way in (its images processed off the loop) is in vision_requests.py.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -26,13 +28,15 @@ from mlx_redis_worker.engine.scheduler import Scheduler
 from mlx_redis_worker.engine.speculative_batch import check_draft_model
 from mlx_redis_worker.engine.stats import PrefixCacheStats, RequestProgress, SchedulerStats
 from mlx_redis_worker.engine.structured import CompiledGrammar
+from mlx_redis_worker.engine.vision import VisionPrompt
+from mlx_redis_worker.engine.vision_requests import VisionRequests
 
 __all__ = ["AsyncEngineCore", "EngineConfig", "EngineCore"]
 
 log = structlog.get_logger(__name__)
 
 
-class EngineCore(EngineBase[Scheduler], CacheControl, ReferenceApi):
+class EngineCore(EngineBase[Scheduler], CacheControl, ReferenceApi, VisionRequests):
     """Core engine: continuous batching of many generation requests over one model."""
 
     def _build_scheduler(self, scheduler_config: SchedulerConfig) -> Scheduler:
@@ -42,6 +46,7 @@ class EngineCore(EngineBase[Scheduler], CacheControl, ReferenceApi):
         self._max_logprobs = scheduler_config.max_logprobs
         self._vocab_size = model_vocab_size(self.model, self.tokenizer)
         self._fingerprint: str | None = None
+        self._init_vision(self.model)
         draft = self.config.draft
         if draft is not None:
             check_draft_model(self.model, self.tokenizer, draft)
@@ -73,11 +78,16 @@ class EngineCore(EngineBase[Scheduler], CacheControl, ReferenceApi):
         system prompt); the prefix cache keeps their KV state as one entry, stored as soon as
         prefill gets there. ``collect=False`` skips the per-request collector: the outputs then
         reach only the step listener (see ``set_step_listener``), and ``stream_outputs`` has
-        nothing to read. ``images``/``videos`` (reference API): refused, text-only engine.
+        nothing to read. ``images`` (each a PIL image, encoded bytes or a file path) and
+        ``videos`` (each a list of frames, as images) go with a text prompt to a
+        vision-language model (``supports_images``): see ``engine/vision.py`` for where their
+        placeholders go; a text-only model refuses them with ``ImagesNotSupportedError``.
         """
         self._check_usable()
+        arrival = time.monotonic()
+        vision = None
         if images or videos:
-            raise ValueError("images/videos were given, but this engine serves a text-only model")
+            vision = await self._prepare_vision(prompt, images, videos, request_id)
         # Off the loop and off the engine thread: the first constrained request builds the
         # tokenizer's index (about a second), and a new schema compiles (within its limits).
         grammar = None
@@ -85,9 +95,22 @@ class EngineCore(EngineBase[Scheduler], CacheControl, ReferenceApi):
             self._check_format_params(sampling_params)
             grammar = await self.scheduler.grammars.compile_async(sampling_params.response_format)
         request = self._make_request(
-            prompt, sampling_params, request_id, prefix_boundary, stream_interval, grammar=grammar
+            prompt,
+            sampling_params,
+            request_id,
+            prefix_boundary,
+            stream_interval,
+            grammar=grammar,
+            vision=vision,
         )
-        return await self._open(request, collect=collect)
+        if vision is not None:
+            request.arrival_time = arrival  # its TTFT counts the processing of its images
+        request_id = await self._open(request, collect=collect)
+        if self._aborted_while_prepared(request_id):
+            # It ends with an abort before the engine admits it (the abort follows the add
+            # on the engine thread's queue).
+            self._abort_in_background(request_id)
+        return request_id
 
     async def add_embedding_request(
         self,
@@ -112,6 +135,7 @@ class EngineCore(EngineBase[Scheduler], CacheControl, ReferenceApi):
         stream_interval: int | None,
         *,
         grammar: CompiledGrammar | None = None,
+        vision: VisionPrompt | None = None,
     ) -> Request:
         """A checked request (caller's thread); ``ValueError`` / ``QueueFullError``."""
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
@@ -131,9 +155,15 @@ class EngineCore(EngineBase[Scheduler], CacheControl, ReferenceApi):
             raise ValueError(
                 f"logprobs {params.logprobs} is over this engine's limit of {self._max_logprobs}"
             )
-        token_ids = prompt_token_ids(
-            self.tokenizer, prompt, vocab_size=self._vocab_size, max_tokens=self._max_prompt_tokens
-        )
+        if vision is not None:
+            token_ids = vision.token_ids
+        else:
+            token_ids = prompt_token_ids(
+                self.tokenizer,
+                prompt,
+                vocab_size=self._vocab_size,
+                max_tokens=self._max_prompt_tokens,
+            )
         if not 0 <= prefix_boundary <= len(token_ids):
             raise ValueError(
                 f"prefix_boundary {prefix_boundary} is not in [0, {len(token_ids)}] "
@@ -152,6 +182,7 @@ class EngineCore(EngineBase[Scheduler], CacheControl, ReferenceApi):
             prefix_boundary=prefix_boundary,
             stream_interval=interval,
             grammar=grammar,
+            vision=vision,
         )
 
     def _grammar_for(self, params: SamplingParams | None) -> CompiledGrammar | None:
@@ -188,13 +219,22 @@ class EngineCore(EngineBase[Scheduler], CacheControl, ReferenceApi):
             raise RuntimeError(f"no output for request {request_id}")
         return final
 
-    # -- closing, and stats ------------------------------------------------------------------
+    # -- aborting, closing, and stats --------------------------------------------------------
+
+    async def abort_request(self, request_id: str) -> bool:
+        """Abort a waiting or running request; its stream ends with ``finish_reason="abort"``.
+        A request whose images are being processed (its ``add_request`` not returned yet) ends
+        with an abort as soon as it is added."""
+        if self._abort_while_preparing(request_id):
+            return True
+        return await super().abort_request(request_id)
 
     def _free_on_engine_thread(self, scheduler: Scheduler) -> None:
         scheduler.clear_prefix_cache()
 
     def _free_scheduler(self) -> None:
         self.scheduler.grammars.close()
+        self._close_vision()
         self.scheduler.prefix_cache = None
 
     def _scheduler_stats(self) -> tuple[SchedulerStats, tuple[RequestProgress, ...]]:

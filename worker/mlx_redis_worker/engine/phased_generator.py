@@ -34,6 +34,8 @@ from mlx_lm.generate import (
 )
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_redis_worker.engine.vision import token_embeddings, vision_model_of
+
 _FIELDS = (
     "_unprocessed_sequences",
     "_prompt_batch",
@@ -57,6 +59,10 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         # Sequences whose prompt must end as mlx-lm's does (all but the last token in the
         # cache): a prefix stored at that point is keyed by those tokens.
         self.last_token_apart: set[int] = set()
+        # Input embeddings of a prompt whose positions are not all tokens (an image's features
+        # at its image tokens), from a prompt position on: the prefill feeds these instead of
+        # token ids, chunk by chunk (``_chunk_embeddings``).
+        self.prompt_embeddings: dict[int, tuple[int, mx.array]] = {}
         missing = [name for name in _FIELDS if not hasattr(self, name)]
         if missing:
             raise RuntimeError(
@@ -175,6 +181,8 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         if not ready:
             return []
         with mx.stream(self._stream):
+            for i in ready:
+                self.prompt_embeddings.pop(self._prompt_batch.uids[i], None)
             records = [self._currently_processing[i] for i in ready]
             self._currently_processing = [
                 p for i, p in enumerate(self._currently_processing) if i not in set(ready)
@@ -245,6 +253,7 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         self.last_token_apart.difference_update(uids)
         for uid in uids:
             self._first_logits.pop(uid, None)
+            self.prompt_embeddings.pop(uid, None)
         return super().remove(uids, return_prompt_caches=return_prompt_caches)
 
     def _prompt(self, chunks: list[list[int]], finishing: list[int]) -> None:
@@ -277,12 +286,13 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         self, batch: PromptProcessingBatch, chunks: list[list[int]], finishing: list[int]
     ) -> None:
         """``batch.prompt(chunks)``, and the logits of each ``finishing`` row's last position
-        (its own length: chunks are right-padded to the longest) from the same pass."""
-        if not finishing:
+        (its own length: chunks are right-padded to the longest) from the same pass. Rows with
+        prompt embeddings feed those instead of their tokens (every row then goes in as
+        embeddings)."""
+        embeddings = self._chunk_embeddings(batch, chunks)
+        if not finishing and embeddings is None:
             batch.prompt(chunks)
             return
-        split = self._split_model
-        assert split is not None
         for tokens, chunk in zip(batch.tokens, chunks, strict=True):
             tokens += chunk
         lengths = [len(chunk) for chunk in chunks]
@@ -293,17 +303,57 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
                 layer.prepare(lengths=lengths, right_padding=padding)
         else:
             inputs = mx.array(chunks)
-        hidden = split.body(inputs, cache=batch.prompt_cache)
-        rows = mx.array(finishing)
-        logits = split.head(hidden[rows, mx.array([lengths[r] - 1 for r in finishing])])
-        mx.eval([layer.state for layer in batch.prompt_cache], logits)
+        given = {} if embeddings is None else {"input_embeddings": embeddings}
+        outputs: list[Any] = [layer.state for layer in batch.prompt_cache]
+        logits = None
+        if finishing:
+            split = self._split_model
+            assert split is not None
+            hidden = split.body(inputs, cache=batch.prompt_cache, **given)
+            rows = mx.array(finishing)
+            logits = split.head(hidden[rows, mx.array([lengths[r] - 1 for r in finishing])])
+            outputs.append(logits)
+        else:
+            self.model(inputs, cache=batch.prompt_cache, **given)
+        mx.eval(outputs)
         if any(padding):
             for layer in batch.prompt_cache:
                 layer.finalize()
             mx.eval([layer.state for layer in batch.prompt_cache])
         mx.clear_cache()
-        for row, row_logits in zip(finishing, logits, strict=True):
-            self._first_logits[batch.uids[row]] = row_logits
+        if logits is not None:
+            for row, row_logits in zip(finishing, logits, strict=True):
+                self._first_logits[batch.uids[row]] = row_logits
+
+    def _chunk_embeddings(
+        self, batch: PromptProcessingBatch, chunks: list[list[int]]
+    ) -> mx.array | None:
+        """The input embeddings of this pass when a row has prompt embeddings (None when none
+        does): those rows' next positions, the other rows' tokens embedded as the vision model
+        embeds text, right-padded with zeros (padding the cache masks)."""
+        held = self.prompt_embeddings
+        if not held or not any(uid in held for uid in batch.uids):
+            return None
+        width = max(len(chunk) for chunk in chunks)
+        rows = []
+        for uid, tokens, chunk in zip(batch.uids, batch.tokens, chunks, strict=True):
+            if uid in held:
+                start, embeddings = held[uid]
+                offset = len(tokens) - start  # tokens: what the cache holds before this chunk
+                row = embeddings[offset : offset + len(chunk)]
+            else:
+                row = self._embed_tokens(chunk)
+            if len(chunk) < width:
+                row = mx.concatenate(
+                    [row, mx.zeros((width - len(chunk), row.shape[-1]), row.dtype)]
+                )
+            rows.append(row)
+        return mx.stack(rows)
+
+    def _embed_tokens(self, tokens: list[int]) -> mx.array:
+        vision = vision_model_of(self.model)
+        assert vision is not None  # only a vision model's requests carry prompt embeddings
+        return token_embeddings(vision, tokens)
 
 
 class SplitModel:

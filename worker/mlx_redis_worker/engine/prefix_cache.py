@@ -116,17 +116,21 @@ class PrefixCache:
         self.misses += 1
         return PrefixHit(None, 0)
 
-    def admit(self, prompt: list[int], prefix_boundary: int) -> Admission:
-        """Reuse what is cached of ``prompt``. A shared prefix (``prefix_boundary``) not
-        cached yet becomes a segment of its own, so it can be stored once prefilled; a cached
-        one is marked as used."""
-        hit = self.fetch(prompt)
+    def admit(
+        self, prompt: list[int], prefix_boundary: int, key: list[int] | None = None
+    ) -> Admission:
+        """Reuse what is cached of ``prompt`` (looked up by ``key``, the prompt as the cache
+        knows it: image tokens stand for their images). A shared prefix (``prefix_boundary``)
+        not cached yet becomes a segment of its own, so it can be stored once prefilled; a
+        cached one is marked as used."""
+        key = prompt if key is None else key
+        hit = self.fetch(key)
         cached = hit.cached_tokens
         if cached < prefix_boundary < len(prompt):
             segments = [prompt[cached:prefix_boundary], prompt[prefix_boundary:]]
             return Admission(hit.cache, cached, segments, stores_prefix=True)
         if 0 < prefix_boundary <= cached:
-            self.touch(prompt[:prefix_boundary])
+            self.touch(key[:prefix_boundary])
         return Admission(hit.cache, cached, [prompt[cached:]])
 
     def store_finished(

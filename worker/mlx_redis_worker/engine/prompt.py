@@ -2,7 +2,9 @@
 
 The engine tokenizes and checks a request's prompt here, in the caller, so bad input is a
 ``ValueError`` to whoever sent it. ``chat_prompt`` renders chat messages with the model's
-template and finds where the leading system turns end (the shared prefix many requests reuse).
+template and finds where the leading system turns end (the shared prefix many requests reuse);
+a vision model's template renders a message's image parts as its image placeholder, and a
+video part becomes the video marker (``engine/vision.py`` puts the frames there).
 Nothing here knows of Redis or of the wire format.
 """
 
@@ -12,6 +14,8 @@ from itertools import takewhile
 from typing import Any
 
 from jinja2 import TemplateError
+
+from mlx_redis_worker.engine.vision import VIDEO_PLACEHOLDER
 
 NO_CHAT_TEMPLATE = (
     "job.messages: the model has no chat template; send a `prompt` instead "
@@ -94,6 +98,23 @@ def chat_prompt(
     return token_ids, shared_prefix_length(system_ids, token_ids)
 
 
+def _video_parts_as_markers(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose content parts include a video (``{"type": "video"}``) with each such
+    part as the text ``<video>``: the engine puts the video's frames there (engine/vision.py);
+    chat templates render image parts but seldom video ones."""
+    content = message.get("content")
+    if not isinstance(content, list) or not any(_is_video(part) for part in content):
+        return message
+    parts = [
+        {"type": "text", "text": VIDEO_PLACEHOLDER} if _is_video(part) else part for part in content
+    ]
+    return {**message, "content": parts}
+
+
+def _is_video(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "video"
+
+
 def chat_text(
     tokenizer: Any,
     messages: list[dict[str, Any]],
@@ -103,10 +124,12 @@ def chat_text(
 ) -> str:
     """``messages`` rendered with the model's chat template as text, generation prompt
     included (a vision-language model's turns may hold ``{"type": "image"}`` parts: its
-    template writes its own image markup, which the engine's processor expands)."""
+    template writes its own image markup, which the engine's processor expands; a
+    ``{"type": "video"}`` part becomes the video marker, where the engine puts its frames)."""
     if not has_chat_template(tokenizer):
         raise ValueError(NO_CHAT_TEMPLATE)
     extra = _template_options(tools, thinking)
+    messages = [_video_parts_as_markers(message) for message in messages]
     return _render(tokenizer, messages, generation_prompt=True, **extra)
 
 

@@ -9,9 +9,12 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Final, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 
 from mlx_redis_protocol.codec_job import MAX_DRAFT_TOKENS
+
+if TYPE_CHECKING:
+    from mlx_redis_worker.engine.vision import VisionPrompt
 
 # (generated token ids so far as an mx.array, logits) -> logits; runs on the engine thread.
 LogitsProcessor = Callable[[Any, Any], Any]
@@ -305,6 +308,22 @@ class Request:
     error: str | None = None
     # The compiled response_format (mlx_redis_worker.engine.structured.CompiledGrammar), if any.
     grammar: Any = None
+    # The processed images of a request that has some: its prompt_token_ids hold their image
+    # tokens, and its prefix-cache key their content.
+    vision: VisionPrompt | None = None
+
+    @property
+    def cache_key(self) -> list[int]:
+        """The prompt as the prefix cache knows it: image tokens stand for their images."""
+        return self.vision.cache_key if self.vision is not None else self.prompt_token_ids
+
+    def cache_key_of(self, tokens: list[int]) -> list[int]:
+        """``tokens`` (a prefix of the prompt, or the prompt and output) as the prefix cache
+        knows them."""
+        if self.vision is None:
+            return tokens
+        prompt = len(self.prompt_token_ids)
+        return self.vision.cache_key[: min(len(tokens), prompt)] + tokens[prompt:]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -58,6 +58,8 @@ from mlx_redis_worker.engine.stats import (
 from mlx_redis_worker.engine.structured import GrammarCompiler
 from mlx_redis_worker.engine.text_stream import TextStream
 from mlx_redis_worker.engine.token_bytes import TokenBytes
+from mlx_redis_worker.engine.vision import vision_model_of
+from mlx_redis_worker.engine.vision_queue import VisionQueue
 
 log = structlog.get_logger(__name__)
 
@@ -104,6 +106,9 @@ class Scheduler:
             self.config.grammar_limits,
         )
         self.token_bytes = TokenBytes(tokenizer)
+        vision = vision_model_of(model)
+        # Image requests between admission and their prefill (a vision-language model's).
+        self.vision_queue = VisionQueue(vision) if vision is not None else None
         self.num_requests_processed = 0
         self.num_requests_failed = 0
         self.total_prompt_tokens = 0
@@ -171,7 +176,9 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        """Requests holding a decode slot: in the generator, or admitted and waiting for their
+        images' encoding."""
+        return len(self.running) + (len(self.vision_queue) if self.vision_queue else 0)
 
     # -- stepping ----------------------------------------------------------------------------
 
@@ -186,6 +193,7 @@ class Scheduler:
 
     def step(self) -> SchedulerOutput:
         self._admit()
+        self._encode_parked()
         generator = self._generator
         if generator is not None and self.running:
             started = time.perf_counter()
@@ -226,7 +234,7 @@ class Scheduler:
         prompts: choosing late lets a short prompt that arrived meanwhile go first."""
         if self._generator is not None and self._generator.has_prefill_work:
             return
-        room = min(self.config.max_num_seqs - len(self.running), self.config.prefill_batch_size)
+        room = min(self.config.max_num_seqs - self.num_running, self.config.prefill_batch_size)
         group = pick_prefill_group(
             self.waiting,
             room,
@@ -244,13 +252,42 @@ class Scheduler:
 
     def _insert(self, sequence: Sequence) -> None:
         request = sequence.request
-        params = request.sampling_params
         prompt = request.prompt_token_ids
         admission = (
-            self.prefix_cache.admit(prompt, request.prefix_boundary)
+            self.prefix_cache.admit(prompt, request.prefix_boundary, request.cache_key)
             if self.prefix_cache
             else Admission.uncached(prompt)
         )
+        if request.vision is not None and request.vision.needs_encoding(admission.cached_tokens):
+            assert self.vision_queue is not None  # EngineCore refuses images without a model
+            request.status = RequestStatus.RUNNING
+            self.vision_queue.park(sequence, admission)
+            return
+        self._start(sequence, admission)
+
+    def _encode_parked(self) -> None:
+        """Encode the images of parked requests, a prefill chunk's worth of image tokens a step
+        (at least one request), and start their prefill."""
+        if not self.vision_queue:
+            return
+        for encoded in self.vision_queue.encode(self.config.prefill_step_size):
+            sequence = encoded.sequence
+            try:
+                if encoded.error is not None:
+                    raise encoded.error
+                assert encoded.embeddings is not None
+                self._start(sequence, encoded.admission)
+                assert self._generator is not None and sequence.uid is not None
+                embeddings = (encoded.start, encoded.embeddings)
+                self._generator.prompt_embeddings[sequence.uid] = embeddings
+            except Exception as exc:
+                self._finish(sequence, "error", error=_describe(exc))
+
+    def _start(self, sequence: Sequence, admission: Admission) -> None:
+        """Insert an admitted sequence into the generator: its prefill starts."""
+        request = sequence.request
+        params = request.sampling_params
+        prompt = request.prompt_token_ids
         request.cached_tokens = admission.cached_tokens
         sequence.prefix_pending = admission.stores_prefix
         sampler: Sampler | None = build_sampler(params)
@@ -310,7 +347,8 @@ class Scheduler:
             sequence = self.running[uid]
             sequence.prefix_pending = False
             try:
-                self.prefix_cache.store(list(tokens), cache, SHARED_PREFIX)
+                key = sequence.request.cache_key_of(list(tokens))
+                self.prefix_cache.store(key, cache, SHARED_PREFIX)
             except Exception as exc:
                 sequence.fail(exc)
 
@@ -376,6 +414,8 @@ class Scheduler:
                 self._release_from_generator(sequence, keep_cache=keep)
         elif sequence in self.waiting:
             self.waiting.remove(sequence)
+        elif self.vision_queue is not None:
+            self.vision_queue.discard(sequence)
         self._requests.pop(request.request_id, None)
         if reason != "error":
             text = sequence.text.finish()
@@ -403,7 +443,7 @@ class Scheduler:
     def _remember(self, request: Request, tokens: list[int], cache: list[Any]) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.store_finished(
-                request.prompt_token_ids, request.prefix_boundary, tokens, cache
+                request.cache_key, request.prefix_boundary, request.cache_key_of(tokens), cache
             )
 
     def _fail_batch(self, exc: BaseException) -> None:
@@ -458,6 +498,7 @@ class Scheduler:
             batch_failures=self.batch_failures,
             model_seconds=self.model_seconds,
             speculation=SpeculationStats.of(self.speculation),
+            vision=self.vision_queue.stats() if self.vision_queue is not None else None,
         )
 
     def open_requests(self) -> tuple[RequestProgress, ...]:

@@ -52,6 +52,21 @@ class SchedulerStats:
     # Wall time inside mlx-lm's BatchGenerator.next (model, sampling, waiting on the device).
     model_seconds: float
     speculation: SpeculationStats
+    # A vision-language model's image work (None for a text model).
+    vision: VisionStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class VisionStats:
+    """Image requests admitted and waiting for their vision encoding (each step encodes up to
+    a prefill chunk's worth of image tokens), the requests, images and image tokens encoded
+    since the engine was made, and the engine thread's seconds in the vision tower."""
+
+    waiting_for_encoding: int
+    requests_encoded: int
+    images_encoded: int
+    image_tokens_encoded: int
+    encode_seconds: float
 
 
 @dataclass(frozen=True, slots=True)

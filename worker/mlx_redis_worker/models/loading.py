@@ -1,4 +1,5 @@
-"""Loading a model by fixture name, local folder or hub id (always through ``mlx_lm.load``).
+"""Loading a model by fixture name, local folder or hub id: ``mlx_lm.load``, or for a
+vision-language model (its config names a vision tower) mlx-vlm through ``models/vision.py``.
 
 Nothing is downloaded: a hub id must already be in the local Hugging Face cache. Every way a
 model can be unusable (no such folder, a name that is nothing known, a folder mlx-lm cannot
@@ -16,6 +17,12 @@ from huggingface_hub.constants import HF_HUB_CACHE
 
 from mlx_redis_protocol.logs import one_line
 from mlx_redis_worker.models.paths import FIXTURES, resolve_model
+from mlx_redis_worker.models.vision import (
+    VisionModelError,
+    is_vision_config,
+    load_vision_model,
+    read_config,
+)
 
 
 class ModelUnavailable(Exception):
@@ -23,8 +30,15 @@ class ModelUnavailable(Exception):
 
 
 def load_model(name_or_path: str) -> tuple[Any, Any]:
-    """``mlx_lm.load`` on the folder :func:`locate_model` finds: ``(model, tokenizer)``."""
+    """``mlx_lm.load`` on the folder :func:`locate_model` finds: ``(model, tokenizer)``; a
+    vision-language model's language model comes with its vision parts (``model.vision``)."""
     folder = locate_model(name_or_path)
+    config = read_config(folder)
+    if is_vision_config(config):
+        try:
+            return load_vision_model(folder, config)
+        except VisionModelError as exc:
+            raise ModelUnavailable(f"model {name_or_path!r}: {exc}") from exc
     try:
         return mlx_lm.load(str(folder))  # type: ignore[no-any-return]
     except Exception as exc:  # whatever mlx-lm refuses: a missing config, an unknown model type

@@ -1,8 +1,8 @@
 """Where offline model fixtures live, and how short fixture names map to folders.
 
 The cache root is ``$MLXW_MODEL_CACHE`` when set, else ``~/.cache/mlx-redis-worker/models``.
-Short names (``tiny``, ``tiny-qwen3``, ``tiny-medium``, ``tiny-micro``, ``smollm2``,
-``smollm2-draft``, and the embedding models ``tiny-embed`` and ``minilm``) resolve to
+Short names (``tiny``, ``tiny-qwen3``, ``tiny-medium``, ``tiny-micro``, ``tiny-vision``,
+``smollm2``, ``smollm2-draft``, and the embedding models ``tiny-embed`` and ``minilm``) resolve to
 prepared folders there, preparing them on first use; anything else (a local path, a hub id)
 passes through unchanged so ``mlx_lm.load`` keeps its usual meaning.
 """
@@ -54,6 +54,22 @@ def tiny_dir(
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
     return _root(cache_dir) / f"tiny-{arch}-{size}"
+
+
+def tiny_vision_dir(
+    size: str = "small",
+    cache_dir: str | os.PathLike[str] | None = None,
+    dtype: str = "float32",
+) -> Path:
+    """The folder of the random-weight SmolVLM of ``size`` (models/tiny_vision.py)."""
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    return _root(cache_dir) / f"tiny-smolvlm-{size}{suffix}"
+
+
+def _prepare_tiny_vision() -> Path:
+    from mlx_redis_worker.models.tiny_vision import prepare_tiny_vision
+
+    return prepare_tiny_vision("small")
 
 
 EncoderName = Literal["tiny-embed", "minilm"]
@@ -112,6 +128,8 @@ FIXTURES: dict[str, tuple[Callable[[], Path], Callable[[], Path]]] = {
     # Compute so small that serving is host-bound, as on a fast GPU: benchmarks use it to show
     # the engine's own per-token host work.
     "tiny-micro": (lambda: tiny_dir("llama", "micro"), _prepare_tiny("llama", "micro")),
+    # A vision-language model (SmolVLM's architecture; needs the vision extra, mlx-vlm).
+    "tiny-vision": (tiny_vision_dir, _prepare_tiny_vision),
     "smollm2": (lambda: smollm2_dir("float32"), _prepare_smollm2("float32")),
     # SmolLM2's first layers as its draft model (models/draft.py).
     "smollm2-draft": (_smollm2_draft_dir, _prepare_smollm2_draft),

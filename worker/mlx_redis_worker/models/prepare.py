@@ -1,5 +1,5 @@
-"""``mlx-worker model prepare {smollm2|smollm2-draft|tiny|tiny-embed|minilm}``: build a fixture
-folder and print its path."""
+"""``mlx-worker model prepare {smollm2|smollm2-draft|tiny|tiny-vision|tiny-embed|minilm}``: build
+a fixture folder and print its path."""
 
 from __future__ import annotations
 
@@ -42,6 +42,16 @@ def _prepare(args: argparse.Namespace) -> Path:
 
         return prepare_tiny(
             arch=args.arch, size=args.size, cache_dir=args.cache_dir, force=args.force
+        )
+    if args.name == "tiny-vision":
+        from mlx_redis_worker.models.tiny_vision import VISION_SIZES, prepare_tiny_vision
+
+        if args.size not in VISION_SIZES:
+            raise ValueError(f"tiny-vision comes in sizes {VISION_SIZES}, not {args.size!r}")
+        if args.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"tiny-vision comes in float32 or bfloat16, not {args.dtype!r}")
+        return prepare_tiny_vision(
+            size=args.size, cache_dir=args.cache_dir, force=args.force, dtype=args.dtype
         )
     if args.name == "tiny-embed":
         from mlx_redis_worker.models.encoders import prepare_tiny_encoder

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen3
 from tqdm import tqdm
@@ -46,9 +47,9 @@ SHAPES: dict[str, Shape] = {
 }
 
 
-def tiny_config(arch: Arch, size: Size) -> dict[str, Any]:
-    """The ``config.json`` of a tiny model."""
-    shape = SHAPES[size]
+def tiny_config(arch: Arch, size: Size | Shape) -> dict[str, Any]:
+    """The ``config.json`` of a tiny model (of a size, or of any shape)."""
+    shape = size if isinstance(size, Shape) else SHAPES[size]
     eos_ids = [SPECIAL_TOKENS.index(t) for t in ("<|endoftext|>", "<|im_end|>")]
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen3ForCausalLM"],
@@ -80,14 +81,28 @@ def _model(config: dict[str, Any]) -> Any:
 
 def random_weights(config: dict[str, Any], seed: int = SEED) -> dict[str, mx.array]:
     """Deterministic float32 weights for every parameter of the model ``config`` describes."""
-    shapes = {name: p.shape for name, p in tree_flatten(_model(config).parameters())}
+    return random_parameters(_model(config), seed, desc=f"init {config['model_type']}")
+
+
+def random_parameters(model: nn.Module, seed: int, desc: str) -> dict[str, mx.array]:
+    """Weights for every parameter of ``model``, by name: N(0, ``INIT_STD``) with one PRNG key
+    per parameter (split from ``seed`` in name order), except normalization layers, whose
+    scales are ones and offsets zeros (a near-zero scale would silence what they feed)."""
+    shapes = {name: p.shape for name, p in tree_flatten(model.parameters())}
     names = sorted(shapes)
+    norms = {
+        path
+        for path, module in model.named_modules()
+        if isinstance(module, nn.RMSNorm | nn.LayerNorm)
+    }
     keys = mx.random.split(mx.random.key(seed), len(names))
     weights: dict[str, mx.array] = {}
-    for i, name in enumerate(tqdm(names, desc=f"init {config['model_type']}", unit="tensor")):
+    for i, name in enumerate(tqdm(names, desc=desc, unit="tensor")):
         shape = shapes[name]
-        if name.endswith("norm.weight"):
-            weights[name] = mx.ones(shape, dtype=mx.float32)
+        owner, _, kind = name.rpartition(".")
+        if owner in norms or name.endswith("norm.weight"):
+            fill = mx.ones if kind == "weight" else mx.zeros
+            weights[name] = fill(shape, dtype=mx.float32)
         else:
             weights[name] = INIT_STD * mx.random.normal(shape, dtype=mx.float32, key=keys[i])
         mx.eval(weights[name])
