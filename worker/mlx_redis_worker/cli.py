@@ -241,7 +241,9 @@ def _add_bench_commands(commands: Any) -> None:
     )
     hostile.add_argument("--hostile", action="store_true", help="run this bench instead")
     hostile.add_argument(
-        "--kind", default="mixed", help="deep_anyof | long_enum | bounded_repeat | mixed"
+        "--kind",
+        default="mixed",
+        help="deep_anyof | nested_anyof | long_enum | bounded_repeat | mixed",
     )
     hostile.add_argument("--attackers", type=int, default=2, help="attacker requests in flight")
     hostile.add_argument("--attacker-tokens", type=int, default=16, help="max_tokens of each")
@@ -376,8 +378,13 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "worker_id": (str, "consumer name (default: host name + a stable suffix)"),
     "max_concurrency": (int, "jobs running at once (the engine's batch)"),
     "max_schema_bytes": (int, "a job's response_format, as compact JSON (default 131072)"),
-    "max_grammar_compile_ms": (int, "compiling a job's response_format (default 2000)"),
-    "max_mask_us": (int, "one token's mask of a job's response_format (default 10000)"),
+    "max_grammar_symbols": (int, "symbols of a job's grammar (default 500000)"),
+    "max_grammar_lexer_fuel": (int, "lexer work to build a job's grammar (default 1000000)"),
+    "max_mask_items": (int, "Earley items of one token's mask (default 50000)"),
+    "max_mask_lexer_fuel": (int, "lexer work of one token's mask (default 200000)"),
+    "max_lexer_states": (int, "lexer states one grammar may build (default 50000)"),
+    "max_grammar_compile_ms": (int, "safety net: compiling a job's grammar (default 30000)"),
+    "max_mask_us": (int, "safety net: one token's mask (default 250000)"),
     "cache_dir": (str, "where cache_save/cache_load keep prefix caches"),
     "lease_seconds": (float, "idle time after which another worker reclaims a job"),
     "fair_share": (bool, "start waiting jobs by fair share between tenants, not in order"),

@@ -34,6 +34,9 @@ class ResponseFormat:
     schema: Mapping[str, Any] | None = None
     pattern: str | None = None
     lark: str | None = None
+    # What the request sent that this format enforces, as its errors name it: its
+    # ``response_format``, or its ``tools`` (the grammar of their calls). Not in ``key``.
+    subject: str = "response_format"
 
     def __post_init__(self) -> None:
         needs = {"json_schema": "schema", "regex": "pattern", "grammar": "lark"}
