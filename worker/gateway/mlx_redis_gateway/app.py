@@ -5,9 +5,10 @@ load balancer, and a client that lost its stream resumes it on any of them with
 ``GET /v1/requests/{id}/stream`` and ``Last-Event-ID``.
 
 This module puts the app together: the routes (``routes/``: ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``POST /v1/responses``, Anthropic's ``POST /v1/messages`` and
-``POST /v1/messages/count_tokens``, ``GET /v1/models``, ``GET /v1/models/{id}``,
-``GET /v1/requests/{id}``, ``GET /v1/requests/{id}/stream``, ``GET /health``, and the status
+``POST /v1/completions``, ``POST /v1/responses``, ``POST /v1/embeddings``, Anthropic's
+``POST /v1/messages`` and ``POST /v1/messages/count_tokens``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``GET /v1/requests/{id}``, ``GET /v1/requests/{id}/stream``,
+``GET /health``, and the status
 page's ``/``, ``/status.json`` and ``/status/fragment``), the HTTP limits and browser guard in
 front of them, and the error handlers: any other path or method is a 404 or 405 in the error
 shape of the API its path belongs to (``errors``: Anthropic's under ``/v1/messages``, OpenAI's
@@ -33,6 +34,7 @@ from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.gateway import Gateway, unavailable
 from mlx_redis_gateway.http_limits import RequestLimits
 from mlx_redis_gateway.routes.completions import CompletionRoutes
+from mlx_redis_gateway.routes.embeddings import EmbeddingRoutes
 from mlx_redis_gateway.routes.messages import MessageRoutes
 from mlx_redis_gateway.routes.models import ModelRoutes
 from mlx_redis_gateway.routes.requests import RequestRoutes
@@ -60,6 +62,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/responses", ResponseRoutes(gateway).create, methods=["POST"]),
         Route("/v1/messages", messages.create, methods=["POST"]),
         Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+        Route("/v1/embeddings", EmbeddingRoutes(gateway).create, methods=["POST"]),
         Route("/v1/models", models.models, methods=["GET"]),
         Route("/v1/models/{model:path}", models.model, methods=["GET"]),
         Route("/v1/requests/{request_id}", requests.result, methods=["GET"]),

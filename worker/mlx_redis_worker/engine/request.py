@@ -260,6 +260,10 @@ class RequestOutput:
     output_valid: bool | None = None
     # Once finished by a stop string: that string (vLLM's name); None otherwise.
     stop_reason: str | None = None
+    # From an embedding engine: the vectors this output carries (little-endian float32
+    # bytes, unit length), those of the request's inputs ``embedding_index`` onwards.
+    embeddings: list[bytes] | None = field(default=None, repr=False)
+    embedding_index: int = 0
     transcript: Transcript | None = field(default=None, repr=False, compare=False)
     text_parts: int = field(default=0, repr=False, compare=False)
 
@@ -281,6 +285,9 @@ class RequestOutput:
         self.new_token_ids = earlier.new_token_ids + self.new_token_ids
         if earlier.logprobs is not None or self.logprobs is not None:
             self.logprobs = (earlier.logprobs or []) + (self.logprobs or [])
+        if earlier.embeddings is not None:
+            self.embeddings = earlier.embeddings + (self.embeddings or [])
+            self.embedding_index = earlier.embedding_index
         return self
 
 
