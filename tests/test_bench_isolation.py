@@ -44,7 +44,7 @@ def test_cli_runs_every_attacker_and_prints_the_table() -> None:
     done = mlx_worker(*args, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     attackers = ["huge header", "huge body", "read flood", "resume flood", "hostile schema"]
-    attackers += ["image bomb", "image 50mb", "image flood"]
+    attackers += ["nested anyof", "logprobs fanout", "image bomb", "image 50mb", "image flood"]
     for attacker in [*attackers, "20 idle sockets"]:
         row = rf"^\| {attacker} \| [0-9.]+ \| [0-9.]+ \| [0-9]+ \| .*\|$"
         assert re.search(row, done.stdout, re.M), done.stdout

@@ -168,8 +168,10 @@ def test_idempotency_window_defaults_to_a_day_and_outlives_the_log() -> None:
 
 
 def test_grammar_limits_from_settings_default_to_the_engines() -> None:
-    from mlx_redis_worker.engine.config import GrammarLimits
+    from mlx_redis_worker.daemon.settings import GRAMMAR_SETTINGS
+    from mlx_redis_worker.engine.config import GRAMMAR_LIMITS, GrammarLimits
 
+    assert GRAMMAR_SETTINGS == GRAMMAR_LIMITS
     assert WorkerSettings().grammar_limits == GrammarLimits()
     settings = load_settings(
         {"max_schema_bytes": 1000}, {"MLXW_MAX_MASK_US": "500", "MLXW_MAX_GRAMMAR_COMPILE_MS": "9"}

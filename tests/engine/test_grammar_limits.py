@@ -1,6 +1,7 @@
 """A response_format's cost stays off the engine thread and inside its limits: the batch keeps
 stepping while a grammar compiles, a compiled grammar's matcher is copied per request (never
-rebuilt), and a format over a limit is refused with a ValueError naming the limit."""
+rebuilt), a format over a limit is refused with a ValueError naming the limit, and the limits
+count llguidance's work, so a busy machine does not change a verdict."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from typing import Any
 import llguidance
 import pytest
 
-from mlx_redis_worker.bench.hostile_schemas import deep_anyof
+from mlx_redis_worker.bench.hostile_schemas import deep_anyof, nested_anyof
 from mlx_redis_worker.engine import EngineCore, ResponseFormat, SamplingParams
-from mlx_redis_worker.engine.config import GrammarLimits
-from mlx_redis_worker.engine.structured import SLOW_MASKS_ALLOWED
+from mlx_redis_worker.engine.config import GRAMMAR_LIMITS, GrammarLimits
+from mlx_redis_worker.engine.grammar_rows import SLOW_MASKS_ALLOWED
 from tests.support.engines import PROMPTS, MakeEngine, collect
 from tests.support.waiting import run, wait_until
 
@@ -150,14 +151,19 @@ def test_a_schema_over_max_schema_bytes_is_refused_before_compiling(
     serves_plain(engine)
 
 
-def test_a_format_whose_mask_is_over_max_mask_us_is_refused(
-    tiny_model: Any, make_engine: MakeEngine
+@pytest.mark.parametrize(
+    ("limit", "value"), [("max_grammar_symbols", 10), ("max_grammar_lexer_fuel", 10)]
+)
+def test_a_format_over_a_work_limit_is_refused_naming_it(
+    tiny_model: Any, make_engine: MakeEngine, limit: str, value: int
 ) -> None:
-    engine = make_engine(tiny_model, grammar_limits=GrammarLimits(max_mask_us=1))
+    """Grammar symbols and lexer fuel to build the format: counted by llguidance, over the
+    limit refused before the request runs."""
+    engine = make_engine(tiny_model, grammar_limits=GrammarLimits(**{limit: value}))
     message = refused(engine, FORMAT)
-    assert "per token mask, over max_mask_us (1)" in message
+    assert message.startswith(f"response_format needs more than {limit} ({value}) allows: ")
     stats = engine.scheduler.grammars.stats
-    assert stats.over_limit == {"max_mask_us": 1}
+    assert stats.over_limit == {limit: 1}
     assert stats.compiled == 0  # nothing refused is cached
     serves_plain(engine)
 
@@ -181,9 +187,10 @@ def test_a_compile_over_max_grammar_compile_ms_is_refused_and_cached_for_later(
 
 
 def test_grammar_limits_must_be_positive_integers() -> None:
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match=r"GrammarLimits\.max_mask_us"):
-            GrammarLimits(max_mask_us=bad)  # type: ignore[arg-type]
+    for name in GRAMMAR_LIMITS:
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(ValueError, match=rf"GrammarLimits\.{name}"):
+                GrammarLimits(**{name: bad})
 
 
 def test_a_sequence_whose_masks_turn_slow_is_refused_beside_a_plain_one(
@@ -217,3 +224,32 @@ def test_a_sequence_whose_masks_turn_slow_is_refused_beside_a_plain_one(
     assert stats.over_limit == {"max_mask_us": 1}
     assert stats.slow_masks == SLOW_MASKS_ALLOWED + 1
     assert (stats.compiled, stats.cache_hits) == (1, 1)
+
+
+def test_the_nested_anyof_schema_runs_within_the_limits_and_ends_typed_over_them(
+    tiny_model: Any, make_engine: MakeEngine
+) -> None:
+    """The isolation bench's nested ``anyOf`` (6 wide, 4 deep, about 110 KiB): accepted under
+    the default limits (its masks stay inside them); under a mask budget of a few Earley
+    items, its request ends with a GrammarLimitError naming max_mask_items, a fault of the
+    request's own, while a plain request beside it runs to its end."""
+
+    def params(salt: str) -> SamplingParams:
+        nested = ResponseFormat("json_schema", schema=nested_anyof(salt))
+        return SamplingParams(max_tokens=24, temperature=0.0, response_format=nested)
+
+    engine = make_engine(tiny_model)
+
+    async def scenario() -> tuple[Any, Any, Any]:
+        accepted = (await collect(engine, await engine.add_request(PROMPTS[0], params("a"))))[-1]
+        engine.scheduler.grammars.limits = GrammarLimits(max_mask_items=8)  # a new compile's
+        over = await engine.add_request(PROMPTS[0], params("b"))
+        plain_id = await engine.add_request(PROMPTS[1], plain())
+        return accepted, (await collect(engine, over))[-1], (await collect(engine, plain_id))[-1]
+
+    accepted, over, plain_final = run(scenario())
+    assert accepted.finish_reason in ("stop", "length") and accepted.error is None
+    assert over.finish_reason == "error" and over.request_fault is True
+    assert "GrammarLimitError: response_format needs more than max_mask_items (8)" in over.error
+    assert engine.scheduler.grammars.stats.over_limit == {"max_mask_items": 1}
+    assert plain_final.finish_reason == "length"

@@ -49,7 +49,10 @@ def _add_model_commands(commands: Any) -> None:
     model = commands.add_parser("model", help="prepare offline model fixtures")
     model_commands = model.add_subparsers(dest="model_command", required=True)
     prepare = model_commands.add_parser("prepare", help="build an mlx-lm model folder")
-    prepare.add_argument("name", choices=["smollm2", "smollm2-draft", "tiny", "tiny-vision"])
+    prepare.add_argument(
+        "name",
+        choices=["smollm2", "smollm2-draft", "tiny", "tiny-vision", "tiny-embed", "minilm"],
+    )
     prepare.add_argument("--dtype", choices=["float32", "bfloat16", "q4"], default="float32")
     prepare.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
     prepare.add_argument(
@@ -143,6 +146,18 @@ def _add_bench_commands(commands: Any) -> None:
     models.add_argument("--redis-url", default=None, help="default: a private redis-server")
     models.set_defaults(func=_lazy("mlx_redis_worker.bench.models_bench", "run_models_bench"))
 
+    embeddings = benches.add_parser(
+        "embeddings", help="the embedding engine vs mlx-embeddings directly: inputs/s"
+    )
+    embeddings.add_argument("--model", default="minilm", help="an embedding model")
+    embeddings.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="batch sizes")
+    embeddings.add_argument("--inputs", type=int, default=256, help="texts per measurement")
+    embeddings.add_argument("--words", type=int, default=12, help="words per text")
+    embeddings.add_argument("--repeat", type=int, default=5, help="rotations of both ways")
+    embeddings.set_defaults(
+        func=_lazy("mlx_redis_worker.bench.embeddings_bench", "run_embeddings_bench")
+    )
+
     keyspace = benches.add_parser(
         "keyspace", help="stats and submit --model with 1,000,000 unrelated keys vs none"
     )
@@ -226,7 +241,9 @@ def _add_bench_commands(commands: Any) -> None:
     )
     hostile.add_argument("--hostile", action="store_true", help="run this bench instead")
     hostile.add_argument(
-        "--kind", default="mixed", help="deep_anyof | long_enum | bounded_repeat | mixed"
+        "--kind",
+        default="mixed",
+        help="deep_anyof | nested_anyof | long_enum | bounded_repeat | mixed",
     )
     hostile.add_argument("--attackers", type=int, default=2, help="attacker requests in flight")
     hostile.add_argument("--attacker-tokens", type=int, default=16, help="max_tokens of each")
@@ -361,8 +378,13 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     "worker_id": (str, "consumer name (default: host name + a stable suffix)"),
     "max_concurrency": (int, "jobs running at once (the engine's batch)"),
     "max_schema_bytes": (int, "a job's response_format, as compact JSON (default 131072)"),
-    "max_grammar_compile_ms": (int, "compiling a job's response_format (default 2000)"),
-    "max_mask_us": (int, "one token's mask of a job's response_format (default 10000)"),
+    "max_grammar_symbols": (int, "symbols of a job's grammar (default 500000)"),
+    "max_grammar_lexer_fuel": (int, "lexer work to build a job's grammar (default 1000000)"),
+    "max_mask_items": (int, "Earley items of one token's mask (default 50000)"),
+    "max_mask_lexer_fuel": (int, "lexer work of one token's mask (default 200000)"),
+    "max_lexer_states": (int, "lexer states one grammar may build (default 50000)"),
+    "max_grammar_compile_ms": (int, "safety net: compiling a job's grammar (default 30000)"),
+    "max_mask_us": (int, "safety net: one token's mask (default 250000)"),
     "cache_dir": (str, "where cache_save/cache_load keep prefix caches"),
     "lease_seconds": (float, "idle time after which another worker reclaims a job"),
     "fair_share": (bool, "start waiting jobs by fair share between tenants, not in order"),

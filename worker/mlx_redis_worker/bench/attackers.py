@@ -1,7 +1,8 @@
 """The abusive HTTP clients of ``mlx-worker bench isolation``, each run as a process of its own.
 
 ``python -m mlx_redis_worker.bench.attackers NAME --port P --key K`` attacks the gateway on
-port P until SIGTERM, then prints one JSON line: what the attacker got back (statuses or
+port P until SIGTERM: it prints ``{"ready": true}`` once its attack is under way (what it
+sends built), and at the end one JSON line: what the attacker got back (statuses or
 connection errors, counted), how many exchanges it made, and its own CPU seconds. A process
 of its own, at the lowest CPU priority (Linux's ``SCHED_IDLE``, elsewhere niceness 19): the
 victim's client is not slowed by the attacker's coroutines in its event loop, and the
@@ -15,11 +16,14 @@ request ids with the attacker's key), ``resume-flood`` (200 connections resuming
 attacker's own finished request, ``--own-request``), ``hostile-schema`` (4 connections
 asking ``--model`` for chat completions in a new deep ``anyOf`` schema each time, as large as
 the worker's default ``max_schema_bytes`` lets through: a compile each), ``idle-sockets``
-(``--idle-sockets`` connections that send nothing, reopened when closed), and the image
-attackers, 4 connections each (the attacker key's cap) asking ``--model`` for chat
-completions with images: ``image-bomb`` (a 65,535 x 65,535 PNG header over 4 KB),
-``image-50mb`` (a 50 MB image: its data URL, 67 MB), ``image-flood`` (a new real 512 x 512
-picture every time, about 1 MB as a data URL).
+(``--idle-sockets`` connections that send nothing, reopened when closed), ``nested-anyof``
+(4 connections asking ``--model`` for 32 tokens under a new ``anyOf`` schema nested 4 deep and
+6 wide each time, about 110 KiB: a compile each, and 4 grammar rows in the victim's batch),
+``logprobs-fanout`` (chat completions of ``n`` 4 with ``top_logprobs`` 20, 64 tokens: 4 jobs
+each, 20 alternatives a token), and the image attackers, 4 connections each (the attacker
+key's cap) asking ``--model`` for chat completions with images: ``image-bomb`` (a 65,535 x
+65,535 PNG header over 4 KB), ``image-50mb`` (a 50 MB image: its data URL, 67 MB),
+``image-flood`` (a new real 512 x 512 picture every time, about 1 MB as a data URL).
 
 Each attacker connects from ``--source`` (Linux routes all of 127.0.0.0/8 to the loopback
 interface), so that the gateway sees it as a client of its own, as a client on another host
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -43,7 +48,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from mlx_redis_worker.bench.hostile_images import data_url, huge_image, picture, png_bomb
-from mlx_redis_worker.bench.hostile_schemas import deep_anyof
+from mlx_redis_worker.bench.hostile_schemas import Schema, deep_anyof, nested_anyof
 
 FLOOD_CONNECTIONS = 200
 SCHEMA_CONNECTIONS = 4  # the attacker key's concurrency cap
@@ -52,9 +57,14 @@ SCHEMA_WIDTH = 8
 HUGE_HEADER = 16 * 1024 * 1024
 HUGE_BODY = 500 * 1024 * 1024
 PIECE = b"a" * 65536
+# The nested-anyof attacker's tokens per request: its grammar rows stay in the batch.
+NESTED_MAX_TOKENS = 32
+FANOUT_CHOICES = 4
+FANOUT_TOP_LOGPROBS = 20
+FANOUT_MAX_TOKENS = 64
 IMAGE_CONNECTIONS = 4  # the attacker key's concurrency cap
 FLOOD_IMAGE_SIZE = (512, 512)  # random pixels: about 770 KB as a PNG
-FLOOD_IMAGES = 32
+FLOOD_IMAGES = 8  # in turn, each after new text: no prefix-cache hit
 # The first attacker's address; the bench gives each attack phase the next one (``source``).
 FIRST_SOURCE = 2
 
@@ -92,6 +102,16 @@ class Target:
     def answered(self, status_line: bytes) -> None:
         """Count an answer by its status (``closed``: the connection closed unanswered)."""
         self.statuses[status_line.split(b" ", 2)[1].decode() if status_line else "closed"] += 1
+
+    async def chat(self, fields: dict[str, Any]) -> None:
+        """One chat completion of ``--model`` with ``fields``, on a connection of its own."""
+        body = json.dumps({"model": self.model, **fields}, separators=(",", ":")).encode()
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{self.auth}"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n"
+        )
+        await self.exchange(head, body=body)
 
     async def exchange(self, head: str, body_pieces: int = 0, body: bytes = b"") -> None:
         """One request on a connection of its own (its ``body``, or ``body_pieces`` of
@@ -152,30 +172,49 @@ async def resume_flood(target: Target) -> None:
 
 
 async def hostile_schema(target: Target) -> None:
+    schema = functools.partial(deep_anyof, width=SCHEMA_WIDTH, depth=3)
+    await _schema_senders(target, schema, max_tokens=8, salt_hex=8)
+
+
+async def nested_anyof_schema(target: Target) -> None:
+    await _schema_senders(target, nested_anyof, max_tokens=NESTED_MAX_TOKENS, salt_hex=14)
+
+
+async def _schema_senders(
+    target: Target, schema_of: Callable[[str], Schema], *, max_tokens: int, salt_hex: int
+) -> None:
+    """``SCHEMA_CONNECTIONS`` senders of chat completions, each under a new schema (its salt:
+    the sender's number and ``salt_hex`` random hex digits)."""
+
     async def sender(number: int) -> None:
         while True:
-            salt = f"{number}{uuid.uuid4().hex[:8]}"
-            schema = deep_anyof(salt, width=SCHEMA_WIDTH, depth=3)
-            body = json.dumps(
+            salt = f"{number}{uuid.uuid4().hex[:salt_hex]}"
+            await target.chat(
                 {
-                    "model": target.model,
                     "messages": [{"role": "user", "content": "fill it in"}],
-                    "max_tokens": 8,
+                    "max_tokens": max_tokens,
                     "response_format": {
                         "type": "json_schema",
-                        "json_schema": {"name": "hostile", "schema": schema},
+                        "json_schema": {"name": "hostile", "schema": schema_of(salt)},
                     },
-                },
-                separators=(",", ":"),
-            ).encode()
-            head = (
-                f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{target.auth}"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n"
+                }
             )
-            await target.exchange(head, body=body)
 
     await asyncio.gather(*(sender(number) for number in range(SCHEMA_CONNECTIONS)))
+
+
+async def logprobs_fanout(target: Target) -> None:
+    while True:  # n jobs of one request take the key's n slots: one request at a time
+        await target.chat(
+            {
+                "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": FANOUT_MAX_TOKENS,
+                "n": FANOUT_CHOICES,
+                "logprobs": True,
+                "top_logprobs": FANOUT_TOP_LOGPROBS,
+                "temperature": 1.0,
+            }
+        )
 
 
 def _chat_with_image(target: Target, url: str, text: str) -> tuple[str, bytes]:
@@ -227,7 +266,6 @@ def image_attacks() -> dict[str, Attack]:
     return {
         "image-bomb": _image_sender(lambda: [data_url(png_bomb())]),
         "image-50mb": _image_sender(lambda: [data_url(huge_image())]),
-        # More pictures than the attacker key's 30 requests a minute: each one admitted new.
         "image-flood": _image_sender(
             lambda: [data_url(picture(seed, FLOOD_IMAGE_SIZE)) for seed in range(FLOOD_IMAGES)]
         ),
@@ -264,6 +302,8 @@ def attacks(idle: int) -> dict[str, Attack]:
         "resume-flood": resume_flood,
         "hostile-schema": hostile_schema,
         "idle-sockets": idle_sockets(idle),
+        "nested-anyof": nested_anyof_schema,
+        "logprobs-fanout": logprobs_fanout,
         **image_attacks(),
     }
 
@@ -273,6 +313,10 @@ async def _run(attack: Attack, target: Target) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     task = asyncio.create_task(attack(target))
+    # The attack's first step runs to its first wait: what it builds (the image attackers'
+    # files) is built. Then the bench starts the victim.
+    await asyncio.sleep(0)
+    print(json.dumps({"ready": True}), flush=True)
     await stop.wait()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

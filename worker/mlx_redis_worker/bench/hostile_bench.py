@@ -36,7 +36,7 @@ from mlx_redis_worker.engine import (
     ResponseFormat,
     SamplingParams,
 )
-from mlx_redis_worker.engine.config import GrammarLimits
+from mlx_redis_worker.engine.config import GRAMMAR_LIMITS, GrammarLimits
 from mlx_redis_worker.models import load_model
 
 MODES = ("alone", "plain", "fresh", "cached")
@@ -53,14 +53,7 @@ class Attack:
     finished: int = 0
 
     def refuse(self, message: str) -> None:
-        limit = next(
-            (
-                name
-                for name in ("max_schema_bytes", "max_grammar_compile_ms", "max_mask_us")
-                if name in message
-            ),
-            "other",
-        )
+        limit = next((name for name in GRAMMAR_LIMITS if name in message), "other")
         self.refused[limit] = self.refused.get(limit, 0) + 1
 
 

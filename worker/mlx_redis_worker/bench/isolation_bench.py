@@ -85,6 +85,13 @@ class Attacker:
         command += ["--idle-sockets", str(idle), "--model", MODEL_NAME]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE)
 
+    def wait_ready(self) -> None:
+        """Until its attack is under way (an image attacker builds its files first)."""
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if json.loads(line or b"{}").get("ready") is not True:
+            raise RuntimeError(f"the attacker did not start (exit {self.process.poll()})")
+
     def stop(self) -> dict[str, Any]:
         """Its report: statuses, exchanges, CPU seconds."""
         self.process.terminate()
@@ -157,6 +164,7 @@ async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
             source(bench.attacks_run),
         )
         bench.attacks_run += 1
+        await asyncio.to_thread(attacker.wait_ready)
         await asyncio.sleep(ATTACK_LEAD_SECONDS)
     pids = [bench.gateway_pid, bench.redis_pid, bench.worker_pid]
     cpu_before = [_cpu_seconds(pid) for pid in pids]

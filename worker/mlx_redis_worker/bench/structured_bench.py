@@ -43,7 +43,7 @@ from mlx_redis_worker.engine import (
     ResponseFormat,
     SamplingParams,
 )
-from mlx_redis_worker.engine.structured import GrammarProcessor
+from mlx_redis_worker.engine.grammar_rows import GrammarProcessor
 from mlx_redis_worker.models import load_model
 
 SYSTEM = "Reply with JSON only."

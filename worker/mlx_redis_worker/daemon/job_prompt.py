@@ -104,7 +104,7 @@ def job_prompt(job: Job, tokenizer: Any) -> JobPrompt:
             thought=thought,
             thought_open=thought_open,
         )
-        response_format = ResponseFormat(type="grammar", lark=grammar)
+        response_format = ResponseFormat(type="grammar", lark=grammar, subject="tools")
     parser = None
     if calls or thought is not None:
         parser = OutputParser(

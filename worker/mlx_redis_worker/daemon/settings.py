@@ -30,6 +30,17 @@ if TYPE_CHECKING:
     from mlx_redis_worker.engine.config import GrammarLimits
 
 ENV_PREFIX = "MLXW_"
+# The settings that make up GrammarLimits (its field names; a test checks they agree).
+GRAMMAR_SETTINGS = (
+    "max_schema_bytes",
+    "max_grammar_symbols",
+    "max_grammar_lexer_fuel",
+    "max_mask_items",
+    "max_mask_lexer_fuel",
+    "max_lexer_states",
+    "max_grammar_compile_ms",
+    "max_mask_us",
+)
 
 
 def default_worker_id() -> str:
@@ -96,12 +107,18 @@ class WorkerSettings:
     prefix: str = DEFAULT_PREFIX
     worker_id: str = field(default_factory=default_worker_id)
     max_concurrency: int = 32
-    # What one job's response_format may cost (over any: invalid_job naming it): its size as
-    # compact JSON, compiling it, one token's mask. GrammarLimits' defaults, written here so
-    # that reading settings does not import the engine (a test checks that they agree).
+    # What one job's format (response_format, or its tools' grammar) may cost (over any:
+    # invalid_job naming it), in llguidance's units of work, then two wall-clock safety nets:
+    # see GrammarLimits. Its defaults, written here so that reading settings does not import
+    # the engine (a test checks that they agree).
     max_schema_bytes: int = 128 * 1024
-    max_grammar_compile_ms: int = 2000
-    max_mask_us: int = 10_000
+    max_grammar_symbols: int = 500_000
+    max_grammar_lexer_fuel: int = 1_000_000
+    max_mask_items: int = 50_000
+    max_mask_lexer_fuel: int = 200_000
+    max_lexer_states: int = 50_000
+    max_grammar_compile_ms: int = 30_000
+    max_mask_us: int = 250_000
     cache_dir: str = "~/.cache/mlx-redis-worker/prefix-caches"
     # A job idle (not refreshed) this long is presumed orphaned and reclaimed by another worker.
     lease_seconds: float = 60.0
@@ -173,9 +190,7 @@ class WorkerSettings:
             "idempotency_seconds",
             "reply_ttl",
             "stream_interval",
-            "max_schema_bytes",
-            "max_grammar_compile_ms",
-            "max_mask_us",
+            *GRAMMAR_SETTINGS,
             "media_threads",
             "media_fetch_timeout",
         )
@@ -222,11 +237,7 @@ class WorkerSettings:
     def grammar_limits(self) -> GrammarLimits:
         from mlx_redis_worker.engine.config import GrammarLimits
 
-        return GrammarLimits(
-            max_schema_bytes=self.max_schema_bytes,
-            max_grammar_compile_ms=self.max_grammar_compile_ms,
-            max_mask_us=self.max_mask_us,
-        )
+        return GrammarLimits(**{name: getattr(self, name) for name in GRAMMAR_SETTINGS})
 
     @property
     def limits(self) -> Limits:

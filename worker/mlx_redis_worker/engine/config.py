@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mlx_redis_worker.engine.request import SamplingParams
@@ -10,26 +10,43 @@ from mlx_redis_worker.engine.request import SamplingParams
 
 @dataclass(frozen=True, slots=True)
 class GrammarLimits:
-    """What one request's response_format may cost; over any, the request is refused with a
-    ``ValueError`` naming the limit (the worker's ``invalid_job``).
+    """What one request's format (its response_format, or the grammar of its tools' calls) may
+    cost; over any, the request is refused with a ``ValueError`` naming the limit (the
+    worker's ``invalid_job``), or ends with ``GrammarLimitError`` when it goes over while it
+    runs. The names are the worker's settings of the same name.
 
-    ``max_schema_bytes``: the format as given (its schema as compact JSON, its pattern, its
-    Lark text). ``max_grammar_compile_ms``: compiling it and building its matcher, off the
-    engine thread (a compile past it is refused; it finishes in the background and is cached,
-    bounded by llguidance's own fuel limits). ``max_mask_us``: one token's mask, measured once
-    while compiling (the fastest of a few tries, so a busy machine does not refuse a good
-    format). The names are the worker's settings of the same name.
+    Counted in llguidance's units of work, which a busy machine does not change (the figures
+    in brackets: this project's 2-core CPU at idle, from llguidance's own rates):
+    ``max_schema_bytes``, the format as given (its schema as compact JSON, its pattern, its
+    Lark text); ``max_grammar_symbols``, the grammar's size; ``max_grammar_lexer_fuel``,
+    building its lexer (~20 ms); ``max_mask_items``, the Earley items of one token's mask
+    (~2.5 ms); ``max_mask_lexer_fuel``, the lexer work of one token's mask (~14 ms);
+    ``max_lexer_states``, the lexer states one grammar may build (its memory: 1-2 kB each).
+
+    Far outer safety nets, in wall-clock time, for a machine stalled far beyond any load:
+    ``max_grammar_compile_ms`` (compiling, off the engine thread: a compile past it is
+    refused, finishes in the background and is cached) and ``max_mask_us`` (one token's mask:
+    a sequence over it more than a few times is refused).
     """
 
     max_schema_bytes: int = 128 * 1024
-    max_grammar_compile_ms: int = 2000
-    max_mask_us: int = 10_000
+    max_grammar_symbols: int = 500_000
+    max_grammar_lexer_fuel: int = 1_000_000
+    max_mask_items: int = 50_000
+    max_mask_lexer_fuel: int = 200_000
+    max_lexer_states: int = 50_000
+    max_grammar_compile_ms: int = 30_000
+    max_mask_us: int = 250_000
 
     def __post_init__(self) -> None:
-        for name in ("max_schema_bytes", "max_grammar_compile_ms", "max_mask_us"):
-            value = getattr(self, name)
+        for limit in fields(self):
+            name, value = limit.name, getattr(self, limit.name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GrammarLimits.{name} must be an integer >= 1, got {value!r}")
+
+
+# GrammarLimits' fields, in order (the worker's settings of the same names).
+GRAMMAR_LIMITS = tuple(limit.name for limit in fields(GrammarLimits))
 
 
 @dataclass(slots=True)

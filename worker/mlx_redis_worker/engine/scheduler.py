@@ -28,6 +28,7 @@ import structlog
 
 from mlx_redis_worker.engine.admission import pick_prefill_group
 from mlx_redis_worker.engine.config import SchedulerConfig
+from mlx_redis_worker.engine.grammar_rows import GrammarBatch, GrammarProcessor
 from mlx_redis_worker.engine.output_collector import RequestStreamState
 from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator, SplitModel
 from mlx_redis_worker.engine.prefix_cache import SHARED_PREFIX, Admission, PrefixCache
@@ -105,6 +106,8 @@ class Scheduler:
             model_vocab_size(model, tokenizer),
             self.config.grammar_limits,
         )
+        # The constrained rows of the batch, their masks computed together.
+        self.grammar_rows = GrammarBatch(self.grammars.stats, self.grammars.vocab_size)
         self.token_bytes = TokenBytes(tokenizer)
         vision = vision_model_of(model)
         # Image requests between admission and their prefill (a vision-language model's).
@@ -198,7 +201,10 @@ class Scheduler:
         if generator is not None and self.running:
             started = time.perf_counter()
             try:
-                generated = generator.decode() if self._decode_due(generator) else []
+                generated = []
+                if self._decode_due(generator):
+                    with self.grammar_rows.decoding():
+                        generated = generator.decode()
                 self._store_prefixes(generator, generator.prefill())
                 generated += generator.start_generation()
             except Exception as exc:
@@ -294,8 +300,10 @@ class Scheduler:
         processors = build_logits_processors(params) + list(params.logits_processors or ())
         if request.grammar is not None:
             # Last: the mask applies to the logits every other processor has shaped.
-            sequence.grammar = self.grammars.processor(request.grammar)
-            sequence.grammar.on_limit = sequence.fail
+            assert params.response_format is not None  # what request.grammar was compiled from
+            sequence.grammar = GrammarProcessor(
+                self.grammars, self.grammar_rows, request.grammar, params.response_format.subject
+            )
             processors.append(sequence.grammar)
             sampler = sequence.grammar.sampler(sampler)
         generator = self._ensure_generator()
@@ -405,6 +413,8 @@ class Scheduler:
         in_generator: bool = True,
     ) -> None:
         request = sequence.request
+        if sequence.grammar is not None:
+            sequence.grammar.close()
         if sequence.uid is not None:
             self.running.pop(sequence.uid, None)
             if in_generator and self._generator is not None:

@@ -11,10 +11,11 @@ from typing import cast
 
 import mlx.core as mx
 
+from mlx_redis_worker.engine.grammar_rows import GrammarProcessor
 from mlx_redis_worker.engine.output_collector import RequestStreamState
 from mlx_redis_worker.engine.request import Request, RequestOutput, TokenLogprob
 from mlx_redis_worker.engine.stats import RequestProgress
-from mlx_redis_worker.engine.structured import GrammarLimitError, GrammarProcessor
+from mlx_redis_worker.engine.structured import GrammarLimitError
 from mlx_redis_worker.engine.text_stream import TextStream
 from mlx_redis_worker.engine.token_bytes import TokenBytes
 

@@ -1,29 +1,27 @@
-"""Structured output: a request's JSON schema, regex or Lark grammar, enforced token by token.
+"""Structured output: a request's JSON schema, regex or Lark grammar, compiled for enforcing.
 
 The grammar engine is llguidance (its choice, against xgrammar and outlines-core, is measured
 in ops/grammar-engines/README.md). Compiling happens when a request is added, off the event
-loop and off the engine thread (``compile_async``: one low-priority compile thread, a deadline),
+loop and off the engine thread (``compile_async``: one compile thread at the lowest priority),
 so a format the engine cannot enforce is a ``ValueError`` before anything runs, never
 unconstrained output: llguidance refuses the JSON-schema keywords it does not implement
 (``uniqueItems``, ``not``, ``if``/``then``, ...) and unknown ``format`` values (it is not
-lenient); keywords JSON Schema does not define at all are ignored, as the standard says. A
-format over one of ``GrammarLimits`` (bytes, compile time, one token's mask time) is refused
-the same way, naming the limit.
+lenient); keywords JSON Schema does not define at all are ignored, as the standard says.
+
+What a format may cost is counted in llguidance's own units of work (``GrammarLimits``:
+grammar symbols and lexer fuel to build it; Earley items and lexer fuel per token's mask;
+lexer states), which a busy machine does not change: the same format gets the same verdict on
+an idle and on a loaded engine. A format over one at compile (its first mask included) is
+refused with a ``ValueError`` naming the limit and what the request sent (``response_format``
+or ``tools``); one that goes over while it runs ends its request with ``GrammarLimitError``.
+Wall-clock bounds (``max_grammar_compile_ms``, ``max_mask_us``) remain only as far outer
+safety nets, for a machine stalled far beyond any load.
 
 Compiling builds the format's matcher once (the expensive part: up to seconds for a large
 schema) and computes its first mask, which builds the lexer states every copy shares; the
 compiled grammar, matcher included, is cached by the hash of the format as given. Each request
-gets a ``deep_copy`` of that matcher (about 0.1 ms), so the engine thread never builds one.
-
-At run time each mask is timed: a sequence whose masks take over ``max_mask_us`` more than
-``SLOW_MASKS_ALLOWED`` times is refused there (``GrammarLimitError``: its request ends with
-an error the worker reports as ``invalid_job``), so a grammar that turns slow mid-output costs
-the batch a few slow steps, not its whole length. llguidance's own fuel limits bound each mask.
-
-Inside the batch each constrained sequence has its own ``GrammarProcessor`` (one of mlx-lm's
-per-sequence logits processors): before each token it advances its matcher by the token just
-sampled, asks llguidance for the bitmask of allowed next tokens and sets every other logit to
--inf. Unconstrained sequences in the same batch have no processor and are untouched.
+gets a copy of that matcher (about 0.1 ms), so the engine thread never builds one; the copies
+run in ``grammar_rows``.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
@@ -46,10 +43,9 @@ import numpy as np
 
 from mlx_redis_worker.engine.config import GrammarLimits
 from mlx_redis_worker.engine.request import ResponseFormat
-from mlx_redis_worker.engine.sampling import Sampler
 
 if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions
+    from llguidance._lib import JsonCompileOptions, LLParserLimits
 
 # Compact JSON (one space after ':' and ','): flexible whitespace lets a small model wander
 # into runs of blanks until max_tokens, which is output that does not parse.
@@ -60,21 +56,26 @@ _JSON_OPTIONS: Final[JsonCompileOptions] = {
 }
 _CACHED_GRAMMARS: Final = 256
 _TIMES_KEPT: Final = 4096
-# Tries of the mask probe, the fastest counted: one slow try on a busy machine is noise.
-_MASK_PROBES: Final = 3
 # How often a request waiting for its compile looks at the clock.
 _POLL_SECONDS: Final = 0.02
-# Compile threads run at this niceness (Linux: per thread), so on a machine short of cores
-# the engine thread's decode steps come before another tenant's compile.
-_COMPILE_NICENESS: Final = 10
-# Masks over max_mask_us a sequence may take before it is refused: one slow mask on a busy
-# machine is noise, a run of them is the grammar.
-SLOW_MASKS_ALLOWED: Final = 3
+# Compile threads run at the lowest niceness (Linux: per thread), so on a machine short of
+# cores the engine thread's decode steps come before another tenant's compile.
+_COMPILE_NICENESS: Final = 19
+# llguidance's errors, by the words that name the limit a format went over.
+_LIMIT_WORDS: Final = (
+    ("Too many items", "max_mask_items"),
+    ("too many expressions constructed", "max_mask_lexer_fuel"),
+    ("too many states", "max_lexer_states"),
+    ("initial_lexer_fuel", "max_grammar_lexer_fuel"),
+    ("initial lexer configuration", "max_grammar_lexer_fuel"),
+    ("fuel exhausted", "max_grammar_lexer_fuel"),
+    ("grammar size", "max_grammar_symbols"),
+)
 
 
 class GrammarLimitError(ValueError):
-    """A request's response_format went over one of ``GrammarLimits`` while it ran: the
-    request's own fault (the worker's ``invalid_job``), not the engine's."""
+    """A request's format went over one of ``GrammarLimits`` while it ran: the request's own
+    fault (the worker's ``invalid_job``), not the engine's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +85,7 @@ class CompiledGrammar:
     compile_seconds: float
     # The grammar's matcher in its start state, never advanced: each request gets a copy.
     matcher: Any = field(default=None, compare=False, repr=False)
-    # One token's mask on a fresh copy (the fastest of a few tries), in microseconds.
+    # Its first token's mask on a copy, in microseconds (for stats: never a verdict).
     mask_us: float = 0.0
 
 
@@ -101,12 +102,46 @@ class GrammarStats:
     over_limit: dict[str, int] = field(default_factory=dict)
     # Masks over max_mask_us while requests ran (engine thread).
     slow_masks: int = 0
+    # Masks computed for several sequences in one call (grammar_rows.GrammarBatch), and the
+    # sequences' masks they held.
+    batched_calls: int = 0
+    batched_masks: int = 0
     # The newest compiles' times: a daemon sent a new schema per request compiles without
     # end, and its stats must not grow with it.
     compile_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=_TIMES_KEPT))
     # Sampled tokens read from mlx-lm's token context, a device round trip each: only where
     # a sequence's own sampler failed.
     context_reads: int = 0
+
+    def count_over(self, limit: str) -> None:
+        self.over_limit[limit] = self.over_limit.get(limit, 0) + 1
+
+
+def parser_limits(limits: GrammarLimits) -> LLParserLimits:
+    """llguidance's limits for a matcher built under ``limits``."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(
+        step_max_items=limits.max_mask_items,
+        step_lexer_fuel=limits.max_mask_lexer_fuel,
+        initial_lexer_fuel=limits.max_grammar_lexer_fuel,
+        max_grammar_size=limits.max_grammar_symbols,
+        max_lexer_states=limits.max_lexer_states,
+        verbose_errors=False,  # an error names the limit, not the grammar's state
+    )
+
+
+def limit_named(error: str) -> str | None:
+    """The ``GrammarLimits`` field an llguidance error is about (None: not a limit)."""
+    return next((limit for words, limit in _LIMIT_WORDS if words in error), None)
+
+
+def over_limit_message(subject: str, error: str, limits: GrammarLimits) -> str:
+    """What a request is told when its format went over a limit (``error``: llguidance's)."""
+    limit = limit_named(error)
+    if limit is None:
+        return f"{subject} cannot be enforced: {error}"
+    return f"{subject} needs more than {limit} ({getattr(limits, limit)}) allows: {error}"
 
 
 def _grammar_of(response_format: ResponseFormat) -> str:
@@ -155,8 +190,8 @@ class GrammarCompiler:
     async def compile_async(self, response_format: ResponseFormat) -> CompiledGrammar:
         """``compile`` on the compile thread, waiting at most ``max_grammar_compile_ms`` from the
         moment it starts (the tokenizer's one-time build and a wait behind another compile do
-        not count). A compile past the limit is refused here and goes on in the background to
-        be cached: its cost is spent either way, and a repeat of the format is then a hit."""
+        not count). The work limits bound a compile long before that safety net: past it, a
+        compile is refused here and goes on in the background to be cached."""
         started: list[float] = []
 
         def run() -> CompiledGrammar:
@@ -181,8 +216,8 @@ class GrammarCompiler:
                 if started and time.monotonic() - started[0] > limit:
                     self._refuse_over("max_grammar_compile_ms")
                     raise ValueError(
-                        f"response_format took over max_grammar_compile_ms ({limit_ms} ms) "
-                        "to compile"
+                        f"{response_format.subject} took over max_grammar_compile_ms "
+                        f"({limit_ms} ms) to compile"
                     )
                 await asyncio.wait({waiting}, timeout=min(_POLL_SECONDS, limit))
             return waiting.result()
@@ -196,11 +231,12 @@ class GrammarCompiler:
         ``ValueError`` naming why the engine cannot enforce it, or the limit it is over."""
         from llguidance import LLMatcher
 
+        subject = response_format.subject
         size = _format_bytes(response_format)
         limit = self.limits.max_schema_bytes
         if size > limit:
             self._refuse_over("max_schema_bytes")
-            raise ValueError(f"response_format is {size} bytes, over max_schema_bytes ({limit})")
+            raise ValueError(f"{subject} is {size} bytes, over max_schema_bytes ({limit})")
         key = response_format.key()
         with self._lock:
             cached = self._cache.get(key)
@@ -214,23 +250,24 @@ class GrammarCompiler:
             grammar = _grammar_of(response_format)
         except ValueError as exc:
             self._refuse()
-            raise ValueError(f"response_format cannot be enforced: {exc}") from exc
+            raise ValueError(f"{subject} cannot be enforced: {exc}") from exc
         # Builds and checks the grammar in one go (llguidance drops the GIL while it does).
-        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits(self.limits))
         with self._lock:
             self.stats.matchers_built += 1
-        messages = [matcher.get_error()] if matcher.is_error() else []
+        mask_us, first = 0.0, matcher
+        if not matcher.is_error():
+            mask_us, first = self._first_mask(matcher)
+        messages = [first.get_error()] if first.is_error() else []
         messages += matcher.get_grammar_warnings()
         if messages:  # a warning is a constraint it would not enforce: refused
-            self._refuse()
-            raise ValueError(f"response_format cannot be enforced: {'; '.join(messages)}")
-        mask_us = self._probe_mask_us(matcher)
-        if mask_us > self.limits.max_mask_us:
-            self._refuse_over("max_mask_us")
-            raise ValueError(
-                f"response_format needs {mask_us:.0f} us per token mask, over max_mask_us "
-                f"({self.limits.max_mask_us})"
-            )
+            error = "; ".join(messages)
+            over = limit_named(error)
+            if over is None:
+                self._refuse()
+            else:
+                self._refuse_over(over)
+            raise ValueError(over_limit_message(subject, error, self.limits))
         compiled = CompiledGrammar(
             key, grammar, time.perf_counter() - started, matcher=matcher, mask_us=mask_us
         )
@@ -242,17 +279,21 @@ class GrammarCompiler:
             self.stats.compile_seconds.append(compiled.compile_seconds)
         return compiled
 
-    def _probe_mask_us(self, matcher: Any) -> float:
-        """The first token's mask on fresh copies: the first try also builds the lexer states
-        that every copy shares (so requests do not build them on the engine thread)."""
+    def _first_mask(self, matcher: Any) -> tuple[float, Any]:
+        """The first token's mask on a copy, under the work limits, in microseconds, and the
+        copy (in its error state when the mask went over one). It also builds the lexer states
+        every copy shares, so requests do not build them on the engine thread."""
         bitmask = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
-        best = float("inf")
-        for _ in range(_MASK_PROBES):
-            copy = matcher.deep_copy()
-            started = time.perf_counter()
-            copy.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
-            best = min(best, (time.perf_counter() - started) * 1e6)
-        return best
+        copy = matcher.deep_copy()
+        started = time.perf_counter()
+        copy.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
+        return (time.perf_counter() - started) * 1e6, copy
+
+    def forget(self, key: str) -> None:
+        """Drop a cached grammar whose shared lexer went over a limit (it stays in its error
+        state): the next request of that format compiles it afresh."""
+        with self._lock:
+            self._cache.pop(key, None)
 
     def _refuse(self) -> None:
         with self._lock:
@@ -261,11 +302,7 @@ class GrammarCompiler:
     def _refuse_over(self, limit: str) -> None:
         with self._lock:
             self.stats.refused += 1
-            self.stats.over_limit[limit] = self.stats.over_limit.get(limit, 0) + 1
-
-    def processor(self, compiled: CompiledGrammar) -> GrammarProcessor:
-        """A matcher for one sequence (engine thread: its MLX arrays belong to that thread)."""
-        return GrammarProcessor(self, compiled)
+            self.stats.count_over(limit)
 
     def close(self) -> None:
         """Stop the compile thread once its compile (if any) ends; no new compile starts."""
@@ -280,88 +317,6 @@ class GrammarCompiler:
             bits = (np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1
             self._bit_table = mx.array(np.where(bits == 1, 0.0, -np.inf).astype(np.float32))
         return self._bit_table
-
-
-class GrammarProcessor:
-    """One constrained sequence's logits processor and its matcher (engine thread only)."""
-
-    def __init__(self, compiler: GrammarCompiler, compiled: CompiledGrammar) -> None:
-        self._matcher = compiled.matcher.deep_copy()
-        compiler.stats.matcher_copies += 1  # engine thread only
-        self._max_mask_seconds = compiler.limits.max_mask_us / 1e6
-        self._slow_masks = 0
-        # Called with the GrammarLimitError that refuses this sequence (its ``fail``).
-        self.on_limit: Callable[[BaseException], None] | None = None
-        self._bitmask = np.zeros((compiler.vocab_size + 31) // 32, dtype=np.int32)
-        self._table = compiler.bit_table()
-        self._stats = compiler.stats
-        self._started = False
-        self._consumed = 0  # sampled tokens the matcher has advanced by
-        self._sampled: mx.array | None = None  # what this sequence's sampler returned last
-
-    def sampler(self, base: Sampler | None) -> Sampler:
-        """This sequence's sampler (``base``, or greedy for None) keeping what it samples: the
-        next mask needs that token, and the array the sampler returned is computed with the
-        step, whereas the token context mlx-lm hands processors is a new array, one more
-        kernel and device round trip per sequence and step to read."""
-
-        def sample(logprobs: mx.array) -> mx.array:
-            self._sampled = None  # should ``base`` fail, the next call reads the context
-            sampled = base(logprobs) if base is not None else mx.argmax(logprobs, axis=-1)
-            self._sampled = sampled
-            return sampled
-
-        return sample
-
-    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        # The first call's last token is the prompt's; after that, the token just sampled.
-        if self._started:
-            last = self._sampled
-            if last is None:
-                self._stats.context_reads += 1
-                last = tokens[-1]
-            self._consume(int(last.item()))  # type: ignore[arg-type]
-        self._started = True
-        if self._matcher.is_error():
-            raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
-        started = time.perf_counter()
-        self._matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
-        seconds = time.perf_counter() - started
-        if seconds > self._max_mask_seconds:
-            self._on_slow_mask(seconds)
-        # Each byte of the little-endian bitmask picks its 8 tokens' row of 0 / -inf.
-        bias = self._table[mx.array(self._bitmask.view(np.uint8))].reshape(-1)
-        return logits + bias[: logits.shape[-1]].astype(logits.dtype)
-
-    def _on_slow_mask(self, seconds: float) -> None:
-        """Count a mask over the limit; refuse the sequence at the limit's count. This token's
-        mask still applies: the token it samples matches, and it is the last."""
-        self._slow_masks += 1
-        self._stats.slow_masks += 1
-        if self._slow_masks <= SLOW_MASKS_ALLOWED or self.on_limit is None:
-            return
-        over = self._stats.over_limit
-        over["max_mask_us"] = over.get("max_mask_us", 0) + 1
-        limit_us = round(self._max_mask_seconds * 1e6)
-        self.on_limit(
-            GrammarLimitError(
-                f"response_format's token masks took over max_mask_us ({limit_us}) "
-                f"{self._slow_masks} times (the last {seconds * 1e6:.0f} us)"
-            )
-        )
-        self.on_limit = None
-
-    def matches(self, output_tokens: Sequence[int]) -> bool:
-        """Whether ``output_tokens`` (the whole output, EOS left out) is a complete match. The
-        matcher advances by a sampled token only when asked for the next mask, so the last
-        token of an output that max_tokens cut is taken here."""
-        for token in output_tokens[self._consumed :]:
-            self._consume(token)
-        return bool(self._matcher.is_accepting()) and not self._matcher.is_error()
-
-    def _consume(self, token: int) -> None:
-        self._matcher.consume_token(token)
-        self._consumed += 1
 
 
 def _format_bytes(response_format: ResponseFormat) -> int:
