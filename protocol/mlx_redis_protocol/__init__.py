@@ -15,6 +15,7 @@ from mlx_redis_protocol.codec_control import (
 from mlx_redis_protocol.codec_events import decode_event, encode_event
 from mlx_redis_protocol.codec_job import decode_job, encode_job
 from mlx_redis_protocol.constants import PROTOCOL_VERSION
+from mlx_redis_protocol.embeddings import EmbeddingFailed, Embeddings
 from mlx_redis_protocol.errors import (
     ERROR_CODES,
     ClientError,
@@ -36,6 +37,7 @@ from mlx_redis_protocol.messages import (
     ControlReply,
     DeltaEvent,
     DoneEvent,
+    EmbeddingEvent,
     ErrorEvent,
     ErrorInfo,
     Event,
@@ -61,6 +63,9 @@ __all__ = [
     "ControlTimeout",
     "DeltaEvent",
     "DoneEvent",
+    "EmbeddingEvent",
+    "EmbeddingFailed",
+    "Embeddings",
     "ErrorEvent",
     "ErrorInfo",
     "Event",

@@ -1,4 +1,5 @@
-"""The ``submit``, ``stream``, ``ctl``, ``group`` and ``models`` commands of ``mlx-worker``.
+"""The ``submit``, ``stream``, ``embed``, ``ctl``, ``group`` and ``models`` commands of
+``mlx-worker``.
 
 `add_commands` registers them on the ``mlx-worker`` parser's subcommands (each with
 ``func=run``, see `mlx_redis_protocol.cli`) and `run` executes one.
@@ -16,6 +17,7 @@ from typing import Any, Final, TextIO
 
 import redis.exceptions
 
+from mlx_redis_protocol.cli_embed import add_embed_command, embed_job, run_embed
 from mlx_redis_protocol.cli_group import add_group_command, run_group
 from mlx_redis_protocol.cli_models import add_models_command, run_models
 from mlx_redis_protocol.cli_output import (
@@ -197,7 +199,8 @@ def add_commands(subparsers: Any) -> None:
 
     group = add_group_command(subparsers, connection, EXIT_CODES_HELP)
     models = add_models_command(subparsers, connection, EXIT_CODES_HELP)
-    for command in (submit, stream, ctl, group, models):
+    embed = add_embed_command(subparsers, connection, EXIT_CODES_HELP)
+    for command in (submit, stream, embed, ctl, group, models):
         command.set_defaults(func=run)
 
 
@@ -238,12 +241,16 @@ async def _run(args: argparse.Namespace, out: TextIO) -> int:
         return await run_models(args, out)
     # A mistake in the job is said before Redis is asked anything.
     job, blobs = _job(args) if args.command == "submit" else (None, {})
+    if args.command == "embed":
+        job = embed_job(args)
     async with Client(
         args.redis_url,
         prefix=args.prefix,
         topology=args.redis_topology,
         require_worker=not getattr(args, "no_worker_check", False),
     ) as client:
+        if job is not None and args.command == "embed":
+            return await run_embed(client, job, args, out)
         if job is not None:
             return await _submit(client, job, blobs, args, out)
         if args.command == "stream":

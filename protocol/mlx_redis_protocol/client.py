@@ -49,6 +49,12 @@ from mlx_redis_protocol.constants import (
     JOB_FIELD,
 )
 from mlx_redis_protocol.control import send_command
+from mlx_redis_protocol.embeddings import (
+    EmbeddingCollector,
+    EmbeddingInputs,
+    Embeddings,
+    embedding_job,
+)
 from mlx_redis_protocol.errors import ClientError, RedisUnavailable, StreamRewritten
 from mlx_redis_protocol.identifiers import new_request_id
 from mlx_redis_protocol.keys import Keys
@@ -466,6 +472,38 @@ class Client:
             **options,
         )
         return await self.wait(request_id, timeout=timeout)
+
+    async def embed(
+        self,
+        inputs: EmbeddingInputs,
+        *,
+        model: str | None = None,
+        dimensions: int | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        **options: Any,
+    ) -> Embeddings:
+        """Embed ``inputs`` (a text, texts, or token-id lists) with an embedding model of the
+        fleet and wait for the vectors, one per input in order. ``dimensions``: shorter
+        vectors, where the model documents them. ``options``: ``tenant``, ``priority``,
+        ``metadata``, ``deadline``. Raises ``EmbeddingFailed`` when the job fails (an
+        ``unknown_model``, an input over the model's limits: its ``code`` says which)."""
+        job = embedding_job(
+            inputs, model=model, dimensions=dimensions, request_id=request_id, **options
+        )
+        await self.submit_job(job)
+        assert job.input is not None
+        while True:
+            collector = EmbeddingCollector(job.request_id)
+            try:
+                async with aclosing(self.stream(job.request_id, timeout=timeout)) as events:
+                    async for event in events:
+                        collector.feed(event)
+                        if collector.finished:
+                            return collector.result(len(job.input))
+            except StreamRewritten:
+                continue
+            raise ClientError(f"request {job.request_id!r}: events ended without done or error")
 
     async def wait(self, request_id: str, *, timeout: float | None = None) -> TerminalEvent:
         """Follow a request to its done or error event and return that (following it again

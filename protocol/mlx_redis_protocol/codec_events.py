@@ -19,6 +19,7 @@ from mlx_redis_protocol.messages import (
     FINISH_REASONS,
     DeltaEvent,
     DoneEvent,
+    EmbeddingEvent,
     ErrorEvent,
     Event,
     QueuedEvent,
@@ -50,6 +51,9 @@ def encode_event(event: Event) -> bytes:
             fields["reasoning"] = event.reasoning
         if event.tool_calls:
             fields["tool_calls"] = [encode_tool_call_delta(d) for d in event.tool_calls]
+    elif isinstance(event, EmbeddingEvent):
+        fields["index"] = event.index
+        fields["data"] = list(event.vectors)
     elif isinstance(event, DoneEvent):
         fields["finish_reason"] = event.finish_reason
         fields["output_text"] = event.output_text
@@ -118,6 +122,20 @@ def _delta_event(reader: FieldReader, common: _Common) -> Event:
     )
 
 
+def _embedding_event(reader: FieldReader, common: _Common) -> Event:
+    index = reader.required_integer("index", minimum=0)
+    items = reader.array("data", required=True, max_items=reader.limits.max_embedding_inputs)
+    assert items is not None  # required=True raised already
+    if not items or not all(
+        isinstance(item, bytes) and item and len(item) % 4 == 0 and len(item) == len(items[0])
+        for item in items
+    ):
+        raise reader.error(
+            "invalid_field", "data", "must hold vectors of one length: float32 bytes each"
+        )
+    return EmbeddingEvent(**common._asdict(), index=index, vectors=tuple(items))
+
+
 def _done_event(reader: FieldReader, common: _Common) -> Event:
     finish_reason = reader.required_string("finish_reason")
     if finish_reason not in FINISH_REASONS:
@@ -163,6 +181,7 @@ def _unknown_event(reader: FieldReader, common: _Common, event_type: str) -> Eve
 _DECODERS: Final[dict[str, Callable[[FieldReader, _Common], Event]]] = {
     "queued": _queued_event,
     "delta": _delta_event,
+    "embedding": _embedding_event,
     "done": _done_event,
     "error": _error_event,
     "reset": _reset_event,

@@ -36,7 +36,7 @@ from mlx_redis_protocol.messages import (
 )
 from mlx_redis_protocol.wire import pack, top_level_strings, unpack
 
-PROMPT_FIELDS: Final = ("prompt", "prompt_token_ids", "messages")
+PROMPT_FIELDS: Final = ("prompt", "prompt_token_ids", "messages", "input")
 MAX_ROLE_LEN: Final = 64
 # Seeds feed a 64-bit PRNG key.
 MAX_SEED: Final = 2**64 - 1
@@ -61,6 +61,8 @@ def encode_job(job: Job) -> bytes:
             value = [encode_tool(tool) for tool in value]
         elif name == "tool_choice":
             value = encode_tool_choice(value)
+        elif name == "input" and isinstance(value, tuple):
+            value = [list(item) if isinstance(item, tuple) else item for item in value]
         elif name == "images":
             value = [encode_image(image) for image in value]
         elif name == "videos":
@@ -111,7 +113,7 @@ def _decode_job(data: object, limits: Limits) -> Job:
     reader = FieldReader(unpack(data, limits, "job"), "job", limits)
     # Errors carry the job's own id only: a refusal must not go to an id made up here.
     reader.request_id = _request_id(reader)
-    prompt, prompt_token_ids, messages = _prompt(reader)
+    prompt, prompt_token_ids, messages, inputs = _prompt(reader)
     tools = read_tools(reader)
     images = read_images(reader)
     videos = read_videos(reader, images)
@@ -146,6 +148,8 @@ def _decode_job(data: object, limits: Limits) -> Job:
         parallel_tool_calls=reader.boolean("parallel_tool_calls"),
         thinking=reader.boolean("thinking"),
         speculative=_speculative(reader),
+        input=inputs,
+        dimensions=_dimensions(reader, inputs),
         images=images,
         videos=videos,
     )
@@ -252,10 +256,14 @@ def readable_model(data: object) -> str | None:
 
 def _prompt(
     reader: FieldReader,
-) -> tuple[str | None, tuple[int, ...] | None, tuple[ChatMessage, ...] | None]:
+) -> tuple[
+    str | None, tuple[int, ...] | None, tuple[ChatMessage, ...] | None, EmbeddingInput | None
+]:
     present = [name for name in PROMPT_FIELDS if reader.has(name)]
     if not present:
-        raise reader.error("missing_field", "prompt", "(or prompt_token_ids or messages) is needed")
+        raise reader.error(
+            "missing_field", "prompt", "(or prompt_token_ids, messages or input) is needed"
+        )
     if len(present) > 1:
         raise ProtocolError(
             "conflicting_fields",
@@ -267,7 +275,43 @@ def _prompt(
     token_ids = reader.token_ids(
         "prompt_token_ids", max_items=limits.max_prompt_tokens, min_items=1
     )
-    return prompt, token_ids, _messages(reader)
+    return prompt, token_ids, _messages(reader), _input(reader)
+
+
+EmbeddingInput = tuple[str | tuple[int, ...], ...]
+
+
+def _input(reader: FieldReader) -> EmbeddingInput | None:
+    """An embedding job's inputs: non-empty texts, or non-empty lists of token ids."""
+    limits = reader.limits
+    items = reader.array("input", max_items=limits.max_embedding_inputs, min_items=1)
+    if items is None:
+        return None
+    inputs: list[str | tuple[int, ...]] = []
+    for index, item in enumerate(items):
+        name = f"input[{index}]"
+        if isinstance(item, str):
+            if not item:
+                raise reader.error("invalid_field", name, "must not be empty")
+            if len(item) > limits.max_str_len:
+                raise reader.error("limit_exceeded", name, f"is over {limits.max_str_len} chars")
+            inputs.append(item)
+            continue
+        if not isinstance(item, list):
+            raise reader.error("invalid_field", name, "must be a string or an array of token ids")
+        holder = FieldReader({name: item}, reader.what, limits)
+        holder.request_id = reader.request_id
+        token_ids = holder.token_ids(name, max_items=limits.max_prompt_tokens, min_items=1)
+        assert token_ids is not None  # a list was given
+        inputs.append(token_ids)
+    return tuple(inputs)
+
+
+def _dimensions(reader: FieldReader, inputs: EmbeddingInput | None) -> int | None:
+    value = reader.integer("dimensions", minimum=1)
+    if value is not None and inputs is None:
+        raise reader.error("invalid_field", "dimensions", "is for embedding jobs (with input)")
+    return value
 
 
 def _messages(reader: FieldReader) -> tuple[ChatMessage, ...] | None:

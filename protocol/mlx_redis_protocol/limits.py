@@ -35,6 +35,7 @@ class Limits:
     max_metadata_bytes: int = 16 * _KIB
     max_metadata_depth: int = 8
     max_schema_depth: int = 32
+    max_embedding_inputs: int = 2048  # an embedding job's ``input`` items
     # Images and videos of a job (docs/vision.md). The wire's own (counts, inline bytes,
     # sampling) are checked by the decoder; the rest by the worker, before it decodes a byte
     # of the media: a blob's STRLEN, a URL's length as it downloads, an image's header.

@@ -202,7 +202,8 @@ class ChatMessage:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Job:
-    """A generation request. Exactly one of prompt / prompt_token_ids / messages is set.
+    """A generation request, or an embedding request. Exactly one of prompt /
+    prompt_token_ids / messages / input is set (input: an embedding job).
 
     Sampling fields left at None mean "the engine's default".
     """
@@ -248,6 +249,11 @@ class Job:
     # Speculative decoding: {"method": "prompt_lookup" | "draft_model" | "off",
     # "num_draft_tokens": 1..16}; None: the worker's default.
     speculative: Mapping[str, Any] | None = None
+    # An embedding job (instead of a prompt): the texts, or lists of token ids, to embed;
+    # its vectors come in ``embedding`` events. ``dimensions``: shorter vectors, where the
+    # model documents them (Matryoshka).
+    input: tuple[str | tuple[int, ...], ...] | None = None
+    dimensions: int | None = None
     # Images and videos the model sees (a vision-language model's job): placed where the
     # chat's media parts say, the rest in the last user turn.
     images: tuple[ImageInput, ...] | None = None
@@ -394,6 +400,17 @@ class DeltaEvent(EventBase):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EmbeddingEvent(EventBase):
+    """Vectors of an embedding job: those of its inputs ``index``, ``index`` + 1, …; each
+    little-endian float32 bytes, unit length."""
+
+    index: int
+    vectors: tuple[bytes, ...]
+
+    type: ClassVar[str] = "embedding"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DoneEvent(EventBase):
     """The request finished; ``output_text`` is the whole text of the final attempt."""
 
@@ -441,7 +458,9 @@ class UnknownEvent(EventBase):
     type: ClassVar[str] = "unknown"
 
 
-Event = QueuedEvent | DeltaEvent | DoneEvent | ErrorEvent | ResetEvent | UnknownEvent
+Event = (
+    QueuedEvent | DeltaEvent | EmbeddingEvent | DoneEvent | ErrorEvent | ResetEvent | UnknownEvent
+)
 TerminalEvent = DoneEvent | ErrorEvent
 
 

@@ -49,7 +49,10 @@ def _add_model_commands(commands: Any) -> None:
     model = commands.add_parser("model", help="prepare offline model fixtures")
     model_commands = model.add_subparsers(dest="model_command", required=True)
     prepare = model_commands.add_parser("prepare", help="build an mlx-lm model folder")
-    prepare.add_argument("name", choices=["smollm2", "smollm2-draft", "tiny", "tiny-vision"])
+    prepare.add_argument(
+        "name",
+        choices=["smollm2", "smollm2-draft", "tiny", "tiny-vision", "tiny-embed", "minilm"],
+    )
     prepare.add_argument("--dtype", choices=["float32", "bfloat16", "q4"], default="float32")
     prepare.add_argument("--arch", choices=["llama", "qwen3"], default="llama")
     prepare.add_argument(
@@ -142,6 +145,18 @@ def _add_bench_commands(commands: Any) -> None:
     models.add_argument("--repeat", type=int, default=3, help="rotations of both layouts")
     models.add_argument("--redis-url", default=None, help="default: a private redis-server")
     models.set_defaults(func=_lazy("mlx_redis_worker.bench.models_bench", "run_models_bench"))
+
+    embeddings = benches.add_parser(
+        "embeddings", help="the embedding engine vs mlx-embeddings directly: inputs/s"
+    )
+    embeddings.add_argument("--model", default="minilm", help="an embedding model")
+    embeddings.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="batch sizes")
+    embeddings.add_argument("--inputs", type=int, default=256, help="texts per measurement")
+    embeddings.add_argument("--words", type=int, default=12, help="words per text")
+    embeddings.add_argument("--repeat", type=int, default=5, help="rotations of both ways")
+    embeddings.set_defaults(
+        func=_lazy("mlx_redis_worker.bench.embeddings_bench", "run_embeddings_bench")
+    )
 
     keyspace = benches.add_parser(
         "keyspace", help="stats and submit --model with 1,000,000 unrelated keys vs none"

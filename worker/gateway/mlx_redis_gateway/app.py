@@ -5,8 +5,9 @@ load balancer, and a client that lost its stream resumes it on any of them with
 ``GET /v1/requests/{id}/stream`` and ``Last-Event-ID``.
 
 This module puts the app together: the routes (``routes/``: ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``POST /v1/responses``, ``GET /v1/models``, ``GET /v1/models/{id}``,
-``GET /v1/requests/{id}``, ``GET /v1/requests/{id}/stream``, ``GET /health``, and the status
+``POST /v1/completions``, ``POST /v1/responses``, ``POST /v1/embeddings``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``GET /v1/requests/{id}``, ``GET /v1/requests/{id}/stream``,
+``GET /health``, and the status
 page's ``/``, ``/status.json`` and ``/status/fragment``), the HTTP limits and browser guard in
 front of them, and the error handlers: any other path or method is a 404 or 405 in OpenAI's
 error shape, as every other refusal is.
@@ -31,6 +32,7 @@ from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.gateway import Gateway, unavailable
 from mlx_redis_gateway.http_limits import RequestLimits
 from mlx_redis_gateway.routes.completions import CompletionRoutes
+from mlx_redis_gateway.routes.embeddings import EmbeddingRoutes
 from mlx_redis_gateway.routes.models import ModelRoutes
 from mlx_redis_gateway.routes.requests import RequestRoutes
 from mlx_redis_gateway.routes.responses import ResponseRoutes
@@ -54,6 +56,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/chat/completions", completions.chat, methods=["POST"]),
         Route("/v1/completions", completions.text, methods=["POST"]),
         Route("/v1/responses", ResponseRoutes(gateway).create, methods=["POST"]),
+        Route("/v1/embeddings", EmbeddingRoutes(gateway).create, methods=["POST"]),
         Route("/v1/models", models.models, methods=["GET"]),
         Route("/v1/models/{model:path}", models.model, methods=["GET"]),
         Route("/v1/requests/{request_id}", requests.result, methods=["GET"]),

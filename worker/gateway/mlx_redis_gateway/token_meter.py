@@ -60,6 +60,11 @@ def prompt_token_bound(job: Job) -> int:
     allowances above: the bytes of its text, its tool calls' arguments and its tools' JSON."""
     if job.prompt_token_ids is not None:
         return len(job.prompt_token_ids) + TEMPLATE_TOKENS
+    if job.input is not None:  # an embedding job: each input with the model's special tokens
+        return TEMPLATE_TOKENS + sum(
+            TOKENS_PER_MESSAGE + (len(item.encode()) if isinstance(item, str) else len(item))
+            for item in job.input
+        )
     size = len((job.prompt or "").encode())
     for message in job.messages or ():
         size += TOKENS_PER_MESSAGE + len(message.content.encode()) + len(message.role)

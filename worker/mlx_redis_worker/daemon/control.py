@@ -33,7 +33,7 @@ from mlx_redis_protocol.limits import Limits
 from mlx_redis_protocol.messages import ControlCommand, ControlReply, ErrorInfo
 from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe, retry_until_done
 from mlx_redis_protocol.wire import top_level_strings
-from mlx_redis_worker.engine import EngineCore
+from mlx_redis_worker.engine import AnyEngine
 from mlx_redis_worker.engine.prefix_cache import IncompatibleCacheError
 
 log = structlog.get_logger(__name__)
@@ -72,7 +72,7 @@ class ControlListener:
         hub: ChannelHub,
         keys: Keys,
         worker_id: str,
-        engines: Mapping[str, EngineCore],
+        engines: Mapping[str, AnyEngine],
         cache_dir: Path,
         reply_ttl: int,
         limits: Limits,
@@ -223,17 +223,24 @@ class ControlListener:
             return {"cleared": next(iter(cleared.values())) if len(self.engines) == 1 else cleared}
         raise CommandRefused("unknown_command", f"unknown command {kind!r}")
 
-    def _one_engine(self, command: ControlCommand) -> tuple[str, EngineCore]:
+    def _one_engine(self, command: ControlCommand) -> tuple[str, AnyEngine]:
         """The engine a cache save or load is for: the command's model, or the worker's only
-        one. A saved cache holds one model's state, so a worker of several needs the name."""
+        one. A saved cache holds one model's state, so a worker of several needs the name;
+        an embedding model keeps none."""
         if command.model is not None:
-            return command.model, self.engines[command.model]
-        if len(self.engines) == 1:
-            return next(iter(self.engines.items()))
-        raise CommandRefused(
-            "invalid_field",
-            f"{command.kind} needs model: this worker serves {', '.join(self.engines)}",
-        )
+            model, engine = command.model, self.engines[command.model]
+        elif len(self.engines) == 1:
+            model, engine = next(iter(self.engines.items()))
+        else:
+            raise CommandRefused(
+                "invalid_field",
+                f"{command.kind} needs model: this worker serves {', '.join(self.engines)}",
+            )
+        if engine.makes_embeddings:
+            raise CommandRefused(
+                "invalid_field", f"model {model!r} is an embedding model: it keeps no prefix cache"
+            )
+        return model, engine
 
     def _error(self, command: ControlCommand, code: str, message: str) -> ControlReply:
         return ControlReply(

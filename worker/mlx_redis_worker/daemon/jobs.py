@@ -40,7 +40,7 @@ from mlx_redis_worker.daemon.job_prompt import job_prompt
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.media_loader import LoadedMedia, MediaLoader, engine_media
 from mlx_redis_worker.daemon.publisher import AttemptLost, EventPublisher
-from mlx_redis_worker.engine import EngineCore, QueueFullError, SamplingParams, SpeculativeParams
+from mlx_redis_worker.engine import AnyEngine, QueueFullError, SamplingParams, SpeculativeParams
 from mlx_redis_worker.media.errors import MediaError
 
 log = structlog.get_logger(__name__)
@@ -82,7 +82,7 @@ class JobRunner:
     def __init__(
         self,
         *,
-        engine: EngineCore,
+        engine: AnyEngine,
         redis: RedisClient,
         keys: Keys,
         queue: JobQueue,
@@ -198,6 +198,12 @@ class JobRunner:
     async def _start(self, delivery: Delivery, job: Job) -> EarlyEnd | None:
         """Hand the job to the engine; how it ends instead when the engine refuses it."""
         rid = job.request_id
+        if (job.input is not None) != self.engine.makes_embeddings:
+            kind = "an embedding model" if self.engine.makes_embeddings else "a text model"
+            wanted = "embedding jobs (input)" if self.engine.makes_embeddings else "prompts"
+            return EarlyEnd.invalid(
+                "invalid_field", f"model {self.model!r} is {kind}: it takes {wanted} only"
+            )
         media: LoadedMedia | None = None
         if job.has_media():
             loaded = await self._load_media(job)
@@ -205,6 +211,16 @@ class JobRunner:
                 return loaded
             media = loaded
         try:
+            if job.input is not None:
+                self.in_flight[rid] = delivery.entry_id
+                log.info("job_started", attempt=delivery.times_delivered, prompt_kind="input")
+                await self.engine.add_embedding_request(
+                    [list(item) if isinstance(item, tuple) else item for item in job.input],
+                    request_id=rid,
+                    dimensions=job.dimensions,
+                    collect=False,
+                )
+                return None
             prompt = job_prompt(job, self.engine.tokenizer)
             params = SamplingParams(
                 **job.sampling_kwargs(),

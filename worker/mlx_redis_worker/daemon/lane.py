@@ -28,7 +28,7 @@ from mlx_redis_worker.daemon.fair_queue import (
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner
 from mlx_redis_worker.daemon.media_loader import engine_media
-from mlx_redis_worker.engine import EngineCore
+from mlx_redis_worker.engine import AnyEngine
 
 log = structlog.get_logger(__name__)
 
@@ -38,7 +38,7 @@ class ModelLane:
         self,
         *,
         name: str,
-        engine: EngineCore,
+        engine: AnyEngine,
         queue: JobQueue,
         runner: JobRunner,
         max_concurrency: int,

@@ -37,7 +37,7 @@ from mlx_redis_worker.daemon.fair_queue import FairQueue
 from mlx_redis_worker.daemon.job_queue import JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner
 from mlx_redis_worker.daemon.publisher import EventPublisher
-from mlx_redis_worker.engine import EngineCore
+from mlx_redis_worker.engine import AnyEngine
 from mlx_redis_worker.engine.stats import MethodStats
 
 log = structlog.get_logger(__name__)
@@ -88,7 +88,7 @@ class MetricSources:
     """Where a refresh reads one model's figures: the worker's own counters, not copies."""
 
     model: str
-    engine: EngineCore
+    engine: AnyEngine
     runner: JobRunner
     queue: JobQueue
     fair: FairQueue | None = None

@@ -29,6 +29,7 @@ from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.messages import (
     DeltaEvent,
     DoneEvent,
+    EmbeddingEvent,
     ErrorEvent,
     Event,
     ResetEvent,
@@ -43,6 +44,10 @@ from mlx_redis_worker.engine import RequestOutput
 from mlx_redis_worker.engine.output_parser import OutputParser, Split
 
 log = structlog.get_logger(__name__)
+
+# Vector bytes per ``embedding`` event: a job's many vectors leave in events of at most this
+# much, well under the protocol's 1 MiB message limit.
+EMBEDDING_EVENT_BYTES = 256 * 1024
 
 
 @dataclass(slots=True)
@@ -110,6 +115,8 @@ class _Draft:
             )
         if self.kind == "reset":
             return ResetEvent(**common)
+        if self.kind == "embedding":
+            return EmbeddingEvent(**common, **self.fields)
         if self.kind == "done":
             return DoneEvent(**common, metadata=self.stream.metadata, **self.fields)
         return ErrorEvent(**common, metadata=self.stream.metadata, **self.fields)
@@ -266,6 +273,10 @@ class EventPublisher:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
+            if output.embeddings is not None:
+                # An embedding job's service (what fair share charges) is its inputs' tokens.
+                stream.tokens = output.prompt_tokens
+                self._add_embeddings(stream, output.embedding_index, output.embeddings)
             stream.tokens += len(output.new_token_ids)
             self.token_history.add(len(output.new_token_ids))
             split = Split(content=output.new_text)
@@ -422,6 +433,16 @@ class EventPublisher:
         draft.merge(split)
         self._add(draft)
         self._unsent_delta[output.request_id] = draft
+
+    def _add_embeddings(self, stream: _Stream, index: int, vectors: list[bytes]) -> None:
+        """A step's vectors of one request as ``embedding`` events, each within
+        ``EMBEDDING_EVENT_BYTES`` of vectors (far below any reader's message limit)."""
+        per_event = max(EMBEDDING_EVENT_BYTES // max(len(vectors[0]), 1), 1) if vectors else 1
+        for start in range(0, len(vectors), per_event):
+            chunk = tuple(vectors[start : start + per_event])
+            self._add(
+                _Draft(stream, "embedding", fields={"index": index + start, "vectors": chunk})
+            )
 
     def _add(self, draft: _Draft) -> None:
         self._unsent_delta.pop(draft.stream.request_id, None)  # later deltas must follow this

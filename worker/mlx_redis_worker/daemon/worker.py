@@ -37,10 +37,19 @@ from mlx_redis_worker.daemon.permissions import check_permissions
 from mlx_redis_worker.daemon.publisher import EventPublisher
 from mlx_redis_worker.daemon.serving import Serving
 from mlx_redis_worker.daemon.settings import WorkerSettings, parse_speculative
-from mlx_redis_worker.engine import EngineConfig, EngineCore, SchedulerConfig
+from mlx_redis_worker.engine import (
+    AnyEngine,
+    EmbeddingEngineCore,
+    EngineConfig,
+    EngineCore,
+    SchedulerConfig,
+)
 from mlx_redis_worker.engine.config import DraftModel, GrammarLimits
+from mlx_redis_worker.engine.embedding_model import EmbeddingModel
+from mlx_redis_worker.engine.embedding_scheduler import EmbeddingLimits
 from mlx_redis_worker.engine.speculative_batch import check_draft_model
 from mlx_redis_worker.models import ModelUnavailable, load_model
+from mlx_redis_worker.models.embedding import is_embedding_model, load_embedding_model
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -50,10 +59,14 @@ BACKLOG_READ_LIMIT = 100_000
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
+    """A model to serve: a text model (``model``, ``tokenizer``) or an embedding model
+    (``embedding``; a sentence-transformers folder)."""
+
     name: str
     source: str
     model: Any
     tokenizer: Any
+    embedding: EmbeddingModel | None = None
 
 
 def scheduler_config(
@@ -106,7 +119,7 @@ class Worker:
         queues = {
             m.name: self._queue(redis, self.keys.model_stream(m.name)) for m in settings.models
         }
-        engines: dict[str, EngineCore] = {}
+        engines: dict[str, AnyEngine] = {}
         try:
             if not await self._unless_stopped(
                 self._check_redis(redis, [forwarding, *queues.values()])
@@ -123,6 +136,13 @@ class Worker:
                 if self._stop.is_set():
                     log.info("worker_stopped_before_serving", waiting_for="model")
                     return 0
+                if served.embedding is not None:
+                    engines[served.name] = EmbeddingEngineCore(
+                        served.embedding,
+                        EngineConfig(model_name=served.source, scheduler_config=scheduler),
+                        EmbeddingLimits(max_waiting_requests=scheduler.max_waiting_requests),
+                    )
+                    continue
                 if draft is not None:
                     try:
                         check_draft_model(served.model, served.tokenizer, draft)
@@ -168,6 +188,13 @@ class Worker:
             return
         check_fit(models, limit_mb=self.settings.memory_limit_mb)
         for served in models:
+            if is_embedding_model(served.source):
+                embedding = load_embedding_model(served.source)
+                log.info("model_loaded", model=served.name, source=served.source, kind="embedding")
+                yield LoadedModel(
+                    served.name, served.source, embedding.model, embedding.tokenizer, embedding
+                )
+                continue
             model, tokenizer = load_model(served.source)
             log.info("model_loaded", model=served.name, source=served.source)
             yield LoadedModel(served.name, served.source, model, tokenizer)
@@ -229,7 +256,7 @@ class Worker:
         hub: ChannelHub,
         forwarding: JobQueue,
         queues: dict[str, JobQueue],
-        engines: dict[str, EngineCore],
+        engines: dict[str, AnyEngine],
     ) -> int:
         """Wire the collaborators around the engines and serve until stopped."""
         settings = self.settings
@@ -298,7 +325,7 @@ class Worker:
     async def _lane(
         self,
         name: str,
-        engine: EngineCore,
+        engine: AnyEngine,
         queue: JobQueue,
         redis: RedisClient,
         publisher: EventPublisher,

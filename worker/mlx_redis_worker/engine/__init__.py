@@ -4,6 +4,7 @@ Public API mirrors the reference ``vllm_mlx.engine_core``.
 """
 
 from mlx_redis_worker.engine.config import EngineConfig, SchedulerConfig
+from mlx_redis_worker.engine.embedding_engine import EmbeddingEngineCore
 from mlx_redis_worker.engine.engine_core import AsyncEngineCore, EngineCore
 from mlx_redis_worker.engine.engine_thread import EngineStoppedError
 from mlx_redis_worker.engine.output_collector import RequestOutputCollector, RequestStreamState
@@ -21,8 +22,13 @@ from mlx_redis_worker.engine.scheduler import QueueFullError, Scheduler, Schedul
 from mlx_redis_worker.engine.stats import EngineStats, MlxMemory, PrefixCacheStats, VisionStats
 from mlx_redis_worker.engine.vision import ImagesNotSupportedError
 
+# The engine of a served model, of either kind: text (EngineCore) or embeddings.
+AnyEngine = EngineCore | EmbeddingEngineCore
+
 __all__ = [
+    "AnyEngine",
     "AsyncEngineCore",
+    "EmbeddingEngineCore",
     "EngineConfig",
     "EngineCore",
     "EngineStats",

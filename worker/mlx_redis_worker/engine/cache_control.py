@@ -29,7 +29,7 @@ class CacheControl:
     model: Any
     tokenizer: Any
     scheduler: Scheduler
-    _engine_thread: EngineThread
+    _engine_thread: EngineThread[Scheduler]
     _fingerprint: str | None  # the model's, for saved caches; made on first use
     _check_usable: Callable[[], None]
     _start_engine_thread: Callable[[], None]

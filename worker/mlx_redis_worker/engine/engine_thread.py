@@ -17,13 +17,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import mlx.core as mx
 import structlog
 
 from mlx_redis_worker.engine.config import EngineConfig
-from mlx_redis_worker.engine.scheduler import Scheduler, SchedulerOutput
+from mlx_redis_worker.engine.scheduler import SchedulerOutput
 from mlx_redis_worker.engine.stats import EngineHealth
 
 log = structlog.get_logger(__name__)
@@ -32,14 +32,43 @@ T = TypeVar("T")
 MEMORY_CHECK_EVERY = 64  # steps
 
 
+class StepScheduler(Protocol):
+    """What the engine thread (and the path of a request, ``EngineBase``) needs of a
+    scheduler: the text scheduler (``scheduler.Scheduler``) and the embedding one
+    (``embedding_scheduler.EmbeddingScheduler``) are two kinds of it behind one step loop."""
+
+    batch_failures: int
+
+    def attach_stream(self, stream: Any) -> None: ...
+
+    def add_request(self, request: Any) -> None: ...
+
+    def reject(self, request: Any, message: str) -> None: ...
+
+    def abort_request(
+        self, request_id: str, reason: str = "abort", message: str | None = None
+    ) -> bool: ...
+
+    def abort_all(self, reason: str = "abort", message: str | None = None) -> SchedulerOutput: ...
+
+    def has_requests(self) -> bool: ...
+
+    def step(self) -> SchedulerOutput: ...
+
+    def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=StepScheduler)
+
+
 class EngineStoppedError(RuntimeError):
     """The engine thread is not running (never started, stopped, or died)."""
 
 
-class EngineThread:
+class EngineThread(Generic[S]):
     def __init__(
         self,
-        scheduler: Scheduler,
+        scheduler: S,
         deliver: Callable[[SchedulerOutput], None],
         config: EngineConfig,
     ) -> None:
@@ -80,7 +109,7 @@ class EngineThread:
     def on_engine_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def call(self, fn: Callable[[Scheduler], T]) -> Future[T]:
+    def call(self, fn: Callable[[S], T]) -> Future[T]:
         """Run ``fn(scheduler)`` on the engine thread before its next step."""
         future: Future[T] = Future()
 
@@ -99,7 +128,7 @@ class EngineThread:
             self._wake.notify()
         return future
 
-    def call_sync(self, fn: Callable[[Scheduler], T], timeout: float | None = None) -> T:
+    def call_sync(self, fn: Callable[[S], T], timeout: float | None = None) -> T:
         if self.on_engine_thread():
             return fn(self._scheduler)
         return self.call(fn).result(timeout)

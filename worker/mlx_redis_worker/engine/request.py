@@ -258,6 +258,10 @@ class RequestOutput:
     # For a request with a response_format, once finished: whether the output matches it
     # (False when max_tokens cut it short of a match); None otherwise.
     output_valid: bool | None = None
+    # From an embedding engine: the vectors this output carries (little-endian float32
+    # bytes, unit length), those of the request's inputs ``embedding_index`` onwards.
+    embeddings: list[bytes] | None = field(default=None, repr=False)
+    embedding_index: int = 0
     transcript: Transcript | None = field(default=None, repr=False, compare=False)
     text_parts: int = field(default=0, repr=False, compare=False)
 
@@ -279,6 +283,9 @@ class RequestOutput:
         self.new_token_ids = earlier.new_token_ids + self.new_token_ids
         if earlier.logprobs is not None or self.logprobs is not None:
             self.logprobs = (earlier.logprobs or []) + (self.logprobs or [])
+        if earlier.embeddings is not None:
+            self.embeddings = earlier.embeddings + (self.embeddings or [])
+            self.embedding_index = earlier.embedding_index
         return self
 
 

@@ -2,7 +2,7 @@
 
 The cache root is ``$MLXW_MODEL_CACHE`` when set, else ``~/.cache/mlx-redis-worker/models``.
 Short names (``tiny``, ``tiny-qwen3``, ``tiny-medium``, ``tiny-micro``, ``tiny-vision``,
-``smollm2``, ``smollm2-draft``) resolve to
+``smollm2``, ``smollm2-draft``, and the embedding models ``tiny-embed`` and ``minilm``) resolve to
 prepared folders there, preparing them on first use; anything else (a local path, a hub id)
 passes through unchanged so ``mlx_lm.load`` keeps its usual meaning.
 """
@@ -72,6 +72,24 @@ def _prepare_tiny_vision() -> Path:
     return prepare_tiny_vision("small")
 
 
+EncoderName = Literal["tiny-embed", "minilm"]
+ENCODER_FOLDERS: dict[str, str] = {"tiny-embed": "tiny-bert-embed", "minilm": "all-minilm-l6-v2"}
+
+
+def encoder_dir(name: EncoderName, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The folder of the embedding-model fixture ``name``."""
+    return _root(cache_dir) / ENCODER_FOLDERS[name]
+
+
+def _prepare_encoder(name: EncoderName) -> Callable[[], Path]:
+    def prepare() -> Path:
+        from mlx_redis_worker.models.encoders import prepare_minilm, prepare_tiny_encoder
+
+        return prepare_tiny_encoder() if name == "tiny-embed" else prepare_minilm()
+
+    return prepare
+
+
 def _prepare_tiny(arch: Arch, size: Size) -> Callable[[], Path]:
     def prepare() -> Path:
         from mlx_redis_worker.models.tiny import prepare_tiny
@@ -115,6 +133,9 @@ FIXTURES: dict[str, tuple[Callable[[], Path], Callable[[], Path]]] = {
     "smollm2": (lambda: smollm2_dir("float32"), _prepare_smollm2("float32")),
     # SmolLM2's first layers as its draft model (models/draft.py).
     "smollm2-draft": (_smollm2_draft_dir, _prepare_smollm2_draft),
+    # Embedding models (models/encoders.py): a random-weight BERT, and all-MiniLM-L6-v2.
+    "tiny-embed": (lambda: encoder_dir("tiny-embed"), _prepare_encoder("tiny-embed")),
+    "minilm": (lambda: encoder_dir("minilm"), _prepare_encoder("minilm")),
 }
 
 

@@ -1,5 +1,5 @@
-"""``mlx-worker model prepare {smollm2|smollm2-draft|tiny|tiny-vision}``: build a fixture
-folder and print its path."""
+"""``mlx-worker model prepare {smollm2|smollm2-draft|tiny|tiny-vision|tiny-embed|minilm}``: build
+a fixture folder and print its path."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from mlx_redis_worker.models.encoders import MissingMiniLMError
 from mlx_redis_worker.models.gguf import MissingGGUFError
 
 EXIT_MISSING_PACKAGE = 2
@@ -18,7 +19,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         folder = _prepare(args)
-    except MissingGGUFError as exc:
+    except (MissingGGUFError, MissingMiniLMError) as exc:
         print(f"mlx-worker: {exc}", file=sys.stderr)
         return EXIT_MISSING_PACKAGE
     print(f"prepared in {time.monotonic() - started:.1f}s", file=sys.stderr)
@@ -52,4 +53,12 @@ def _prepare(args: argparse.Namespace) -> Path:
         return prepare_tiny_vision(
             size=args.size, cache_dir=args.cache_dir, force=args.force, dtype=args.dtype
         )
+    if args.name == "tiny-embed":
+        from mlx_redis_worker.models.encoders import prepare_tiny_encoder
+
+        return prepare_tiny_encoder(cache_dir=args.cache_dir, force=args.force)
+    if args.name == "minilm":
+        from mlx_redis_worker.models.encoders import prepare_minilm
+
+        return prepare_minilm(cache_dir=args.cache_dir, force=args.force)
     raise ValueError(f"unknown model fixture {args.name!r}")
