@@ -49,3 +49,21 @@ def test_a_vision_model_type_the_batch_cannot_take_is_refused(tmp_path: Path) ->
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelUnavailable, match="'qwen2_vl' is not one this engine batches"):
         load_model(str(folder))
+
+
+def test_the_fingerprint_counts_the_vision_tower(tiny_vision_model: tuple[Any, Any]) -> None:
+    """A saved prefix cache holds image positions' KV: another vision tower over the same text
+    weights must not load it."""
+    from mlx_redis_worker.engine.fingerprint import model_fingerprint
+
+    model, tokenizer = tiny_vision_model
+    vision = vision_model_of(model)
+    assert vision is not None
+    with_tower = model_fingerprint(model, tokenizer)
+    weight = vision.vlm.vision_model.post_layernorm.weight
+    try:
+        vision.vlm.vision_model.post_layernorm.weight = weight * 2
+        assert model_fingerprint(model, tokenizer) != with_tower
+    finally:
+        vision.vlm.vision_model.post_layernorm.weight = weight
+    assert model_fingerprint(model, tokenizer) == with_tower

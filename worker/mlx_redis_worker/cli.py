@@ -210,6 +210,11 @@ def _add_bench_commands(commands: Any) -> None:
         help="the attackers to run, comma-separated (default: all; e.g. "
         "image-bomb,image-50mb,image-flood)",
     )
+    isolation.add_argument(
+        "--fair-share",
+        action="store_true",
+        help="the worker starts jobs by fair share between the keys (tenants), not in order",
+    )
     isolation.add_argument("--redis-url", default=None, help="default: a private redis-server")
     isolation.set_defaults(
         func=_lazy("mlx_redis_worker.bench.isolation_bench", "run_isolation_bench")

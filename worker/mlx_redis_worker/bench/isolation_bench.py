@@ -47,8 +47,7 @@ from mlx_redis_worker.bench.e2e_bench import pct
 from mlx_redis_worker.bench.engine_bench import make_prompts
 from mlx_redis_worker.bench.gateway_bench import MODEL_NAME, Stream, _Connections, _gateway
 from mlx_redis_worker.bench.gateway_bench import _gateway_ready as gateway_ready
-from mlx_redis_worker.bench.models_bench import Model, start_worker
-from mlx_redis_worker.bench.worker_process import stop_worker, wait_ready
+from mlx_redis_worker.bench.worker_process import start_worker, stop_worker, wait_ready
 from mlx_redis_worker.local_redis import free_port, local_redis
 from mlx_redis_worker.models import load_model
 
@@ -317,8 +316,10 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
         keys = Path(directory) / "keys.toml"
         victim = add_key(keys, "victim", requests_per_minute=None, max_concurrent=None)
         attacker = add_key(keys, "attacker", requests_per_minute=30, max_concurrent=4)
-        model = Model(MODEL_NAME, args.model, [], [])
-        worker = start_worker(url, prefix, f"{prefix}-worker", [model], args.concurrency)
+        fair = ("--fair-share",) if args.fair_share else ()
+        worker = start_worker(
+            url, prefix, f"{prefix}-worker", [f"{MODEL_NAME}={args.model}"], args.concurrency, *fair
+        )
         stack.callback(stop_worker, worker.process)
         port = free_port()
         log = os.path.join(tempfile.gettempdir(), f"mlxw-{prefix}-gateway.log")
