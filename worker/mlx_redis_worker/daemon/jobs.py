@@ -17,8 +17,9 @@ import structlog
 from structlog.contextvars import bound_contextvars
 
 from mlx_redis_protocol.codec_job import decode_job
-from mlx_redis_protocol.connection import RedisClient
+from mlx_redis_protocol.connection import RedisClient, get_each
 from mlx_redis_protocol.constants import DEFAULT_IDEMPOTENCY_SECONDS
+from mlx_redis_protocol.control import marker_stops
 from mlx_redis_protocol.errors import ProtocolError
 from mlx_redis_protocol.identifiers import stream_id_time
 from mlx_redis_protocol.keys import Keys
@@ -190,7 +191,10 @@ class JobRunner:
                 f"{self.keys.jobs}",
             )
         rid = job.request_id
-        if await retry_until_done(lambda: self.redis.exists(self.keys.abort(rid)), "abort check"):
+        (marker,) = await retry_until_done(
+            lambda: get_each(self.redis, [self.keys.abort(rid)]), "abort check"
+        )
+        if marker_stops(marker, self.model):
             return EarlyEnd("aborted_before_start", finish_reason="abort")
         if job.is_expired(time.time()):
             return EarlyEnd("expired", finish_reason="expired")
