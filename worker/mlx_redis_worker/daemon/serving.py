@@ -40,6 +40,7 @@ from mlx_redis_protocol.redis_retry import (
 from mlx_redis_protocol.registry import register_worker, unregister_worker
 from mlx_redis_protocol.sd_notify import Notifier
 from mlx_redis_protocol.supervisor import supervise
+from mlx_redis_worker.daemon.claim import EXIT_ID_HELD, WorkerClaim, WorkerIdHeld
 from mlx_redis_worker.daemon.control import CommandRefused, ControlListener
 from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
 from mlx_redis_worker.daemon.job_queue import JobQueue
@@ -71,9 +72,11 @@ class Serving:
         metrics: Metrics | None,
         stop: asyncio.Event,
         started_at: float,
+        claim: WorkerClaim,
     ) -> None:
         """``lanes``: one per model, the default model's first when it is served here;
-        ``stop``: set to stop serving."""
+        ``stop``: set to stop serving; ``claim``: this worker's on its id, renewed with the
+        heartbeat."""
         self.settings = settings
         self.redis = redis
         self.keys = keys
@@ -84,6 +87,10 @@ class Serving:
         self.notifier = Notifier()
         self._stop = stop
         self.started_at = started_at
+        self.claim = claim
+        # Set when another worker took this one's id (its claim expired during an outage):
+        # the heartbeat, registry member and consumers under the id are that worker's now.
+        self.id_lost_to: str | None = None
         # Supervised tasks down now (failed, waiting to restart): see ``supervise``.
         self.down: set[str] = set()
 
@@ -162,6 +169,8 @@ class Serving:
         await _cancel(readers)
         await self._drain()
         await _cancel(background)
+        if self.id_lost_to is not None:
+            return EXIT_ID_HELD
         await self._leave()
         return 0
 
@@ -280,6 +289,15 @@ class Serving:
         )
 
     async def _heartbeat(self) -> None:
+        try:
+            await self.claim.renew()
+        except WorkerIdHeld as exc:
+            # Two live workers under one id must not both serve: this one stops (its jobs
+            # are left to their leases) and touches nothing of the id on its way out.
+            log.error("worker_id_lost", error=str(exc))
+            self.id_lost_to = str(exc)
+            self._stop.set()
+            return
         key, ttl_ms = (
             self.keys.worker(self.settings.worker_id),
             int(self.settings.heartbeat_ttl * 1000),

@@ -10,6 +10,7 @@ nowhere else, and ``Serving`` runs until told to stop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ from mlx_redis_protocol.connection import RedisClient, connect, redact
 from mlx_redis_protocol.keys import JobStream, Keys
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
 from mlx_redis_protocol.permissions import redis_user
-from mlx_redis_protocol.redis_retry import describe, retry_until_done
+from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe, retry_until_done
+from mlx_redis_worker.daemon.claim import WorkerClaim
 from mlx_redis_worker.daemon.control import ControlListener
 from mlx_redis_worker.daemon.eviction import check_eviction_policy
 from mlx_redis_worker.daemon.fair_queue import FairQueue
@@ -135,6 +137,12 @@ class Worker:
             log.info("worker_stopped_before_serving", waiting_for="redis")
             return 0
         hub = ChannelHub(redis)
+        claim = WorkerClaim(
+            redis=redis,
+            keys=self.keys,
+            worker_id=settings.worker_id,
+            ttl_ms=int(settings.heartbeat_ttl * 1000),
+        )
         forwarding = self._queue(redis, self.keys.default_stream)
         queues = {
             m.name: self._queue(redis, self.keys.model_stream(m.name)) for m in settings.models
@@ -142,7 +150,9 @@ class Worker:
         engines: dict[str, AnyEngine] = {}
         try:
             if not await self._unless_stopped(
-                self._in_time(deadline, self._check_redis(redis, [forwarding, *queues.values()]))
+                self._in_time(
+                    deadline, self._check_redis(redis, [forwarding, *queues.values()], claim)
+                )
             ):
                 log.info("worker_stopped_before_serving", waiting_for="redis")
                 return 0
@@ -173,10 +183,13 @@ class Worker:
                     served.tokenizer,
                     EngineConfig(model_name=served.source, scheduler_config=scheduler, draft=draft),
                 )
-            return await self._serve(redis, hub, forwarding, queues, engines)
+            return await self._serve(redis, hub, forwarding, queues, engines, claim)
         finally:
             for engine in engines.values():
                 engine.close()
+            # Only while it is ours: a worker refused for a held id leaves the holder's alone.
+            with contextlib.suppress(*REDIS_FAILURES):
+                await claim.release()
             await hub.aclose()
             await redis.aclose()
 
@@ -252,9 +265,12 @@ class Worker:
     async def _start_failed(self, exc: Exception) -> None:
         self._start_failure = exc
 
-    async def _check_redis(self, redis: RedisClient, queues: list[JobQueue]) -> bool:
+    async def _check_redis(
+        self, redis: RedisClient, queues: list[JobQueue], claim: WorkerClaim
+    ) -> bool:
         """Everything the worker needs from Redis, before it loads the model: a policy that
-        keeps its keys, every command it will send, and the consumer group."""
+        keeps its keys, every command it will send, its worker id (WorkerIdHeld while a live
+        worker holds it) and the consumer group."""
         settings = self.settings
         await retry_until_done(
             lambda: check_eviction_policy(
@@ -276,6 +292,7 @@ class Worker:
             "check permissions",
             on_failure=self._start_failed,
         )
+        await retry_until_done(claim.acquire, "claim the worker id", on_failure=self._start_failed)
         for queue in queues:
             await retry_until_done(
                 queue.ensure_group,
@@ -303,9 +320,13 @@ class Worker:
         forwarding: JobQueue,
         queues: dict[str, JobQueue],
         engines: dict[str, AnyEngine],
+        claim: WorkerClaim,
     ) -> int:
         """Wire the collaborators around the engines and serve until stopped."""
         settings = self.settings
+        # Again, before the lanes take this id's pending jobs: a model load can outlast the
+        # claim's TTL, and another worker may have started under the id meanwhile.
+        await retry_until_done(claim.acquire, "claim the worker id")
         metrics = Metrics(settings.metrics_port) if settings.metrics_port is not None else None
         publisher = EventPublisher(
             redis=redis,
@@ -345,6 +366,7 @@ class Worker:
                 metrics=metrics,
                 stop=self._stop,
                 started_at=self.started_at,
+                claim=claim,
             )
             control = ControlListener(
                 redis=redis,
