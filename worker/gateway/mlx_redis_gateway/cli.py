@@ -138,6 +138,8 @@ def run_gateway(args: argparse.Namespace) -> int:
             header_timeout=args.header_timeout,
             body_timeout=args.body_timeout,
             max_connections=args.max_connections,
+            max_connections_per_address=args.max_connections_per_address,
+            anonymous_keep_alive=args.anonymous_keep_alive,
             max_requests_per_connection=args.max_requests_per_connection,
             cooldown_after_refusals=args.cooldown_after_refusals,
             cooldown_seconds=args.cooldown_seconds,
@@ -231,6 +233,21 @@ def _add_http_limits(gateway: argparse.ArgumentParser) -> None:
         default=None,
         help="connections open at once; one more is a 503 and closed (default: the file "
         "descriptor limit less 512, at most 10000)",
+    )
+    gateway.add_argument(
+        "--max-connections-per-address",
+        type=int,
+        default=limits.max_connections_per_address,
+        help="connections one client address (an IPv6 /64) holds at once; one more is reset "
+        "at accept (0: no bound, behind a reverse proxy; "
+        f"default {limits.max_connections_per_address})",
+    )
+    gateway.add_argument(
+        "--anonymous-keep-alive",
+        type=float,
+        default=limits.anonymous_keep_alive,
+        help="seconds an idle keep-alive connection is kept when its last request had no "
+        f"valid API key (with one: 75; default {limits.anonymous_keep_alive:g})",
     )
     gateway.add_argument(
         "--max-requests-per-connection",
