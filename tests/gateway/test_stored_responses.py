@@ -27,6 +27,7 @@ FLAT_TOOLS: Any = [
     for name, schema in TOOL_SCHEMAS.items()
 ]
 
+
 def keyed(gateway: GatewayProcess, secret: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=gateway.base_url, api_key=secret, max_retries=0, timeout=300)
 

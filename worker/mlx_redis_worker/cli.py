@@ -374,6 +374,11 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
         "TLS, or redis+sentinel://host:port[,host:port…]/service_name[/db]",
     ),
     "redis_topology": (str, "auto | standalone | cluster: what a redis:// URL names"),
+    "redis_start_timeout": (
+        float,
+        "seconds to wait at start for Redis to answer, then exit with status 75 for the "
+        "service manager to restart the worker (default 60; 0: wait forever)",
+    ),
     "allow_eviction": (bool, "run although Redis may evict keys (maxmemory-policy)"),
     "redis_url_file": (
         str,

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from mlx_redis_gateway.errors import ApiError, bad_request
 from mlx_redis_gateway.openai_api import CompletionRequest, parse_request
+from mlx_redis_gateway.request_counts import DEFAULT_COUNTS, RequestCounts, check_responses
 from mlx_redis_gateway.responses_items import (
     chat_tool_choice,
     chat_tools,
@@ -81,11 +82,14 @@ def parse_responses_request(
     limits: Limits,
     user_key: str | None = None,
     context: Sequence[dict[str, Any]] = (),
+    counts: RequestCounts = DEFAULT_COUNTS,
 ) -> ResponsesRequest:
     """The chat request a Responses body stands for (after ``context``, the items of the
-    stored conversation it continues), and the fields its answer echoes."""
+    stored conversation it continues), and the fields its answer echoes; ``counts``: how many
+    input items, parts and tools it may hold."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    check_responses(body, counts)
     for name, message in _UNSUPPORTED.items():
         if body.get(name) not in (None, [], False):
             raise bad_request(message, param=name)
@@ -112,7 +116,7 @@ def parse_responses_request(
         if body.get("top_logprobs") is not None:
             chat["top_logprobs"] = body["top_logprobs"]
     try:
-        accepted = parse_request("chat", chat, limits=limits, user_key=user_key)
+        accepted = parse_request("chat", chat, limits=limits, user_key=user_key, counts=counts)
     except ApiError as error:
         if error.param == "max_tokens":
             error.param = "max_output_tokens"

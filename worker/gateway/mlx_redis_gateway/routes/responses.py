@@ -66,6 +66,7 @@ class ResponseRoutes:
             limits=gateway.settings.limits,
             user_key=key.name if key is not None else None,
             context=context,
+            counts=gateway.settings.counts,
         )
         self._check_storable(parsed, context)
         accepted, echoed = parsed.accepted, parsed.echoed
