@@ -156,10 +156,10 @@ def probes(
             lambda: redis.set(finished, b"", xx=True, ex=60),
         ),
         Probe(
-            "EXISTS",
-            "check abort markers",
+            "GET",
+            "read abort markers",
             abort,
-            lambda: redis.exists(abort),
+            lambda: redis.get(abort),
         ),
         Probe(
             "SET",

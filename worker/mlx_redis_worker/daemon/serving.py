@@ -26,8 +26,9 @@ import structlog
 from redis.exceptions import OutOfMemoryError
 
 from mlx_redis_protocol.activity import Activity
-from mlx_redis_protocol.connection import RedisClient, exists_each
+from mlx_redis_protocol.connection import RedisClient, get_each
 from mlx_redis_protocol.constants import DEFAULT_ABORT_TTL_SECONDS
+from mlx_redis_protocol.control import abort_marker, marker_stops
 from mlx_redis_protocol.heartbeat import Heartbeat
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.redis_retry import (
@@ -202,15 +203,25 @@ class Serving:
 
     # -- aborts ------------------------------------------------------------------------------
 
-    async def abort(self, request_id: str) -> dict[str, Any]:
-        """The abort command: stop the request wherever it is, as far as this worker can."""
+    async def abort(self, request_id: str, model: str | None = None) -> dict[str, Any]:
+        """The abort command: stop the request wherever it is, as far as this worker can; with
+        ``model``, only where that model's jobs are (the caller serves it)."""
         # The marker a producer sets (rule 5), so the command alone is enough.
-        await self.redis.set(self.keys.abort(request_id), b"1", ex=DEFAULT_ABORT_TTL_SECONDS)
-        for lane in self.lanes:
+        await self.redis.set(
+            self.keys.abort(request_id), abort_marker(model), ex=DEFAULT_ABORT_TTL_SECONDS
+        )
+        lanes = [lane for lane in self.lanes if model in (None, lane.name)]
+        for lane in lanes:
             if (here := await lane.abort_here(request_id)) is not None:
                 return here
         if not await self.redis.exists(self.keys.log(request_id)):
             raise CommandRefused("not_found", f"request {request_id!r} is unknown or expired")
+        if model is not None:
+            # Where a request waits says nothing of its model: ending it there could end
+            # another model's job. The marker, which names the model, ends it when one of the
+            # model's workers takes it; another model's workers let it run.
+            finished = await self.redis.exists(self.keys.finished(request_id))
+            return {"aborted": False, "state": "finished" if finished else "elsewhere"}
         state = await self.lanes[0].runner.end_waiting(request_id)
         return {"aborted": state == "queued", "state": state}
 
@@ -220,9 +231,9 @@ class Serving:
         ``ABORT_POLL_SECONDS``. Also catches a command that arrived while the job was between
         its start checks and the engine. One round trip for all of them."""
         running = [(lane, rid) for lane in self.lanes for rid in lane.runner.in_flight]
-        marked = await exists_each(self.redis, [self.keys.abort(rid) for _, rid in running])
-        for (lane, request_id), is_marked in zip(running, marked, strict=True):
-            if is_marked and await lane.runner.abort(request_id):
+        markers = await get_each(self.redis, [self.keys.abort(rid) for _, rid in running])
+        for (lane, request_id), marker in zip(running, markers, strict=True):
+            if marker_stops(marker, lane.name) and await lane.runner.abort(request_id):
                 log.info("job_aborted_by_marker", request_id=request_id)
 
     # -- periodic ----------------------------------------------------------------------------
