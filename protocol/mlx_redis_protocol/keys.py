@@ -23,7 +23,7 @@ from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id
 # The key table's placeholder (protocol/README.md) for what a kind of name has in its hash tag.
 _TAG_PLACEHOLDERS = {
     **dict.fromkeys(("out", "log", "attempt", "done", "abort", "gateway"), "request_id"),
-    **dict.fromkeys(("worker", "activity", "control"), "worker_id"),
+    **dict.fromkeys(("worker", "claim", "activity", "control"), "worker_id"),
     **dict.fromkeys(("jobs", "dead", "forwarded", "fair"), "MODEL"),
     "reply": "token",
     "quota": "key_name",
@@ -187,6 +187,11 @@ class Keys:
     def worker(self, worker_id: str) -> str:
         """A worker's heartbeat key (expires when the worker stops refreshing it)."""
         return f"{self.prefix}:worker:{{{_checked(worker_id, 'worker id')}}}"
+
+    def claim(self, worker_id: str) -> str:
+        """A live worker's claim on its id (expires unless renewed with the heartbeat): a
+        second worker under the same id refuses to start while it exists."""
+        return f"{self.prefix}:claim:{{{_checked(worker_id, 'worker id')}}}"
 
     def activity(self, worker_id: str) -> str:
         """A worker's activity: its running requests and recent token counts (a JSON value,

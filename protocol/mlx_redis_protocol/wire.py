@@ -78,9 +78,9 @@ def _refuse_extension(code: int, data: bytes) -> object:
 
 
 def _check_version(message: dict[str, Any], what: str) -> None:
-    if "v" not in message:
+    version = message.get("v")
+    if version is None:  # nil counts as absent, for `v` as for every field
         raise ProtocolError("missing_field", f"{what} has no protocol version `v`")
-    version = message["v"]
     # Anything but the integer itself (a string "1", 1.0, true) is a version this reader does
     # not speak: the spec names one code for every other value.
     if isinstance(version, bool) or not isinstance(version, int) or version != PROTOCOL_VERSION:

@@ -50,6 +50,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from mlx_redis_gateway.address_cooldown import AddressCooldowns
+from mlx_redis_gateway.connection_table import ConnectionTable, address_group
 from mlx_redis_gateway.errors import ApiError
 
 log = structlog.get_logger(__name__)
@@ -84,6 +85,13 @@ class HttpLimits:
     body_timeout: float = 30.0
     # Connections open at once; None: derived from the file-descriptor limit.
     max_connections: int | None = None
+    # Connections one client address (an IPv6 /64) holds at once; 0: no bound (behind a
+    # reverse proxy, which has one address). An SDK's pool opens tens; 256 leaves room for a
+    # NAT of several.
+    max_connections_per_address: int = 256
+    # Seconds an idle keep-alive connection is kept when its last request had no valid API
+    # key (those with one keep uvicorn's 75 s, longer than a load balancer's idle timeout).
+    anonymous_keep_alive: float = 5.0
     max_requests_per_connection: int = 1000
     # An address refused for size (431, 413) this many times within ``cooldown_seconds``
     # cools down for ``cooldown_seconds`` (0: never). A client that hits a size limit by
@@ -104,6 +112,15 @@ class HttpLimits:
             raise ValueError(f"--body-timeout must be positive, got {self.body_timeout}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
+        if self.max_connections_per_address < 0:
+            raise ValueError(
+                "--max-connections-per-address must be 0 or more, "
+                f"got {self.max_connections_per_address}"
+            )
+        if self.anonymous_keep_alive <= 0:
+            raise ValueError(
+                f"--anonymous-keep-alive must be positive, got {self.anonymous_keep_alive}"
+            )
         if self.cooldown_after_refusals < 0:
             raise ValueError(
                 f"--cooldown-after-refusals must be 0 or more, got {self.cooldown_after_refusals}"
@@ -128,6 +145,12 @@ class HttpLimits:
         if soft == resource.RLIM_INFINITY:
             return 10_000
         return max(64, min(10_000, soft - RESERVED_DESCRIPTORS))
+
+    def room_from(self) -> int:
+        """Open connections past which each new one closes an idle one for room: the cap
+        less its last sixteenth (at least 16 connections, at most half the cap)."""
+        cap = self.connection_cap()
+        return cap - min(max(16, cap // 16), cap // 2)
 
 
 DEFAULT_HTTP_LIMITS: Final = HttpLimits()
@@ -164,11 +187,15 @@ _SIZE_REFUSALS: Final = frozenset({"headers_too_large", "body_too_large"})
 # headers, a chunked body past the limit): the connection's protocol counts it toward the
 # address's cool-down once the answer is sent, as it does its own refusals.
 SIZE_REFUSED: Final = "mlxw.size_refused"
+# Set in a request's ASGI scope when a valid API key authenticated it: its connection keeps
+# the long keep-alive timer.
+KEYED: Final = "mlxw.keyed"
 
 
 def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol class with ``limits``' connection guards."""
     cap = limits.connection_cap()
+    room_from = limits.room_from()
     cooldowns = AddressCooldowns(
         limits.cooldown_after_refusals, limits.cooldown_seconds, limits.max_held_per_address
     )
@@ -187,9 +214,20 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
         # that resets it when the cool-down ends.
         _held_for: str | None = None
         _hold_timer: asyncio.TimerHandle | None = None
+        # The address group this connection is counted under in the table (None: not counted).
+        _group: str | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            if self.client is not None:
+                group = address_group(self.client[0])
+                if not table.add(group, self):
+                    _refusals.note("too_many_connections_from_address")
+                    self._reset()
+                    return
+                self._group = group
+            if len(self.connections) > room_from:
+                self._make_room()
             if len(self.connections) > cap:
                 self._refuse(
                     503,
@@ -204,6 +242,30 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
                     self._turn_away(self.client[0], cooling)
                     return
             self._arm_head_timer()
+
+        def _make_room(self) -> None:
+            """Close the connection the table picks (an idle one of the address holding the
+            most), so the newcomer does not find the gateway full."""
+            victim = table.victim(lambda other: other is not self and other._closable())
+            if victim is None:
+                return
+            _refusals.note("closed_for_room")
+            victim._forget()
+            # Out of the count now: the transport reports the loss only on a later turn.
+            self.connections.discard(victim)
+            victim.transport.close()
+
+        def _closable(self) -> bool:
+            """Whether closing this connection loses no answer: it serves no request whose
+            head is whole (it is idle, or still sending a head)."""
+            if self.transport.is_closing():
+                return False
+            return self.cycle is None or (self.cycle.response_complete and not self.pipeline)
+
+        def _forget(self) -> None:
+            if self._group is not None:
+                table.remove(self._group, self)
+                self._group = None
 
         def _turn_away(self, address: str, cooling: float) -> None:
             """A connection from a cooling address: a 429, then held unread until the
@@ -238,6 +300,7 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_head_timer()
+            self._forget()
             if self._held_for is not None:
                 cooldowns.release(self._held_for)
                 self._held_for = None
@@ -344,6 +407,13 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
             if scope is not None and scope.get(SIZE_REFUSED) and self.client is not None:
                 cooldowns.refused(self.client[0])
             super().on_response_complete()
+            if self.timeout_keep_alive_task is not None and not (scope and scope.get(KEYED)):
+                # No key: idle sockets cost a client nothing to keep, so they are not kept
+                # long (the table closes them for room sooner still).
+                self.timeout_keep_alive_task.cancel()
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    limits.anonymous_keep_alive, self.timeout_keep_alive_handler
+                )
 
         def _refuse(self, status: int, message: str, kind: str, code: str, path: str = "") -> None:
             _refusals.note(code)
@@ -360,6 +430,9 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
             self.transport.write(head.encode() + body)
             self.transport.close()
 
+    table: ConnectionTable[GuardedHttpToolsProtocol] = ConnectionTable(
+        limits.max_connections_per_address
+    )
     return GuardedHttpToolsProtocol
 
 

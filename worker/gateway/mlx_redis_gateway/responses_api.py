@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from mlx_redis_gateway.errors import ApiError, bad_request
 from mlx_redis_gateway.openai_api import CompletionRequest, parse_request
+from mlx_redis_gateway.request_counts import DEFAULT_COUNTS, RequestCounts, check_responses
 from mlx_redis_gateway.responses_items import (
     chat_tool_choice,
     chat_tools,
@@ -43,11 +44,17 @@ LOGPROBS_INCLUDE: Final = "message.output_text.logprobs"
 
 
 def parse_responses_request(
-    body: object, *, limits: Limits, user_key: str | None = None
+    body: object,
+    *,
+    limits: Limits,
+    user_key: str | None = None,
+    counts: RequestCounts = DEFAULT_COUNTS,
 ) -> tuple[CompletionRequest, dict[str, Any]]:
-    """The chat request a Responses body stands for, and the fields its answer echoes."""
+    """The chat request a Responses body stands for, and the fields its answer echoes;
+    ``counts``: how many input items, parts and tools it may hold."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    check_responses(body, counts)
     for name, message in _UNSUPPORTED.items():
         if body.get(name) not in (None, [], False):
             raise bad_request(message, param=name)
@@ -71,7 +78,7 @@ def parse_responses_request(
         if body.get("top_logprobs") is not None:
             chat["top_logprobs"] = body["top_logprobs"]
     try:
-        accepted = parse_request("chat", chat, limits=limits, user_key=user_key)
+        accepted = parse_request("chat", chat, limits=limits, user_key=user_key, counts=counts)
     except ApiError as error:
         if error.param == "max_tokens":
             error.param = "max_output_tokens"

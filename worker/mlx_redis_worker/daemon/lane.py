@@ -176,7 +176,11 @@ class ModelLane:
     async def abort_here(self, request_id: str) -> dict[str, Any] | None:
         """Stop the request if it runs or waits in this lane; None when it is not here."""
         if self.runner.running(request_id):
-            return {"aborted": await self.runner.abort(request_id), "state": "running"}
+            if await self.runner.abort(request_id):
+                return {"aborted": True, "state": "running"}
+            # It ended between the look and the abort: too late to stop, as for any finished
+            # request (never the pair aborted false / running).
+            return {"aborted": False, "state": "finished"}
         waiting = [d for d in self.backlog if readable_request_id(d.job_bytes) == request_id]
         if waiting:  # ours, waiting for a slot: it starts, sees its marker and ends at once
             self.backlog = [d for d in self.backlog if d not in waiting]

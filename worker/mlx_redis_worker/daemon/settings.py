@@ -134,6 +134,10 @@ class WorkerSettings:
     # flood of bad jobs cannot fill Redis; the oldest go first.
     dead_letter_maxlen: int = DEFAULT_DEAD_LETTER_MAXLEN
     drain_timeout: float = 30.0
+    # How long the worker waits at start for Redis to answer (and its checks to pass) before it
+    # exits with EXIT_REDIS_NEVER_ANSWERED for its service manager to start it again; 0 waits
+    # forever. Outages after the start are ridden through, however long.
+    redis_start_timeout: float = 60.0
     # XREADGROUP BLOCK; must stay well below the socket timeout.
     read_block_ms: int = 1000
     socket_timeout: float = 10.0
@@ -199,6 +203,8 @@ class WorkerSettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.drain_timeout < 0:
             raise ValueError("drain_timeout must be >= 0")
+        if not self.redis_start_timeout >= 0:  # NaN too
+            raise ValueError(f"redis_start_timeout must be >= 0, got {self.redis_start_timeout}")
         if self.read_block_ms / 1000 >= self.socket_timeout:
             raise ValueError("read_block_ms must be shorter than socket_timeout")
         if self.heartbeat_ttl <= self.heartbeat_interval:
