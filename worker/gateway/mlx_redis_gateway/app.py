@@ -91,7 +91,9 @@ def build_app(settings: GatewaySettings) -> Starlette:
     app = Starlette(
         routes=routes,
         middleware=[
-            Middleware(RequestLimits, limits=settings.http),
+            Middleware(
+                RequestLimits, limits=settings.http, on_body_refused=gateway.charge_refused_body
+            ),
             Middleware(BrowserGuard, allowed_hosts=settings.checked_hosts()),
         ],
         exception_handlers=handlers,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, Final, Protocol, TypeVar
@@ -22,6 +23,7 @@ from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Scope
 
 from mlx_redis_gateway.anthropic_shaping import AnthropicPing, MessageFrames, message_object
 from mlx_redis_gateway.api_keys import ApiKey, KeyFile
@@ -46,6 +48,7 @@ from mlx_redis_protocol.errors import (
     StreamTimeout,
 )
 from mlx_redis_protocol.messages import Event, Job
+from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe
 from mlx_redis_protocol.supervisor import supervise
 
 log = structlog.get_logger(__name__)
@@ -122,6 +125,24 @@ class Gateway:
             await self.client.aclose()
 
     # -- a request in ------------------------------------------------------------------------
+
+    async def charge_refused_body(self, scope: Scope) -> None:
+        """A body refused for its size counts as a request of its key (when it has a valid
+        one and the key's quota has a request left): a key cannot send oversized bodies
+        faster than it may send requests. The refusal is a 413 whatever this finds."""
+        if self.settings.api_keys is None:
+            return
+        try:
+            key = self.auth.api_key(Request(scope))
+        except ApiError:
+            return  # no key, or a wrong one: only the address's cool-down counts it
+        assert key is not None
+        lease = f"refused-{uuid.uuid4().hex}"
+        try:
+            if await self.quotas.admit(key, lease) is None:
+                await self.quotas.release(lease)
+        except (RedisUnavailable, *REDIS_FAILURES) as exc:
+            log.warning("refused_body_not_charged", api_key=key.name, error=describe(exc))
 
     async def json_body(self, request: Request) -> Any:
         require_json(request)
