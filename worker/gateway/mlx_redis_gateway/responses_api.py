@@ -66,7 +66,8 @@ def previous_not_found(response_id: str) -> ApiError:
     """OpenAI's answer to a ``previous_response_id`` it does not have (or no longer)."""
     return ApiError(
         400,
-        f"Previous response with id {response_id!r} not found.",
+        # At most an id's length of what the caller sent is said back.
+        f"Previous response with id {response_id[:128]!r} not found.",
         param="previous_response_id",
         code="previous_response_not_found",
     )
