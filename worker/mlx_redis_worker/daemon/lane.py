@@ -124,6 +124,7 @@ class ModelLane:
         room = self.max_concurrency - len(self.backlog)
         if self.fair is not None:
             await self.fair.refresh_weights()
+            await self.fair.sweep()
         if room > 0:
             if self.fair is None:
                 claimed = await self.queue.reclaim(room)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -98,14 +98,18 @@ class Worker:
         settings: WorkerSettings,
         *,
         model_and_tokenizer: tuple[Any, Any] | None = None,
+        engines: Mapping[str, AnyEngine] | None = None,
         on_ready: Callable[[], None] | None = None,
     ) -> None:
         """``model_and_tokenizer``: an already loaded model, served as the settings' first
-        (else every model of ``settings.model`` is loaded); ``on_ready`` is called once the
-        worker serves (``ready`` is set too)."""
+        (else every model of ``settings.model`` is loaded); ``engines``: engines made
+        already, by the name of the model each serves (a simulated fleet's stand-ins, see
+        bench/fleet_engine.py), served instead of loading anything; ``on_ready`` is called
+        once the worker serves (``ready`` is set too)."""
         self.settings = settings
         self.keys = Keys(settings.prefix)
         self._model_and_tokenizer = model_and_tokenizer
+        self._given_engines = engines
         self._on_ready = on_ready
         self._stop = asyncio.Event()
         self.started_at = time.time()
@@ -156,33 +160,11 @@ class Worker:
             ):
                 log.info("worker_stopped_before_serving", waiting_for="redis")
                 return 0
-            scheduler = scheduler_config(
-                max_concurrency=settings.max_concurrency,
-                limits=DEFAULT_LIMITS,
-                grammar_limits=settings.grammar_limits,
-            )
-            draft = self._draft_model()
-            for served in self._loaded_models():
-                if self._stop.is_set():
-                    log.info("worker_stopped_before_serving", waiting_for="model")
-                    return 0
-                if served.embedding is not None:
-                    engines[served.name] = EmbeddingEngineCore(
-                        served.embedding,
-                        EngineConfig(model_name=served.source, scheduler_config=scheduler),
-                        EmbeddingLimits(max_waiting_requests=scheduler.max_waiting_requests),
-                    )
-                    continue
-                if draft is not None:
-                    try:
-                        check_draft_model(served.model, served.tokenizer, draft)
-                    except ValueError as exc:
-                        raise ModelUnavailable(f"model {served.name!r}: {exc}") from exc
-                engines[served.name] = EngineCore(
-                    served.model,
-                    served.tokenizer,
-                    EngineConfig(model_name=served.source, scheduler_config=scheduler, draft=draft),
-                )
+            if self._given_engines is not None:
+                engines.update(self._given_engines)
+            elif not self._load_engines(engines):
+                log.info("worker_stopped_before_serving", waiting_for="model")
+                return 0
             return await self._serve(redis, hub, forwarding, queues, engines, claim)
         finally:
             for engine in engines.values():
@@ -192,6 +174,38 @@ class Worker:
                 await claim.release()
             await hub.aclose()
             await redis.aclose()
+
+    def _load_engines(self, engines: dict[str, AnyEngine]) -> bool:
+        """Load each model into ``engines`` (an engine each); False when a stop request came
+        first (what was made is in ``engines``, for the caller to close)."""
+        settings = self.settings
+        scheduler = scheduler_config(
+            max_concurrency=settings.max_concurrency,
+            limits=DEFAULT_LIMITS,
+            grammar_limits=settings.grammar_limits,
+        )
+        draft = self._draft_model()
+        for served in self._loaded_models():
+            if self._stop.is_set():
+                return False
+            if served.embedding is not None:
+                engines[served.name] = EmbeddingEngineCore(
+                    served.embedding,
+                    EngineConfig(model_name=served.source, scheduler_config=scheduler),
+                    EmbeddingLimits(max_waiting_requests=scheduler.max_waiting_requests),
+                )
+                continue
+            if draft is not None:
+                try:
+                    check_draft_model(served.model, served.tokenizer, draft)
+                except ValueError as exc:
+                    raise ModelUnavailable(f"model {served.name!r}: {exc}") from exc
+            engines[served.name] = EngineCore(
+                served.model,
+                served.tokenizer,
+                EngineConfig(model_name=served.source, scheduler_config=scheduler, draft=draft),
+            )
+        return True
 
     def _queue(self, redis: RedisClient, stream: JobStream) -> JobQueue:
         settings = self.settings
@@ -339,7 +353,8 @@ class Worker:
         names = sorted(engines, key=lambda name: name != default)
         try:
             lanes: list[ModelLane] = []
-            # What fair share charges a tenant: the tokens its jobs generated, whichever lane's.
+            # What fair share charges a tenant: its jobs' service (prompt tokens computed and
+            # tokens generated), whichever lane's.
             publisher.on_closed = lambda request_id, tokens: self._closed(lanes, request_id, tokens)
             for name in names:
                 engine, queue = engines[name], queues[name]
