@@ -33,7 +33,7 @@ from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.http_limits import read_json
 from mlx_redis_gateway.media_parts import MediaResolver
 from mlx_redis_gateway.openai_api import CompletionRequest
-from mlx_redis_gateway.quotas import Quotas
+from mlx_redis_gateway.quotas import Quotas, read_lease
 from mlx_redis_gateway.redis_health import HealthProbe
 from mlx_redis_gateway.settings import GatewaySettings
 from mlx_redis_gateway.shaping import DONE_MESSAGE, ResponseShape, Shaper, sse_data, sse_message
@@ -227,6 +227,29 @@ class Gateway:
         if accepted.resumable is not None:
             return accepted.resumable
         return self.settings.resumable_by_default
+
+    async def admit_read(self, key: ApiKey | None, subject: str) -> str | None:
+        """A quota lease for one read of ``subject`` (a request, a stored response; None
+        without keys): reads count against their key's rate and concurrency like
+        completions, so a key cannot flood the gateway with reads that use no quota."""
+        if key is None:
+            return None
+        lease = read_lease(subject)
+        await self.quotas.admit_or_refuse(key, lease, holder=subject)
+        return lease
+
+    async def release_read(self, lease: str | None) -> None:
+        if lease is not None:
+            await self.quotas.release(lease)
+
+    @asynccontextmanager
+    async def reading(self, key: ApiKey | None, subject: str) -> AsyncIterator[None]:
+        """A read of ``subject`` under its quota lease (``admit_read``)."""
+        lease = await self.admit_read(key, subject)
+        try:
+            yield
+        finally:
+            await self.release_read(lease)
 
     # -- its answer out ----------------------------------------------------------------------
 

@@ -235,6 +235,9 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
         _hold_timer: asyncio.TimerHandle | None = None
         # The address group this connection is counted under in the table (None: not counted).
         _group: str | None = None
+        # Whether its last request had a valid key: it keeps its slot longer (closed for room
+        # only when no idle connection without one is found).
+        _keyed = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -265,7 +268,9 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
         def _make_room(self) -> None:
             """Close the connection the table picks (an idle one of the address holding the
             most), so the newcomer does not find the gateway full."""
-            victim = table.victim(lambda other: other is not self and other._closable())
+            victim = table.victim(
+                lambda other: other is not self and not other._keyed and other._closable()
+            ) or table.victim(lambda other: other is not self and other._closable())
             if victim is None:
                 return
             _refusals.note("closed_for_room")
@@ -432,8 +437,9 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
             scope = getattr(self, "scope", None)
             if scope is not None and scope.get(SIZE_REFUSED) and self.client is not None:
                 cooldowns.refused(self.client[0])
+            self._keyed = bool(scope and scope.get(KEYED))
             super().on_response_complete()
-            if self.timeout_keep_alive_task is not None and not (scope and scope.get(KEYED)):
+            if self.timeout_keep_alive_task is not None and not self._keyed:
                 # No key: idle sockets cost a client nothing to keep, so they are not kept
                 # long (the table closes them for room sooner still).
                 self.timeout_keep_alive_task.cancel()
