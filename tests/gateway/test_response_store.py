@@ -60,3 +60,18 @@ def test_a_keys_records_are_stored_dropped_and_deleted_in_its_slot_on_a_cluster(
             await redis.aclose()
 
     run(main())
+
+
+def test_a_record_without_item_ids_is_no_record() -> None:
+    """Records are JSON anyone with write access could have written: one whose items lack
+    the ids ``input_items`` pages by reads as missing, not as a 500 later."""
+    good = stored("resp_1", "hi")
+    assert StoredResponse.decode(good.encode()) == good
+    for bad in (
+        b'{"response": {"id": "resp_1", "output": []}, "context": [], "input": [{}]}',
+        b'{"response": {"id": "resp_1", "output": [{"id": 3}]}, "context": [], "input": []}',
+        b'{"response": {"output": []}, "context": [], "input": []}',
+        b"[]",
+        b"\xff",
+    ):
+        assert StoredResponse.decode(bad) is None, bad

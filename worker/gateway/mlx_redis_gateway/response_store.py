@@ -161,7 +161,10 @@ class StoredResponse:
 
 
 def _items(value: object) -> TypeGuard[list[dict[str, Any]]]:
-    return isinstance(value, list) and all(isinstance(item, dict) for item in value)
+    """Items as stored: objects, each with its id (what ``input_items`` pages by)."""
+    return isinstance(value, list) and all(
+        isinstance(item, dict) and isinstance(item.get("id"), str) for item in value
+    )
 
 
 def encoded_size(items: list[dict[str, Any]]) -> int:
