@@ -294,6 +294,8 @@ def test_store_ttl_0_keeps_nothing_and_bad_bounds_stop_the_gateway_at_start(
     assert response.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(response.id)
+    events: Any = list(client.responses.create(input=STORY, stream=True, **GREEDY))
+    assert events[0].response.store is False and events[-1].response.store is False
     connection = ["--redis-url", fleet.redis_url, "--prefix", fleet.prefix]
     for flags, said in (
         (["--store-max-response-bytes", "10", "--store-max-key-bytes", "5"], "at most"),
