@@ -70,6 +70,8 @@ class ResponseRoutes:
         )
         self._check_storable(parsed, context)
         accepted, echoed = parsed.accepted, parsed.echoed
+        # Said from the first event on: a gateway that keeps nothing never claims it will.
+        echoed["store"] = parsed.store and gateway.settings.store.enabled
         await gateway.check_served(accepted.model)
         await gateway.check_media(accepted)
         request_id = accepted.request_id
