@@ -16,6 +16,7 @@ from mlx_redis_protocol.keys import Keys
 from tests.gateway.conftest import Fleet
 from tests.gateway.test_auth import add_key, key_name
 from tests.support.gateway import GatewayFactory, GatewayProcess
+from tests.support.processes import mlx_worker
 from tests.support.schemas import TOOL_SCHEMAS
 
 MODEL = "tiny"
@@ -115,6 +116,13 @@ def test_a_stored_response_is_retrieved_listed_and_deleted(client: openai.OpenAI
     assert [item.id for item in page] == ids[::-1]  # the SDK follows `after` to the end
     page = client.responses.input_items.list(response.id, limit=2, order="asc", after=ids[0])
     assert [item.id for item in page.data] == ids[1:3] and page.has_more
+    # `before` (the older API's): the page nearest it, in the list's order.
+    extra: Any = {"before": ids[3], "order": "asc", "limit": 2}
+    page = client.responses.input_items.list(response.id, extra_query=extra)
+    assert [item.id for item in page.data] == ids[1:3] and page.has_more
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.input_items.list(response.id, after="msg_nowhere")
+    assert caught.value.param == "after"
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.input_items.list(response.id, limit=101)
     assert caught.value.param == "limit"
@@ -282,3 +290,23 @@ def test_a_record_that_is_not_one_reads_as_missing(client: openai.OpenAI, fleet:
     with pytest.raises(openai.BadRequestError):
         client.responses.create(previous_response_id=response.id, input="hi", **GREEDY)
     assert client.responses.create(input=STORY, **GREEDY).store is True  # still serving
+
+
+def test_store_ttl_0_keeps_nothing_and_bad_bounds_stop_the_gateway_at_start(
+    fleet: Fleet, gateways: GatewayFactory
+) -> None:
+    gateway = gateways.start("--store-ttl", "0")
+    client = keyed(gateway, "none")
+    response = client.responses.create(input=STORY, **GREEDY)
+    assert response.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+    events: Any = list(client.responses.create(input=STORY, stream=True, **GREEDY))
+    assert events[0].response.store is False and events[-1].response.store is False
+    connection = ["--redis-url", fleet.redis_url, "--prefix", fleet.prefix]
+    for flags, said in (
+        (["--store-max-response-bytes", "10", "--store-max-key-bytes", "5"], "at most"),
+        (["--store-ttl", "-1"], "--store-ttl"),
+    ):
+        result = mlx_worker("gateway", *flags, *connection, timeout=15)
+        assert result.returncode == 2 and said in result.stderr, result.stderr
