@@ -8,7 +8,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from mlx_redis_gateway.response_store import ResponseStore, StoredResponse, StoreLimits
+from mlx_redis_gateway.response_store import (
+    PRUNE_BATCH,
+    ResponseStore,
+    StoredResponse,
+    StoreLimits,
+)
 from mlx_redis_protocol.connection import RedisClient, connect
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_worker.local_redis import LocalCluster
@@ -75,3 +80,37 @@ def test_a_record_without_item_ids_is_no_record() -> None:
         b"\xff",
     ):
         assert StoredResponse.decode(bad) is None, bad
+
+
+def test_expired_entries_are_forgotten_a_batch_a_store(redis_url: str, prefix: str) -> None:
+    """Entries whose time is past (here written so) leave the index and the total at the
+    next stores, at most ``PRUNE_BATCH`` a store."""
+    keys = Keys(prefix)
+    limits = StoreLimits(ttl_seconds=600)
+
+    async def main() -> None:
+        redis = await connect(redis_url)
+
+        @asynccontextmanager
+        async def slot() -> AsyncIterator[RedisClient]:
+            yield redis
+
+        store = ResponseStore(slot, keys, limits)
+        index, total = keys.stored_responses("carol"), keys.stored_responses_bytes("carol")
+        expired = {f"10/resp_old{n}": n + 1 for n in range(PRUNE_BATCH + 1)}
+        try:
+            await redis.zadd(index, expired)
+            await redis.set(total, 10 * len(expired))
+            first, second = stored("resp_a", "a"), stored("resp_b", "b")
+            assert await store.save("carol", first)
+            assert await redis.zcard(index) == 2  # one expired entry left, and the new one
+            assert int(await redis.get(total) or 0) == 10 + len(first.encode())
+            assert await store.save("carol", second)
+            assert sorted(await redis.zrange(index, 0, -1)) == sorted(
+                f"{len(each.encode())}/{each.response['id']}".encode() for each in (first, second)
+            )
+            assert int(await redis.get(total) or 0) == len(first.encode()) + len(second.encode())
+        finally:
+            await redis.aclose()
+
+    run(main())

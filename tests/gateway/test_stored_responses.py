@@ -116,6 +116,13 @@ def test_a_stored_response_is_retrieved_listed_and_deleted(client: openai.OpenAI
     assert [item.id for item in page] == ids[::-1]  # the SDK follows `after` to the end
     page = client.responses.input_items.list(response.id, limit=2, order="asc", after=ids[0])
     assert [item.id for item in page.data] == ids[1:3] and page.has_more
+    # `before` (the older API's): the page nearest it, in the list's order.
+    extra: Any = {"before": ids[3], "order": "asc", "limit": 2}
+    page = client.responses.input_items.list(response.id, extra_query=extra)
+    assert [item.id for item in page.data] == ids[1:3] and page.has_more
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.input_items.list(response.id, after="msg_nowhere")
+    assert caught.value.param == "after"
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.input_items.list(response.id, limit=101)
     assert caught.value.param == "limit"
@@ -294,6 +301,8 @@ def test_store_ttl_0_keeps_nothing_and_bad_bounds_stop_the_gateway_at_start(
     assert response.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(response.id)
+    events: Any = list(client.responses.create(input=STORY, stream=True, **GREEDY))
+    assert events[0].response.store is False and events[-1].response.store is False
     connection = ["--redis-url", fleet.redis_url, "--prefix", fleet.prefix]
     for flags, said in (
         (["--store-max-response-bytes", "10", "--store-max-key-bytes", "5"], "at most"),

@@ -247,6 +247,35 @@ def test_a_light_install_names_what_to_install_for_the_worker_verbs(
         ]
 
 
+def test_an_install_from_a_checkout_names_that_checkout_in_its_hints(tmp_path: Path) -> None:
+    """``pip install ./protocol`` records where it came from (PEP 610): the hints name that
+    checkout's paths, relative from its root, absolute from elsewhere."""
+    site = tmp_path / "site"
+    _run(
+        sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+        "--no-index", "--target", site, ROOT / "protocol",
+    )  # fmt: skip
+    hints = (
+        "from mlx_redis_protocol.install import install_command as hint;"
+        "print(hint('mlx-redis-gateway')); print(hint('mlx-redis-worker', 'vision'))"
+    )
+    for cwd, expected in [
+        (ROOT, ["pip install ./worker/gateway", "pip install '.[vision]'"]),
+        (tmp_path, [f"pip install {ROOT}/worker/gateway", f"pip install '{ROOT}[vision]'"]),
+    ]:
+        answer = subprocess.run(
+            [sys.executable, "-c", hints],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=clean_environment({"PYTHONPATH": str(site)}),
+            timeout=60,
+            check=False,
+        )
+        assert answer.returncode == 0, answer.stderr
+        assert answer.stdout.splitlines() == expected
+
+
 def test_the_producers_cli_submits_to_and_streams_from_a_real_worker(
     producer: Venv, served: WorkerProcess, redis_server: RedisServer, prefix: str
 ) -> None:

@@ -7,9 +7,9 @@ index ``mlxw:responses:{key_name}`` and total ``…:bytes``), so one script stor
 when the key's records would pass ``max_key_bytes``, drops its oldest first: a key cannot fill
 Redis, and a bound reached costs that key its oldest conversations, never a refusal. A record
 over ``max_response_bytes`` is not kept (its answer says ``store: false``). Each record expires
-on its own (its key's TTL); the index forgets expired ones at the next store. Records are
-JSON; one that does not decode as a record (anyone with write access to the prefix could
-write one) reads as missing.
+on its own (its key's TTL); the index forgets expired ones at the next stores
+(``PRUNE_BATCH`` a store). Records are JSON; one that does not decode as a record (anyone with
+write access to the prefix could write one) reads as missing.
 """
 
 from __future__ import annotations
@@ -59,21 +59,29 @@ class StoreLimits:
 DEFAULT_STORE_LIMITS: Final = StoreLimits()
 
 
+# Expired records a store forgets from its key's index at most (the rest at the next ones).
+PRUNE_BATCH: Final = 1000
+
 # KEYS[1] the key's index (zset: "SIZE/ID" -> expiry ms), KEYS[2] its total (bytes), KEYS[3]
 # the record's key. ARGV[1] the response id, ARGV[2] the record, ARGV[3] its TTL (ms), ARGV[4]
 # the key's bound (bytes), ARGV[5] what a record's key is + its id. Forgets expired records,
 # drops the oldest while the new one would not fit, stores it. Returns the records dropped.
-STORE: Final = """
+STORE: Final = f"""
+local PRUNE_BATCH = {PRUNE_BATCH}
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local total = tonumber(redis.call('GET', KEYS[2])) or 0
 local function size_of(member)
   return tonumber(string.match(member, '^(%d+)/')) or 0
 end
-for _, member in ipairs(redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE')) do
+-- At most PRUNE_BATCH a call: a key back after its thousands expired costs one call no more.
+local expired = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE', 'LIMIT', 0, PRUNE_BATCH)
+for _, member in ipairs(expired) do
   total = total - size_of(member)
 end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if #expired > 0 then
+  redis.call('ZREM', KEYS[1], unpack(expired))
+end
 local old = redis.call('GET', KEYS[3])
 if old then
   redis.call('ZREM', KEYS[1], #old .. '/' .. ARGV[1])

@@ -70,6 +70,8 @@ class ResponseRoutes:
         )
         self._check_storable(parsed, context)
         accepted, echoed = parsed.accepted, parsed.echoed
+        # Said from the first event on: a gateway that keeps nothing never claims it will.
+        echoed["store"] = parsed.store and gateway.settings.store.enabled
         await gateway.check_served(accepted.model)
         await gateway.check_media(accepted)
         request_id = accepted.request_id
@@ -165,19 +167,22 @@ class ResponseRoutes:
         return JSONResponse(stored.response)
 
     async def input_items(self, request: Request) -> Response:
-        """The response's input items, a page at a time (``limit``, ``order``, ``after``), in
-        OpenAI's list shape."""
+        """The response's input items, a page at a time (``limit``, ``order``, and ``after``
+        or ``before`` an item's id), in OpenAI's list shape."""
         key, response_id = self._named(request)
-        limit, descending, after = _page(request)
+        limit, descending = _page(request)
         async with self.gateway.reading(key, response_id):
             stored = await self._found(key, response_id)
         items = stored.input_items[::-1] if descending else stored.input_items
-        if after is not None:
-            at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
-            if at is None:
-                raise bad_request(f"no input item {after!r} in this response", param="after")
-            items = items[at + 1 :]
-        page = items[:limit]
+        query = request.query_params
+        if query.get("after") is not None:
+            items = items[_position(items, query["after"], "after") + 1 :]
+        if query.get("before") is not None:
+            # The page just before it: the ones nearest it.
+            items = items[: _position(items, query["before"], "before")][::-1]
+            page = items[:limit][::-1]
+        else:
+            page = items[:limit]
         return JSONResponse(
             {
                 "object": "list",
@@ -224,8 +229,8 @@ def _not_found(response_id: str) -> ApiError:
     return ApiError(404, f"Response with id {response_id!r} not found.", code="response_not_found")
 
 
-def _page(request: Request) -> tuple[int, bool, str | None]:
-    """``limit`` (1-100, 20), ``order`` (``desc`` by default, as OpenAI's) and ``after``."""
+def _page(request: Request) -> tuple[int, bool]:
+    """``limit`` (1-100, 20) and whether ``order`` is ``desc`` (the default, as OpenAI's)."""
     query = request.query_params
     raw = query.get("limit")
     try:
@@ -237,4 +242,12 @@ def _page(request: Request) -> tuple[int, bool, str | None]:
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request("order must be asc or desc", param="order")
-    return limit, order == "desc", query.get("after")
+    return limit, order == "desc"
+
+
+def _position(items: list[dict[str, Any]], item_id: str, param: str) -> int:
+    """Where the item ``after`` or ``before`` names is; a 400 naming the parameter if none."""
+    for at, item in enumerate(items):
+        if item["id"] == item_id:
+            return at
+    raise bad_request(f"no input item {item_id[:128]!r} in this response", param=param)
