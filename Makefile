@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := .stamps
+# Test files run in this many processes (pytest-xdist, one file to a process at a time);
+# TEST_WORKERS=0 runs them one after another in this process.
+TEST_WORKERS ?= 3
 
 .PHONY: demo test check lint typecheck bench setup models clean docs dist
 
@@ -11,7 +14,7 @@ demo: models
 
 test: models $(STAMP)/test-system
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -f docs/mkdocs.yml -d $(CURDIR)/site
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The documentation site (docs/), into site/.
 docs: $(STAMP)/venv

@@ -48,7 +48,7 @@ from mlx_redis_protocol.constants import (
     DEFAULT_REDIS_URL,
     JOB_FIELD,
 )
-from mlx_redis_protocol.control import send_command
+from mlx_redis_protocol.control import abort_marker, send_command
 from mlx_redis_protocol.embeddings import (
     EmbeddingCollector,
     EmbeddingInputs,
@@ -533,11 +533,14 @@ class Client:
         ``finish_reason="abort"``. Each reply's ``result`` is ``{"aborted": bool, "state":
         "running" | "queued" | "finished" | "elsewhere"}``, or an error ``not_found`` when the
         request is unknown (see protocol/README.md, Control commands). With ``model``, only
-        workers serving that model act on the broadcast (and answer); the marker works alike.
+        workers serving that model act on the broadcast (and answer), on that model's jobs
+        only; the marker (whose value names the model) works alike.
         """
         await self._retried(
             f"abort of {request_id!r} not recorded",
-            lambda redis: redis.set(self.keys.abort(request_id), b"1", ex=self.abort_ttl),
+            lambda redis: redis.set(
+                self.keys.abort(request_id), abort_marker(model), ex=self.abort_ttl
+            ),
         )
         return await self._command(
             "abort", None, timeout, request_id=request_id, model=model, required=False

@@ -360,6 +360,18 @@ async def exists_each(redis: RedisClient, keys: Sequence[str]) -> list[bool]:
     return [bool(reply) for reply in replies]
 
 
+async def get_each(redis: RedisClient, keys: Sequence[str]) -> list[bytes | None]:
+    """Each key's string value (None where it does not exist), in one round trip (one per
+    node on a Cluster)."""
+    if not keys:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.get(key)
+        replies: list[bytes | None] = await pipe.execute()
+    return replies
+
+
 def raise_if_cancelled() -> None:
     """Raise CancelledError if the current task was asked to cancel and is still running.
 

@@ -29,6 +29,26 @@ _BLOCK_MARGIN: Final = 0.25
 _REDIS_PY_SOCKET_TIMEOUT: Final = 5.0
 
 
+# The abort marker's value (rule 5): ANY_MODEL stops the request whatever its model; a model's
+# name stops it only in that model's workers (an abort that names a model), whose others ignore
+# it as they ignore the command.
+ANY_MODEL: Final = b"1"
+
+
+def abort_marker(model: str | None) -> bytes:
+    """The value of ``mlxw:abort:{id}`` for an abort naming ``model`` (None: any model)."""
+    return ANY_MODEL if model is None else model.encode()
+
+
+def marker_stops(value: bytes | None, model: str) -> bool:
+    """Whether an abort marker of this value (None: no marker) stops a job of ``model``. Any
+    value that is not a model's name, the empty one included, stops every model's job."""
+    if value is None:
+        return False
+    named = value.decode("utf-8", "replace")
+    return value == ANY_MODEL or named == model or not is_valid_id(named)
+
+
 async def send_command(
     redis: RedisClient,
     keys: Keys,

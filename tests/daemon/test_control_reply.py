@@ -19,7 +19,7 @@ from mlx_redis_worker.daemon.control import ControlListener
 from mlx_redis_worker.local_redis import RedisServer
 
 
-async def _nothing(_: Any) -> dict[str, Any]:
+async def _nothing(*_: Any) -> dict[str, Any]:
     return {}
 
 

@@ -132,6 +132,51 @@ def test_abort_running_and_queued_jobs(workers: WorkerFactory, redis_url: str, p
     run(main())
 
 
+@pytest.mark.timeout(120)
+def test_an_abort_naming_another_model_is_ignored_by_this_models_worker(
+    workers: WorkerFactory, redis_url: str, prefix: str
+) -> None:
+    """Its command and its marker (which names the model) alike: a job of this worker's model
+    runs to its end although an abort naming another model came first; an abort naming its own
+    model stops it before it starts."""
+    workers.start("w1", max_concurrency=1)
+
+    async def main() -> None:
+        async with Client(redis_url, prefix=prefix) as client:
+            # No worker serves "other": nobody answers, and the tiny worker does not act.
+            assert await client.abort("spared", model="other", timeout=1.0) == []
+            # The tiny worker does (the request is not queued yet: not_found), marker and all.
+            for request_id, model in (("stopped", "tiny"), ("stopped-too", None)):
+                (reply,) = await client.abort(request_id, model=model)
+                assert reply.error is not None and reply.error.code == "not_found", reply
+            ends: dict[str, DoneEvent] = {}
+            for request_id in ("spared", "stopped", "stopped-too"):
+                await client.submit("count", request_id=request_id, max_tokens=6, temperature=0)
+                events = await collect(client, request_id)
+                assert isinstance(events[-1], DoneEvent), events
+                ends[request_id] = events[-1]
+            assert ends["spared"].finish_reason == "length"
+            assert ends["spared"].usage.completion_tokens == 6
+            assert ends["stopped"].finish_reason == "abort"
+            assert ends["stopped-too"].finish_reason == "abort"
+
+            # A job waiting in the stream behind a running one: an abort naming its model is
+            # answered "elsewhere" (a worker cannot tell the model of a job it does not hold);
+            # the marker ends it once the worker takes it, before it runs.
+            running = await client.submit("a long story", max_tokens=2000, temperature=0.0)
+            await until(lambda: _has(client, running, 4), 30, "a few deltas of the long job")
+            queued = await client.submit("never runs", max_tokens=50, temperature=0.0)
+            replies = await client.abort(queued, model="tiny")
+            assert [r.result for r in replies] == [{"aborted": False, "state": "elsewhere"}]
+            replies = await client.abort(running, model="tiny")
+            assert [r.result for r in replies] == [{"aborted": True, "state": "running"}]
+            events = await collect(client, queued)
+            assert isinstance(events[-1], DoneEvent) and events[-1].finish_reason == "abort"
+            assert not [e for e in events if isinstance(e, DeltaEvent)]
+
+    run(main())
+
+
 async def _has(client: Client, request_id: str, deltas: int) -> bool:
     return await log_length(client, request_id) > deltas
 

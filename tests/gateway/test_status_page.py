@@ -166,7 +166,7 @@ def test_status_page_is_live_in_a_browser(
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.goto(f"{gateway.url}/")
     worker_row = f'tr.worker[data-worker-id="{fleet.worker.worker_id}"]'
-    page.wait_for_selector(worker_row, timeout=10_000)
+    page.wait_for_selector(worker_row, timeout=60_000)
     assert page.inner_text(f"{worker_row} .worker-id") == fleet.worker.worker_id
     assert page.get_attribute(f'{worker_row} .model[data-model="tiny"]', "data-max") == "8"
     # A reload would lose this: the updates below must come from the page's own script.
@@ -177,13 +177,13 @@ def test_status_page_is_live_in_a_browser(
     try:
         assert job.started_streaming.wait(30) and job.request_id, f"no stream: {job.error!r}"
         running = f'tr.running[data-request-id="{job.request_id}"]'
-        page.wait_for_selector(running, timeout=15_000)
+        page.wait_for_selector(running, timeout=60_000)
         first = _tokens(page, running)
         page.wait_for_function(
             "([row, seen]) => Number(document.querySelector(row + ' .tokens')?.dataset.tokens)"
             " > seen",
             arg=[running, first],
-            timeout=15_000,
+            timeout=60_000,
         )
         second = _tokens(page, running)
         assert second > first >= 0
@@ -191,7 +191,8 @@ def test_status_page_is_live_in_a_browser(
         assert job.error is None and job.is_alive(), f"the job ended early: {job.error!r}"
 
         screenshot = tmp_path / "status-page.png"
-        page.screenshot(path=str(screenshot), full_page=True)
+        # Chromium renders on a CPU the suite shares with other test processes.
+        page.screenshot(path=str(screenshot), full_page=True, timeout=120_000)
         print(f"status page screenshot: {screenshot}")
         data = screenshot.read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 20_000
@@ -212,9 +213,9 @@ def test_status_page_is_live_in_a_browser(
 
     # A failed refresh marks the page stale and the next good one clears it.
     page.route("**/status/fragment", lambda route: route.abort())
-    page.wait_for_selector('#status[data-stale="true"]', state="attached", timeout=10_000)
+    page.wait_for_selector('#status[data-stale="true"]', state="attached", timeout=60_000)
     page.unroute("**/status/fragment")
-    page.wait_for_selector('#status[data-stale="false"]', state="attached", timeout=10_000)
+    page.wait_for_selector('#status[data-stale="false"]', state="attached", timeout=60_000)
     assert page.evaluate("window.loadedOnce") is True
 
 

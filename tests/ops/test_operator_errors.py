@@ -161,6 +161,38 @@ def test_an_unusable_model_is_a_usage_error_for_every_command() -> None:
     assert line.startswith("mlx-worker bench: model 'tiyn' is not a fixture name"), line
 
 
+def test_a_redis_that_never_answers_at_start_ends_the_worker_with_status_75(
+    tmp_path: Path, prefix: str
+) -> None:
+    """Past redis_start_timeout the worker gives up with one line, for its service manager to
+    start it again; the model is never loaded."""
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    completed = mlx_worker(
+        "--log-format",
+        "json",
+        *run_args(url, prefix, tmp_path, "--model", "tiny", "--redis-start-timeout", "0.3"),
+    )
+    where = f"rc={completed.returncode} stderr={completed.stderr!r}"
+    assert completed.returncode == 75, where
+    assert "Traceback" not in completed.stderr, where
+    lines = completed.stderr.splitlines()
+    events = [json.loads(line)["event"] for line in lines if line.startswith("{")]
+    (said,) = [line for line in lines if not line.startswith("{")]
+    assert said.startswith(
+        f"mlx-worker: Redis at {url} did not answer within 0.3 s of the start (ConnectionError: "
+    ), said
+    assert said.endswith(
+        "; exiting for the service manager to start the worker again (redis_start_timeout)"
+    ), said
+    assert "redis_failing" in events and "model_loaded" not in events, events
+
+
+def test_redis_start_timeout_must_not_be_negative(tmp_path: Path, prefix: str) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    line = one_line(mlx_worker(*run_args(url, prefix, tmp_path, "--redis-start-timeout", "-1")), 2)
+    assert line == "mlx-worker run: bad settings: redis_start_timeout must be >= 0, got -1.0"
+
+
 @pytest.mark.timeout(90)
 def test_sigterm_while_waiting_for_an_unreachable_redis_exits_0(
     tmp_path: Path, prefix: str

@@ -56,6 +56,7 @@ INVALID_JOBS = [
     ("trailing bytes", job() + b"\x00", "malformed"),
     ("extension type", msgpack.packb({"v": 1, "x": msgpack.ExtType(5, b"ab")}), "malformed"),
     ("no version", msgpack.packb({"request_id": "r1", "prompt": "hi"}), "missing_field"),
+    ("version nil", job(v=None), "missing_field"),  # nil counts as absent
     ("version 2", job(v=2), "unsupported_version"),
     ("version as str", job(v="1"), "unsupported_version"),
     ("version as bool", job(v=True), "unsupported_version"),

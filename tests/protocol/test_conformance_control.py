@@ -134,6 +134,7 @@ def _no_id(reply_to: str, token: str) -> bytes:
 
 # name -> (command bytes for (reply_to, id), the decoder's code, whether the reply echoes the id)
 BAD: dict[str, tuple[Callable[[str, str], bytes], str, bool]] = {
+    "v nil": (lambda to, i: pack(_command(to, i, v=None)), "missing_field", True),
     "v 2": (lambda to, i: pack(_command(to, i, v=2)), "unsupported_version", True),
     'v "1"': (lambda to, i: pack(_command(to, i, v="1")), "unsupported_version", True),
     "no v": (

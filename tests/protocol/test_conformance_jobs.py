@@ -42,6 +42,7 @@ def _duplicate_request_id(rid: str) -> bytes:
 # name -> (job bytes for a request id, the decoder's code)
 REJECTED: dict[str, tuple[Callable[[str], bytes], str]] = {
     "no v": (lambda rid: pack({"request_id": rid, "prompt": "hi"}), "missing_field"),
+    "v nil": (lambda rid: pack({"v": None, "request_id": rid, "prompt": "hi"}), "missing_field"),
     "v 2": (lambda rid: pack({"v": 2, "request_id": rid, "prompt": "hi"}), "unsupported_version"),
     'v "1"': (
         lambda rid: pack({"v": "1", "request_id": rid, "prompt": "hi"}),

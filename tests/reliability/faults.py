@@ -67,7 +67,7 @@ LONG: dict[str, dict[str, Any]] = {
 # The short profiles of `make test` (tests/reliability/test_faults.py).
 SHORT: dict[str, dict[str, Any]] = {
     "cluster": {"jobs": 60, "max_tokens": 10},
-    "cluster-failover": {"jobs": 48, "max_tokens": 10},
+    "cluster-failover": {"jobs": 96, "max_tokens": 10},
     "sentinel": {"jobs": 60, "max_tokens": 10},
     "stall": {"jobs": 60, "max_tokens": 10, "stalls": 2},
     "oom": {"jobs": 60, "max_tokens": 10, "invalid": 8},

@@ -29,8 +29,8 @@ from tests.support.processes import WORKER_COMMAND
 
 
 def run_cluster_failover(config: FaultConfig, cluster: LocalCluster | None = None) -> DriverResult:
-    """Kill the job stream's master once a third of the requests ended, a log's master once
-    two thirds did; see the module docstring for what must hold."""
+    """Kill the job stream's master once a quarter of the requests ended, a log's master once
+    half did; see the module docstring for what must hold."""
     directory = config.workdir()
     with started(cluster, LocalCluster, replicas=1) as cluster:
         # Workers, Client, CLI and the final checks all use a replica's URL: a node that
@@ -43,23 +43,31 @@ def run_cluster_failover(config: FaultConfig, cluster: LocalCluster | None = Non
         reference = (prompt, stage.references[prompt])
 
         async def failovers(client: Client, progress: Progress) -> dict[str, Any]:
+            # Both targets, and both `mlx-worker stream` followers, are chosen and started
+            # before the first kill: a CLI's start is seconds of imports on a loaded machine,
+            # and the requests would all end meanwhile. The second target is a log on another
+            # shard than the job stream's (that shard has no replica left after its kill).
+            owners = await asyncio.to_thread(cluster.slot_owners)
+            stream_master = _owner(owners, client.keys.jobs)
+            on_stream_master = [
+                r for r in rids if _owner(owners, client.keys.log(r)) == stream_master
+            ]
+            elsewhere = [r for r in rids if _owner(owners, client.keys.log(r)) != stream_master]
+            # The last requests queued are the likeliest still to be running at a kill.
+            targets = [
+                ("job stream", client.keys.jobs, on_stream_master[-1]),
+                ("log", client.keys.log(elsewhere[-1]), elsewhere[-1]),
+            ]
+            followers = await asyncio.gather(*(_follow(url, config, rid) for _, _, rid in targets))
             kills: list[dict[str, Any]] = []
             endings: list[asyncio.Task[dict[str, Any]]] = []
-            for index, what in enumerate(("job stream", "log")):
-                await progress.until_ended(progress.followed * (index + 1) // 3)
-                owners = await asyncio.to_thread(cluster.slot_owners)
-                if what == "job stream":
-                    target = _owner(owners, client.keys.jobs)
-                    followed = [r for r in rids if _owner(owners, client.keys.log(r)) == target]
-                else:  # a running request's log, on a shard that still has its replica
-                    spared = {kill["new_port"] for kill in kills}
-                    followed = [r for r in rids if _owner(owners, client.keys.log(r)) not in spared]
-                # The last requests queued are the likeliest still to be running.
-                rid = followed[-1]
-                key = client.keys.jobs if what == "job stream" else client.keys.log(rid)
+            for index, ((what, key, _), follower) in enumerate(
+                zip(targets, followers, strict=True)
+            ):
+                await progress.until_ended(progress.followed * (index + 1) // 4)
                 done_at_kill = len(progress.ended)
                 kill, ending = await _kill_and_follow(
-                    cluster, url, client, config, key, rid, what, reference
+                    cluster, client, config, key, follower, what, reference
                 )
                 kills.append({**kill, "done_at_kill": done_at_kill})
                 endings.append(asyncio.create_task(ending))
@@ -103,19 +111,12 @@ def _owner(owners: dict[int, int], key: str) -> int:
     return owners[key_slot(key.encode())]
 
 
-async def _kill_and_follow(
-    cluster: LocalCluster,
-    url: str,
-    client: Client,
-    config: FaultConfig,
-    key: str,
-    rid: str,
-    what: str,
-    reference: tuple[str, str],
-) -> tuple[dict[str, Any], Coroutine[Any, Any, dict[str, Any]]]:
-    """SIGKILL ``key``'s master while an ``mlx-worker stream`` process follows ``rid`` (whose
-    log lives there), wait for the promotion, then submit through the same Client. Returns
-    the figures so far, and what waits for the submitted job's and the CLI's ends."""
+Follower = tuple[asyncio.subprocess.Process, bytes]
+
+
+async def _follow(url: str, config: FaultConfig, rid: str) -> Follower:
+    """An ``mlx-worker stream`` process following ``rid``, once it follows (its first line:
+    the queued marker), not while it starts and connects."""
     cli = await asyncio.create_subprocess_exec(
         *WORKER_COMMAND,
         "stream",
@@ -131,9 +132,23 @@ async def _kill_and_follow(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    # Killed once the CLI follows (its first line: the queued marker), not while it connects.
     assert cli.stdout is not None
-    first_line = await asyncio.wait_for(cli.stdout.readline(), 30)
+    return cli, await asyncio.wait_for(cli.stdout.readline(), 60)
+
+
+async def _kill_and_follow(
+    cluster: LocalCluster,
+    client: Client,
+    config: FaultConfig,
+    key: str,
+    follower: Follower,
+    what: str,
+    reference: tuple[str, str],
+) -> tuple[dict[str, Any], Coroutine[Any, Any, dict[str, Any]]]:
+    """SIGKILL ``key``'s master while ``follower`` follows a request, wait for the promotion,
+    then submit through the same Client. Returns the figures so far, and what waits for the
+    submitted job's and the CLI's ends."""
+    cli, first_line = follower
     old_port = await asyncio.to_thread(cluster.kill_primary, key)
     killed_at = time.monotonic()
     new_port = await asyncio.to_thread(cluster.wait_promoted, key, old_port, 60.0)

@@ -126,9 +126,9 @@ def test_out_of_memory_is_waited_out_and_logged_per_burst(tmp_path: Path) -> Non
 
 @pytest.mark.timeout(180)
 def test_evicting_redis_is_refused_at_start(tmp_path: Path) -> None:
-    """allkeys-lru and volatile-lru: `mlx-worker run` exits 2 within seconds with one stderr
-    line naming the policy and --allow-eviction; with --allow-eviction it serves; on
-    noeviction it starts."""
+    """allkeys-lru and volatile-lru: `mlx-worker run` exits 2 before loading its model, with
+    one stderr line naming the policy and --allow-eviction; with --allow-eviction it serves;
+    on noeviction it starts."""
     result = _run("eviction", tmp_path)
     assert result.problems == [], result.problems[:20]
     _assert_every_job_ended_once(result)
@@ -136,6 +136,8 @@ def test_evicting_redis_is_refused_at_start(tmp_path: Path) -> None:
     for policy, found in values["refusals"].items():
         assert found["rc"] == 2, (policy, found)
         assert found["stderr_lines"] == 1, (policy, found)
-        assert found["seconds"] < 15, (policy, found)
+        # Refused before the model loads; the bound is generous for a loaded machine's
+        # interpreter start, and far below what serving or waiting forever would take.
+        assert found["seconds"] < 60, (policy, found)
     assert values["allowed_warnings"] == 1
     assert values["noeviction_rc"] == 0

@@ -166,6 +166,26 @@ def _add_bench_commands(commands: Any) -> None:
     keyspace.add_argument("--repeat", type=int, default=3, help="rotations of both servers")
     keyspace.set_defaults(func=_lazy("mlx_redis_worker.bench.keyspace_bench", "run_keyspace_bench"))
 
+    fleet = benches.add_parser(
+        "fleet",
+        help="N simulated workers (the real daemon over an engine stand-in) on one Redis "
+        "server or a local Cluster: tokens/s, Redis CPU per token, latencies, control plane",
+    )
+    fleet.add_argument("--workers", default="10", help="fleet sizes, comma-separated")
+    fleet.add_argument("--hosts", type=int, default=2, help="processes the workers run in")
+    fleet.add_argument("--topology", default="server,cluster", help="server, cluster or both")
+    fleet.add_argument("--masters", default="3", help="Cluster masters, comma-separated")
+    fleet.add_argument("--max-concurrency", type=int, default=8, help="each worker's batch")
+    fleet.add_argument("--step-ms", type=float, default=50.0, help="the stand-in's step time")
+    fleet.add_argument("--requests", type=int, default=200)
+    fleet.add_argument("--max-tokens", type=int, default=16, help="tokens per request")
+    fleet.add_argument("--rate", type=float, default=50.0, help="submits per second (0: at once)")
+    fleet.add_argument(
+        "--idle-seconds", type=float, default=5.0, help="idle fleet's Redis CPU sampled this long"
+    )
+    fleet.add_argument("--no-gateway", action="store_true", help="skip /v1/models, /status.json")
+    fleet.set_defaults(func=_lazy("mlx_redis_worker.bench.fleet_bench", "run_fleet_bench"))
+
     gateway = benches.add_parser(
         "gateway", help="OpenAI gateway vs the protocol client: tok/s and TTFT, same run"
     )
@@ -374,6 +394,11 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
         "TLS, or redis+sentinel://host:port[,host:port…]/service_name[/db]",
     ),
     "redis_topology": (str, "auto | standalone | cluster: what a redis:// URL names"),
+    "redis_start_timeout": (
+        float,
+        "seconds to wait at start for Redis to answer, then exit with status 75 for the "
+        "service manager to restart the worker (default 60; 0: wait forever)",
+    ),
     "allow_eviction": (bool, "run although Redis may evict keys (maxmemory-policy)"),
     "redis_url_file": (
         str,

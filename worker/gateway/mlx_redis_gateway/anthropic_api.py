@@ -25,7 +25,7 @@ from typing import Any, Final
 
 from mlx_redis_gateway.errors import ApiError, bad_request
 from mlx_redis_gateway.openai_api import CompletionRequest, parse_request
-from mlx_redis_protocol.codec_tools import MAX_TOOLS
+from mlx_redis_gateway.request_counts import DEFAULT_COUNTS, RequestCounts, check_messages
 from mlx_redis_protocol.identifiers import new_request_id
 from mlx_redis_protocol.limits import Limits
 
@@ -52,13 +52,19 @@ _PARAMS: Final = (
 
 
 def parse_messages_request(
-    body: object, *, limits: Limits, user_key: str | None = None, count_only: bool = False
+    body: object,
+    *,
+    limits: Limits,
+    user_key: str | None = None,
+    count_only: bool = False,
+    counts: RequestCounts = DEFAULT_COUNTS,
 ) -> CompletionRequest:
     """The chat job a Messages body stands for, under a ``msg_`` id, its answer shaped as a
     message; ``count_only``: a ``count_tokens`` body (no ``max_tokens``), whose job only
-    counts its prompt."""
+    counts its prompt; ``counts``: how many messages, blocks and tools it may hold."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    check_messages(body, counts)
     for name, message in _UNSUPPORTED.items():
         if body.get(name) not in (None, [], {}):
             raise bad_request(message, param=name)
@@ -78,7 +84,7 @@ def parse_messages_request(
     chat |= _tool_fields(body)
     chat |= _output_fields(body)
     try:
-        accepted = parse_request("chat", chat, limits=limits, user_key=user_key)
+        accepted = parse_request("chat", chat, limits=limits, user_key=user_key, counts=counts)
     except ApiError as error:
         raise _in_anthropic_terms(error, origins) from error
     if count_only and accepted.job.has_media():
@@ -165,8 +171,6 @@ def _tools(value: object) -> list[dict[str, Any]]:
     server tools (``web_search_…``, ``bash_…`` …) are refused."""
     if not isinstance(value, list):
         raise bad_request("tools: must be an array", param="tools")
-    if len(value) > MAX_TOOLS:
-        raise bad_request(f"tools: at most {MAX_TOOLS} tools", param="tools")
     tools = []
     for index, tool in enumerate(value):
         param = f"tools.{index}"
@@ -233,10 +237,6 @@ def _turns(body: Mapping[str, Any], limits: Limits) -> tuple[list[dict[str, Any]
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages: must be a non-empty array", param="messages")
-    if len(messages) > limits.max_messages:
-        raise bad_request(
-            f"messages: at most {limits.max_messages} messages", "messages", "limit_exceeded"
-        )
     for index, message in enumerate(messages):
         param = f"messages.{index}"
         role = message.get("role") if isinstance(message, dict) else None

@@ -5,7 +5,9 @@ load balancer, and a client that lost its stream resumes it on any of them with
 ``GET /v1/requests/{id}/stream`` and ``Last-Event-ID``.
 
 This module puts the app together: the routes (``routes/``: ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``POST /v1/responses``, ``POST /v1/embeddings``, Anthropic's
+``POST /v1/completions``, ``POST /v1/responses`` (and its stored responses: ``GET`` and
+``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``),
+``POST /v1/embeddings``, Anthropic's
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /v1/requests/{id}``, ``GET /v1/requests/{id}/stream``,
 ``GET /health``, and the status
@@ -56,10 +58,14 @@ def build_app(settings: GatewaySettings) -> Starlette:
     models = ModelRoutes(gateway)
     requests = RequestRoutes(gateway)
     messages = MessageRoutes(gateway)
+    responses = ResponseRoutes(gateway)
     routes = [
         Route("/v1/chat/completions", completions.chat, methods=["POST"]),
         Route("/v1/completions", completions.text, methods=["POST"]),
-        Route("/v1/responses", ResponseRoutes(gateway).create, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
         Route("/v1/messages", messages.create, methods=["POST"]),
         Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/v1/embeddings", EmbeddingRoutes(gateway).create, methods=["POST"]),
@@ -85,7 +91,9 @@ def build_app(settings: GatewaySettings) -> Starlette:
     app = Starlette(
         routes=routes,
         middleware=[
-            Middleware(RequestLimits, limits=settings.http),
+            Middleware(
+                RequestLimits, limits=settings.http, on_body_refused=gateway.charge_refused_body
+            ),
             Middleware(BrowserGuard, allowed_hosts=settings.checked_hosts()),
         ],
         exception_handlers=handlers,

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from mlx_redis_gateway.api_keys import ApiKey, KeyFile
 from mlx_redis_gateway.errors import ApiError
+from mlx_redis_gateway.http_limits import KEYED
 
 # A browser that gets this challenge asks for a user name and password itself, and sends them
 # again with the page's own refreshes: the operator types the key as the password.
@@ -43,6 +44,7 @@ class Authenticator:
         if key is None:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         structlog.contextvars.bind_contextvars(api_key=key.name)
+        request.scope[KEYED] = True
         return key
 
     def operator(self, request: Request) -> None:

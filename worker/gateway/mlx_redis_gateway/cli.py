@@ -66,6 +66,7 @@ def add_gateway_commands(commands: Any) -> None:
     )
     gateway.add_argument("--no-status-page", action="store_true", help="serve no status page")
     _add_http_limits(gateway)
+    _add_request_counts(gateway)
     gateway.add_argument(
         "--allowed-host",
         action="append",
@@ -90,6 +91,7 @@ def add_gateway_commands(commands: Any) -> None:
     gateway.add_argument(
         "--media-fetch-timeout", type=float, default=10.0, help="seconds an image URL may take"
     )
+    _add_store_limits(gateway)
     gateway.set_defaults(func=run_gateway)
 
     api_key = commands.add_parser("api-key", help="manage the gateway's API keys")
@@ -116,6 +118,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     from mlx_redis_gateway.app import GatewaySettings, build_app
     from mlx_redis_gateway.http_limits import HttpLimits
     from mlx_redis_gateway.permissions import check_gateway_permissions
+    from mlx_redis_gateway.request_counts import RequestCounts
+    from mlx_redis_gateway.response_store import StoreLimits
     from mlx_redis_gateway.server import serve
     from mlx_redis_protocol.connection import REFUSED, redact
     from mlx_redis_protocol.keys import Keys
@@ -136,6 +140,8 @@ def run_gateway(args: argparse.Namespace) -> int:
             header_timeout=args.header_timeout,
             body_timeout=args.body_timeout,
             max_connections=args.max_connections,
+            max_connections_per_address=args.max_connections_per_address,
+            anonymous_keep_alive=args.anonymous_keep_alive,
             max_requests_per_connection=args.max_requests_per_connection,
             cooldown_after_refusals=args.cooldown_after_refusals,
             cooldown_seconds=args.cooldown_seconds,
@@ -153,10 +159,21 @@ def run_gateway(args: argparse.Namespace) -> int:
             status_page=not args.no_status_page,
             quota_lease_seconds=args.quota_lease_seconds,
             http=http,
+            counts=RequestCounts(
+                max_messages=args.max_messages,
+                max_parts=args.max_content_parts,
+                max_tools=args.max_tools,
+                max_input_items=args.max_input_items,
+            ),
             allowed_hosts=tuple(args.allowed_host or ()),
             media_fetch_hosts=tuple(args.media_fetch_host or ()),
             media_fetch_networks=tuple(args.media_fetch_network or ()),
             media_fetch_timeout=args.media_fetch_timeout,
+            store=StoreLimits(
+                ttl_seconds=args.store_ttl,
+                max_response_bytes=args.store_max_response_bytes,
+                max_key_bytes=args.store_max_key_bytes,
+            ),
         )
     except ValueError as exc:
         return _fail(str(exc))
@@ -179,6 +196,33 @@ def run_gateway(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     serve(app, host, port, settings.http)
     return 0
+
+
+def _add_store_limits(gateway: argparse.ArgumentParser) -> None:
+    from mlx_redis_gateway.response_store import DEFAULT_STORE_LIMITS as default
+
+    gateway.add_argument(
+        "--store-ttl",
+        type=int,
+        default=default.ttl_seconds,
+        help="seconds the Responses API keeps a stored response (store: true) for "
+        f"previous_response_id and GET /v1/responses/{{id}} (default {default.ttl_seconds}, "
+        "30 days; 0: keep none)",
+    )
+    gateway.add_argument(
+        "--store-max-response-bytes",
+        type=int,
+        default=default.max_response_bytes,
+        help="the most one stored response may take, its conversation included (default "
+        f"{default.max_response_bytes}); a conversation over it is a 400 with store: true",
+    )
+    gateway.add_argument(
+        "--store-max-key-bytes",
+        type=int,
+        default=default.max_key_bytes,
+        help="the most one API key's stored responses may take together (default "
+        f"{default.max_key_bytes}); past it the key's oldest are dropped",
+    )
 
 
 def _add_http_limits(gateway: argparse.ArgumentParser) -> None:
@@ -225,6 +269,21 @@ def _add_http_limits(gateway: argparse.ArgumentParser) -> None:
         "descriptor limit less 512, at most 10000)",
     )
     gateway.add_argument(
+        "--max-connections-per-address",
+        type=int,
+        default=limits.max_connections_per_address,
+        help="connections one client address (an IPv6 /64) holds at once; one more is reset "
+        "at accept (0: no bound, behind a reverse proxy; "
+        f"default {limits.max_connections_per_address})",
+    )
+    gateway.add_argument(
+        "--anonymous-keep-alive",
+        type=float,
+        default=limits.anonymous_keep_alive,
+        help="seconds an idle keep-alive connection is kept when its last request had no "
+        f"valid API key (with one: 75; default {limits.anonymous_keep_alive:g})",
+    )
+    gateway.add_argument(
         "--max-requests-per-connection",
         type=int,
         default=limits.max_requests_per_connection,
@@ -253,6 +312,28 @@ def _add_http_limits(gateway: argparse.ArgumentParser) -> None:
         help="connections of a cooling address held open at once; more are reset at accept "
         f"(default {limits.max_held_per_address})",
     )
+
+
+def _add_request_counts(gateway: argparse.ArgumentParser) -> None:
+    from mlx_redis_gateway.request_counts import DEFAULT_COUNTS as counts
+
+    for flag, default, what in (
+        ("--max-messages", counts.max_messages, "messages of a request"),
+        (
+            "--max-content-parts",
+            counts.max_parts,
+            "content parts (blocks) of one message, input item or tool result",
+        ),
+        ("--max-tools", counts.max_tools, "tools of a request"),
+        ("--max-input-items", counts.max_input_items, "items of a Responses input"),
+    ):
+        gateway.add_argument(
+            flag,
+            type=int,
+            default=default,
+            help=f"most {what}; more is a 400 before the request is read further "
+            f"(default {default})",
+        )
 
 
 def run_add_key(args: argparse.Namespace) -> int:

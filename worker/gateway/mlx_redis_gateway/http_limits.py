@@ -40,8 +40,8 @@ import socket
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Final
 
@@ -50,7 +50,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from mlx_redis_gateway.address_cooldown import AddressCooldowns
+from mlx_redis_gateway.connection_table import ConnectionTable, address_group
 from mlx_redis_gateway.errors import ApiError
+from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
 
 log = structlog.get_logger(__name__)
 
@@ -64,6 +66,20 @@ RESERVED_DESCRIPTORS: Final = 512
 REFUSAL_LOG_SECONDS: Final = 1.0
 
 
+# What a job's bytes may become in a JSON body: a client that escapes non-ASCII text
+# (Python's json and the SDKs built on it write a CJK character's 3 bytes as 6) doubles it.
+JSON_EXPANSION: Final = 2
+# A body's bytes that are no job's: field names, sampling settings, JSON's punctuation.
+BODY_FRAMING: Final = 64 * _KIB
+
+
+def body_limit(limits: Limits) -> int:
+    """The largest body that could carry a job within ``limits``: a larger one is refused
+    from its ``content-length``, before a byte of it is read (a 3.9 MiB body read whole,
+    parsed and then refused by the job's limit cost the gateway a core at 80 a second)."""
+    return JSON_EXPANSION * limits.max_message_bytes + BODY_FRAMING
+
+
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
     """Bounds on what one HTTP client can make the gateway hold or parse."""
@@ -71,9 +87,8 @@ class HttpLimits:
     # The request line and all headers together (nginx: 4 buffers of 8 KiB).
     max_header_bytes: int = 32 * _KIB
     max_headers: int = 100
-    # A request's body; a job cannot exceed 1 MiB of msgpack, and JSON spends more bytes on
-    # the same content (escapes), so 4 MiB refuses nothing that could become a job.
-    max_body_bytes: int = 4 * _MIB
+    # A request's body: what a job may hold, and JSON's framing of it (``body_limit``).
+    max_body_bytes: int = field(default_factory=lambda: body_limit(DEFAULT_LIMITS))
     # Nesting of a JSON body (a response_format schema nests at most 32 levels of schema).
     max_json_depth: int = 128
     # Seconds from a connection's opening (or a request's first byte) to its whole head.
@@ -84,6 +99,13 @@ class HttpLimits:
     body_timeout: float = 30.0
     # Connections open at once; None: derived from the file-descriptor limit.
     max_connections: int | None = None
+    # Connections one client address (an IPv6 /64) holds at once; 0: no bound (behind a
+    # reverse proxy, which has one address). An SDK's pool opens tens; 256 leaves room for a
+    # NAT of several.
+    max_connections_per_address: int = 256
+    # Seconds an idle keep-alive connection is kept when its last request had no valid API
+    # key (those with one keep uvicorn's 75 s, longer than a load balancer's idle timeout).
+    anonymous_keep_alive: float = 5.0
     max_requests_per_connection: int = 1000
     # An address refused for size (431, 413) this many times within ``cooldown_seconds``
     # cools down for ``cooldown_seconds`` (0: never). A client that hits a size limit by
@@ -104,6 +126,15 @@ class HttpLimits:
             raise ValueError(f"--body-timeout must be positive, got {self.body_timeout}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
+        if self.max_connections_per_address < 0:
+            raise ValueError(
+                "--max-connections-per-address must be 0 or more, "
+                f"got {self.max_connections_per_address}"
+            )
+        if self.anonymous_keep_alive <= 0:
+            raise ValueError(
+                f"--anonymous-keep-alive must be positive, got {self.anonymous_keep_alive}"
+            )
         if self.cooldown_after_refusals < 0:
             raise ValueError(
                 f"--cooldown-after-refusals must be 0 or more, got {self.cooldown_after_refusals}"
@@ -128,6 +159,12 @@ class HttpLimits:
         if soft == resource.RLIM_INFINITY:
             return 10_000
         return max(64, min(10_000, soft - RESERVED_DESCRIPTORS))
+
+    def room_from(self) -> int:
+        """Open connections past which each new one closes an idle one for room: the cap
+        less its last sixteenth (at least 16 connections, at most half the cap)."""
+        cap = self.connection_cap()
+        return cap - min(max(16, cap // 16), cap // 2)
 
 
 DEFAULT_HTTP_LIMITS: Final = HttpLimits()
@@ -164,11 +201,20 @@ _SIZE_REFUSALS: Final = frozenset({"headers_too_large", "body_too_large"})
 # headers, a chunked body past the limit): the connection's protocol counts it toward the
 # address's cool-down once the answer is sent, as it does its own refusals.
 SIZE_REFUSED: Final = "mlxw.size_refused"
+# Set in a request's ASGI scope by the guard when its ``content-length`` is over the limit and
+# it carries a key: RequestLimits refuses it (charging the key) without reading its body.
+BODY_OVER_LIMIT: Final = "mlxw.body_over_limit"
+# The headers a key may come in (``auth``): a request without one is refused at its head.
+_KEY_HEADERS: Final = frozenset({b"authorization", b"x-api-key"})
+# Set in a request's ASGI scope when a valid API key authenticated it: its connection keeps
+# the long keep-alive timer.
+KEYED: Final = "mlxw.keyed"
 
 
 def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol class with ``limits``' connection guards."""
     cap = limits.connection_cap()
+    room_from = limits.room_from()
     cooldowns = AddressCooldowns(
         limits.cooldown_after_refusals, limits.cooldown_seconds, limits.max_held_per_address
     )
@@ -187,9 +233,23 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
         # that resets it when the cool-down ends.
         _held_for: str | None = None
         _hold_timer: asyncio.TimerHandle | None = None
+        # The address group this connection is counted under in the table (None: not counted).
+        _group: str | None = None
+        # Whether its last request had a valid key: it keeps its slot longer (closed for room
+        # only when no idle connection without one is found).
+        _keyed = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            if self.client is not None:
+                group = address_group(self.client[0])
+                if not table.add(group, self):
+                    _refusals.note("too_many_connections_from_address")
+                    self._reset()
+                    return
+                self._group = group
+            if len(self.connections) > room_from:
+                self._make_room()
             if len(self.connections) > cap:
                 self._refuse(
                     503,
@@ -204,6 +264,32 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
                     self._turn_away(self.client[0], cooling)
                     return
             self._arm_head_timer()
+
+        def _make_room(self) -> None:
+            """Close the connection the table picks (an idle one of the address holding the
+            most), so the newcomer does not find the gateway full."""
+            victim = table.victim(
+                lambda other: other is not self and not other._keyed and other._closable()
+            ) or table.victim(lambda other: other is not self and other._closable())
+            if victim is None:
+                return
+            _refusals.note("closed_for_room")
+            victim._forget()
+            # Out of the count now: the transport reports the loss only on a later turn.
+            self.connections.discard(victim)
+            victim.transport.close()
+
+        def _closable(self) -> bool:
+            """Whether closing this connection loses no answer: it serves no request whose
+            head is whole (it is idle, or still sending a head)."""
+            if self.transport.is_closing():
+                return False
+            return self.cycle is None or (self.cycle.response_complete and not self.pipeline)
+
+        def _forget(self) -> None:
+            if self._group is not None:
+                table.remove(self._group, self)
+                self._group = None
 
         def _turn_away(self, address: str, cooling: float) -> None:
             """A connection from a cooling address: a 429, then held unread until the
@@ -238,6 +324,7 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_head_timer()
+            self._forget()
             if self._held_for is not None:
                 cooldowns.release(self._held_for)
                 self._held_for = None
@@ -298,6 +385,13 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
                 # (Behind a pipelined request still being answered, the body is refused as
                 # it is read instead, so that answer is not cut.)
                 self._body_refused = True
+                if any(name in _KEY_HEADERS for name, _ in self.headers):
+                    # A key pays for its refusals (RequestLimits charges it, then answers):
+                    # the body is still never read.
+                    self.flow.pause_reading()
+                    self.scope[BODY_OVER_LIMIT] = True  # type: ignore[typeddict-unknown-key]
+                    super().on_headers_complete()
+                    return
                 refusal = body_too_large(limits.max_body_bytes)
                 path = self.url.decode("latin-1").partition("?")[0]
                 self._refuse(413, refusal.message, refusal.type, "body_too_large", path)
@@ -343,7 +437,15 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
             scope = getattr(self, "scope", None)
             if scope is not None and scope.get(SIZE_REFUSED) and self.client is not None:
                 cooldowns.refused(self.client[0])
+            self._keyed = bool(scope and scope.get(KEYED))
             super().on_response_complete()
+            if self.timeout_keep_alive_task is not None and not self._keyed:
+                # No key: idle sockets cost a client nothing to keep, so they are not kept
+                # long (the table closes them for room sooner still).
+                self.timeout_keep_alive_task.cancel()
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    limits.anonymous_keep_alive, self.timeout_keep_alive_handler
+                )
 
         def _refuse(self, status: int, message: str, kind: str, code: str, path: str = "") -> None:
             _refusals.note(code)
@@ -360,6 +462,9 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
             self.transport.write(head.encode() + body)
             self.transport.close()
 
+    table: ConnectionTable[GuardedHttpToolsProtocol] = ConnectionTable(
+        limits.max_connections_per_address
+    )
     return GuardedHttpToolsProtocol
 
 
@@ -378,11 +483,25 @@ def body_too_large(limit: int) -> ApiError:
 
 
 class RequestLimits:
-    """ASGI middleware: header count and body size, checked before a route runs."""
+    """ASGI middleware: header count and body size, checked before a route runs. A body
+    refused for its size is first passed to ``on_body_refused`` (the gateway charges the
+    request's key for it)."""
 
-    def __init__(self, app: ASGIApp, limits: HttpLimits = DEFAULT_HTTP_LIMITS) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        limits: HttpLimits = DEFAULT_HTTP_LIMITS,
+        on_body_refused: Callable[[Scope], Awaitable[None]] | None = None,
+    ) -> None:
         self.app = app
         self.limits = limits
+        self.on_body_refused = on_body_refused
+
+    async def _body_refused(self, scope: Scope) -> ApiError:
+        scope[SIZE_REFUSED] = True
+        if self.on_body_refused is not None:
+            await self.on_body_refused(scope)
+        return body_too_large(self.limits.max_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -401,6 +520,9 @@ class RequestLimits:
                 ),
             )
             return
+        if scope.get(BODY_OVER_LIMIT):
+            await _send_error(send, scope["path"], await self._body_refused(scope))
+            return
         deadline = asyncio.get_running_loop().time() + self.limits.body_timeout
         received, body_done, refused = 0, False, False
 
@@ -418,8 +540,7 @@ class RequestLimits:
                 received += len(message.get("body", b""))
                 if received > self.limits.max_body_bytes:
                     refused = True
-                    scope[SIZE_REFUSED] = True
-                    raise body_too_large(self.limits.max_body_bytes)
+                    raise await self._body_refused(scope)
                 body_done = not message.get("more_body", False)
             return message
 

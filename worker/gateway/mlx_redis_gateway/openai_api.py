@@ -19,6 +19,7 @@ from typing import Any, Final, Literal
 from mlx_redis_gateway.errors import ApiError, bad_request
 from mlx_redis_gateway.fanout import ChoiceJob
 from mlx_redis_gateway.media_parts import IMAGE_PART_TYPES, ChatImages, staged_images
+from mlx_redis_gateway.request_counts import DEFAULT_COUNTS, RequestCounts, check_chat
 from mlx_redis_gateway.shaping import Kind as AnswerKind
 from mlx_redis_protocol.client import build_job
 from mlx_redis_protocol.codec_job import MAX_SEED
@@ -107,14 +108,22 @@ class _ParamError(ProtocolError):
 
 
 def parse_request(
-    kind: Kind, body: object, *, limits: Limits, user_key: str | None = None
+    kind: Kind,
+    body: object,
+    *,
+    limits: Limits,
+    user_key: str | None = None,
+    counts: RequestCounts = DEFAULT_COUNTS,
 ) -> CompletionRequest:
     """The request in a decoded JSON ``body``; ApiError (400) when it cannot be honoured.
 
     ``user_key``: the API key's name, recorded in the job's metadata with OpenAI's ``user``.
+    ``counts``: how many messages, parts and tools it may hold (checked before all else).
     """
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    if kind == "chat":
+        check_chat(body, counts)
     try:
         return _parse(kind, body, limits, user_key)
     except _ParamError as exc:

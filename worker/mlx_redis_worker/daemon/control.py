@@ -76,11 +76,12 @@ class ControlListener:
         cache_dir: Path,
         reply_ttl: int,
         limits: Limits,
-        abort_job: Callable[[str], Awaitable[dict[str, Any]]],
+        abort_job: Callable[[str, str | None], Awaitable[dict[str, Any]]],
         stats: Callable[[str | None], Awaitable[dict[str, Any]]],
     ) -> None:
-        """``engines``: the worker's, by model name; ``abort_job`` runs the abort command (the
-        worker knows where a request is: running, in its backlog, or only in the stream);
+        """``engines``: the worker's, by model name; ``abort_job`` runs the abort command for a
+        request id and the command's model (the worker knows where a request is: running, in
+        its backlog, or only in the stream);
         ``stats`` gives the stats reply (of one model, or of all for None)."""
         self.redis = redis
         self.hub = hub
@@ -187,7 +188,7 @@ class ControlListener:
         if kind == "abort":
             if not command.request_id:
                 raise CommandRefused("missing_field", "abort needs request_id")
-            return await self.abort_job(command.request_id)
+            return await self.abort_job(command.request_id, command.model)
         if kind == "stats":
             return await self.stats(command.model)
         if kind == "cache_save":

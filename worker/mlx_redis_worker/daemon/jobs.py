@@ -17,8 +17,9 @@ import structlog
 from structlog.contextvars import bound_contextvars
 
 from mlx_redis_protocol.codec_job import decode_job
-from mlx_redis_protocol.connection import RedisClient
+from mlx_redis_protocol.connection import RedisClient, get_each
 from mlx_redis_protocol.constants import DEFAULT_IDEMPOTENCY_SECONDS
+from mlx_redis_protocol.control import marker_stops
 from mlx_redis_protocol.errors import ProtocolError
 from mlx_redis_protocol.identifiers import stream_id_time
 from mlx_redis_protocol.keys import Keys
@@ -113,6 +114,10 @@ class JobRunner:
         self.default_speculative = default_speculative
         self.media = media  # None: a worker that reads no media (jobs with any are refused)
         self.in_flight: dict[str, str] = {}  # request_id -> entry id
+        # The engine's answer to the first abort of each running request (its marker's or its
+        # command's): a second abort shares it, rather than hear from the engine that the
+        # request it is stopping is no longer there.
+        self.aborting: dict[str, asyncio.Future[bool]] = {}
         # Duplicates: entries of requests that another entry's run owns (BEGIN_ATTEMPT said
         # DUPLICATE). They hold no slot; their leases are kept, and once the owner's run ends
         # (``unpark``) they run again through ``run``, which acknowledges them.
@@ -190,7 +195,10 @@ class JobRunner:
                 f"{self.keys.jobs}",
             )
         rid = job.request_id
-        if await retry_until_done(lambda: self.redis.exists(self.keys.abort(rid)), "abort check"):
+        (marker,) = await retry_until_done(
+            lambda: get_each(self.redis, [self.keys.abort(rid)]), "abort check"
+        )
+        if marker_stops(marker, self.model):
             return EarlyEnd("aborted_before_start", finish_reason="abort")
         if job.is_expired(time.time()):
             return EarlyEnd("expired", finish_reason="expired")
@@ -296,6 +304,7 @@ class JobRunner:
             return False
         finally:
             self.in_flight.pop(rid, None)
+            self.aborting.pop(rid, None)
         return True
 
     def running(self, request_id: str) -> bool:
@@ -305,7 +314,12 @@ class JobRunner:
         """Abort a job running here; its stream ends with ``done(abort)``."""
         if request_id not in self.in_flight:
             return False
-        return await self.engine.abort_request(request_id)
+        first = self.aborting.get(request_id)
+        if first is None:
+            first = asyncio.ensure_future(self.engine.abort_request(request_id))
+            self.aborting[request_id] = first
+        # False: it ended before the abort reached the engine.
+        return await asyncio.shield(first)
 
     async def end_waiting(self, request_id: str) -> str:
         """End with ``done(abort)`` a request that waits: no worker has begun it (its job is in

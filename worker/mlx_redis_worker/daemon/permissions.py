@@ -91,7 +91,14 @@ def fair_share_probes(redis: RedisClient, keys: Keys, model: str) -> list[Probe]
         Probe("ZREMRANGEBYSCORE", needed, queue, lambda: redis.zremrangebyscore(queue, 0, -1)),
         Probe("HGET", needed, queue, lambda: redis.hget(queue, "probe")),
         Probe("HGETALL", "read tenant weights", queue, lambda: redis.hgetall(queue)),
-        Probe("HKEYS", "copy tenant weights", queue, lambda: redis.hkeys(queue)),
+        Probe("HLEN", "copy tenant weights", queue, lambda: redis.hlen(queue)),
+        Probe("TYPE", "repair fair-share keys of another type", queue, lambda: redis.type(queue)),
+        Probe(
+            "ZREMRANGEBYRANK",
+            "forget idle tenants",
+            queue,
+            lambda: redis.zremrangebyrank(queue, 1, 0),
+        ),
         Probe("HDEL", "copy tenant weights", queue, lambda: redis.hdel(queue, "probe")),
         Probe("HSET", "copy tenant weights", queue, undone(lambda pipe: pipe.hset(queue, "p", 1))),
         Probe(
@@ -116,12 +123,13 @@ def probes(
     key table's pattern of the probe's key (``Keys.pattern_of``), so it says which line of an
     ACL is missing."""
     token = f"permission-probe-{secrets.token_hex(6)}"
-    log_key, attempt, finished, abort, beat, activity, reply = (
+    log_key, attempt, finished, abort, beat, claim, activity, reply = (
         keys.log(token),
         keys.attempt(token),
         keys.finished(token),
         keys.abort(token),
         keys.worker(token),
+        keys.claim(token),
         keys.activity(token),
         keys.reply(token),
     )
@@ -155,10 +163,10 @@ def probes(
             lambda: redis.set(finished, b"", xx=True, ex=60),
         ),
         Probe(
-            "EXISTS",
-            "check abort markers",
+            "GET",
+            "read abort markers",
             abort,
-            lambda: redis.exists(abort),
+            lambda: redis.get(abort),
         ),
         Probe(
             "SET",
@@ -185,6 +193,12 @@ def probes(
             lambda: redis.delete(beat),
         ),
         *_registry_probes(redis, keys, token),
+        Probe(
+            "SET",
+            "claim the worker id (its script: GET, SET, DEL)",
+            claim,
+            lambda: redis.set(claim, b"", xx=True, px=1000),
+        ),
         Probe(
             "SET",
             "write the activity key (status page)",

@@ -14,9 +14,10 @@ from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.logs import one_line, tell_operator
 from mlx_redis_protocol.permissions import MissingPermission
 from mlx_redis_protocol.redis_retry import REDIS_FAILURES, REDIS_REFUSED, describe
+from mlx_redis_worker.daemon.claim import EXIT_ID_HELD, WorkerIdHeld
 from mlx_redis_worker.daemon.eviction import EvictingRedis
 from mlx_redis_worker.daemon.settings import WorkerSettings
-from mlx_redis_worker.daemon.worker import Worker
+from mlx_redis_worker.daemon.worker import RedisNeverAnswered, Worker
 from mlx_redis_worker.models import ModelUnavailable
 
 log = structlog.get_logger(__name__)
@@ -25,12 +26,17 @@ log = structlog.get_logger(__name__)
 # worker").
 EXIT_USAGE = 2  # settings, model, or a Redis that refuses us or would evict our keys
 EXIT_FORCED = 130  # a second SIGTERM/SIGINT while stopping
+# Redis never answered at start (redis_start_timeout): sysexits' EX_TEMPFAIL, "try again later",
+# which service managers restart as any failure.
+EXIT_REDIS_NEVER_ANSWERED = 75
 
 
 def serve(settings: WorkerSettings, *, debug: bool = False) -> int:
     """Run the worker until SIGTERM/SIGINT; a second signal exits at once. Exit statuses:
     0 a clean stop (also one requested before serving), 2 a configuration the worker cannot
-    serve with (one line on stderr; the traceback too with ``debug``), 130 a second signal.
+    serve with (one line on stderr; the traceback too with ``debug``), 3 its worker id held
+    by a live worker (one line naming it), 75 a Redis that did not answer within
+    ``redis_start_timeout`` of the start (one line too), 130 a second signal.
     Anything unexpected propagates: ``mlx-worker`` turns it into one line and status 1."""
 
     async def main() -> int:
@@ -59,6 +65,12 @@ def serve(settings: WorkerSettings, *, debug: bool = False) -> int:
         )
     except (EvictingRedis, UnsupportedRedis, MissingPermission, ModelUnavailable) as exc:
         return _refused(one_line(exc), exc, debug)
+    except WorkerIdHeld as exc:
+        tell_operator(f"mlx-worker: {one_line(exc)}", exc, debug=debug)
+        return EXIT_ID_HELD
+    except RedisNeverAnswered as exc:
+        tell_operator(f"mlx-worker: {one_line(exc)}", exc, debug=debug)
+        return EXIT_REDIS_NEVER_ANSWERED
 
 
 def _refused(line: str, exc: BaseException, debug: bool) -> int:

@@ -26,8 +26,9 @@ import structlog
 from redis.exceptions import OutOfMemoryError
 
 from mlx_redis_protocol.activity import Activity
-from mlx_redis_protocol.connection import RedisClient, exists_each
+from mlx_redis_protocol.connection import RedisClient, get_each
 from mlx_redis_protocol.constants import DEFAULT_ABORT_TTL_SECONDS
+from mlx_redis_protocol.control import abort_marker, marker_stops
 from mlx_redis_protocol.heartbeat import Heartbeat
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.redis_retry import (
@@ -39,6 +40,7 @@ from mlx_redis_protocol.redis_retry import (
 from mlx_redis_protocol.registry import register_worker, unregister_worker
 from mlx_redis_protocol.sd_notify import Notifier
 from mlx_redis_protocol.supervisor import supervise
+from mlx_redis_worker.daemon.claim import EXIT_ID_HELD, WorkerClaim, WorkerIdHeld
 from mlx_redis_worker.daemon.control import CommandRefused, ControlListener
 from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
 from mlx_redis_worker.daemon.job_queue import JobQueue
@@ -70,9 +72,11 @@ class Serving:
         metrics: Metrics | None,
         stop: asyncio.Event,
         started_at: float,
+        claim: WorkerClaim,
     ) -> None:
         """``lanes``: one per model, the default model's first when it is served here;
-        ``stop``: set to stop serving."""
+        ``stop``: set to stop serving; ``claim``: this worker's on its id, renewed with the
+        heartbeat."""
         self.settings = settings
         self.redis = redis
         self.keys = keys
@@ -83,6 +87,10 @@ class Serving:
         self.notifier = Notifier()
         self._stop = stop
         self.started_at = started_at
+        self.claim = claim
+        # Set when another worker took this one's id (its claim expired during an outage):
+        # the heartbeat, registry member and consumers under the id are that worker's now.
+        self.id_lost_to: str | None = None
         # Supervised tasks down now (failed, waiting to restart): see ``supervise``.
         self.down: set[str] = set()
 
@@ -161,6 +169,8 @@ class Serving:
         await _cancel(readers)
         await self._drain()
         await _cancel(background)
+        if self.id_lost_to is not None:
+            return EXIT_ID_HELD
         await self._leave()
         return 0
 
@@ -193,15 +203,25 @@ class Serving:
 
     # -- aborts ------------------------------------------------------------------------------
 
-    async def abort(self, request_id: str) -> dict[str, Any]:
-        """The abort command: stop the request wherever it is, as far as this worker can."""
+    async def abort(self, request_id: str, model: str | None = None) -> dict[str, Any]:
+        """The abort command: stop the request wherever it is, as far as this worker can; with
+        ``model``, only where that model's jobs are (the caller serves it)."""
         # The marker a producer sets (rule 5), so the command alone is enough.
-        await self.redis.set(self.keys.abort(request_id), b"1", ex=DEFAULT_ABORT_TTL_SECONDS)
-        for lane in self.lanes:
+        await self.redis.set(
+            self.keys.abort(request_id), abort_marker(model), ex=DEFAULT_ABORT_TTL_SECONDS
+        )
+        lanes = [lane for lane in self.lanes if model in (None, lane.name)]
+        for lane in lanes:
             if (here := await lane.abort_here(request_id)) is not None:
                 return here
         if not await self.redis.exists(self.keys.log(request_id)):
             raise CommandRefused("not_found", f"request {request_id!r} is unknown or expired")
+        if model is not None:
+            # Where a request waits says nothing of its model: ending it there could end
+            # another model's job. The marker, which names the model, ends it when one of the
+            # model's workers takes it; another model's workers let it run.
+            finished = await self.redis.exists(self.keys.finished(request_id))
+            return {"aborted": False, "state": "finished" if finished else "elsewhere"}
         state = await self.lanes[0].runner.end_waiting(request_id)
         return {"aborted": state == "queued", "state": state}
 
@@ -211,9 +231,9 @@ class Serving:
         ``ABORT_POLL_SECONDS``. Also catches a command that arrived while the job was between
         its start checks and the engine. One round trip for all of them."""
         running = [(lane, rid) for lane in self.lanes for rid in lane.runner.in_flight]
-        marked = await exists_each(self.redis, [self.keys.abort(rid) for _, rid in running])
-        for (lane, request_id), is_marked in zip(running, marked, strict=True):
-            if is_marked and await lane.runner.abort(request_id):
+        markers = await get_each(self.redis, [self.keys.abort(rid) for _, rid in running])
+        for (lane, request_id), marker in zip(running, markers, strict=True):
+            if marker_stops(marker, lane.name) and await lane.runner.abort(request_id):
                 log.info("job_aborted_by_marker", request_id=request_id)
 
     # -- periodic ----------------------------------------------------------------------------
@@ -269,6 +289,15 @@ class Serving:
         )
 
     async def _heartbeat(self) -> None:
+        try:
+            await self.claim.renew()
+        except WorkerIdHeld as exc:
+            # Two live workers under one id must not both serve: this one stops (its jobs
+            # are left to their leases) and touches nothing of the id on its way out.
+            log.error("worker_id_lost", error=str(exc))
+            self.id_lost_to = str(exc)
+            self._stop.set()
+            return
         key, ttl_ms = (
             self.keys.worker(self.settings.worker_id),
             int(self.settings.heartbeat_ttl * 1000),
@@ -284,9 +313,11 @@ class Serving:
         # After the key, so a reader that finds the member finds the heartbeat. A full Redis
         # refuses it too, and then prunes nobody: the member written last time stays.
         with contextlib.suppress(OutOfMemoryError):
-            await register_worker(
+            replaced = await register_worker(
                 self.redis, self.keys, self.settings.worker_id, ttl_ms, list(beat.models)
             )
+            for key in replaced:
+                log.warning("registry_key_repaired", key=key, found="a key of another type")
 
     def activity(self) -> Activity:
         history = self.publisher.token_history

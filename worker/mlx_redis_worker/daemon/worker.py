@@ -1,7 +1,8 @@
 """The worker daemon: from a process start to serving, and back to a clean stop.
 
 Redis first (a wrong password, a missing permission or an evicting Redis fails before a model
-load that can take minutes; an unreachable Redis is waited for, until a stop request), then the
+load that can take minutes; an unreachable Redis is waited for, up to ``redis_start_timeout`` or
+a stop request, whichever comes first), then the
 models, each with its engine (on its own thread), then the collaborators, wired here and
 nowhere else, and ``Serving`` runs until told to stop.
 """
@@ -9,8 +10,9 @@ nowhere else, and ``Serving`` runs until told to stop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -21,7 +23,8 @@ from mlx_redis_protocol.connection import RedisClient, connect, redact
 from mlx_redis_protocol.keys import JobStream, Keys
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
 from mlx_redis_protocol.permissions import redis_user
-from mlx_redis_protocol.redis_retry import retry_until_done
+from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe, retry_until_done
+from mlx_redis_worker.daemon.claim import WorkerClaim
 from mlx_redis_worker.daemon.control import ControlListener
 from mlx_redis_worker.daemon.eviction import check_eviction_policy
 from mlx_redis_worker.daemon.fair_queue import FairQueue
@@ -57,6 +60,11 @@ T = TypeVar("T")
 BACKLOG_READ_LIMIT = 100_000
 
 
+class RedisNeverAnswered(Exception):
+    """Redis did not answer (or kept failing) for ``redis_start_timeout`` seconds at start: the
+    worker exits for its supervisor to start it again, rather than wait unseen forever."""
+
+
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     """A model to serve: a text model (``model``, ``tokenizer``) or an embedding model
@@ -90,31 +98,55 @@ class Worker:
         settings: WorkerSettings,
         *,
         model_and_tokenizer: tuple[Any, Any] | None = None,
+        engines: Mapping[str, AnyEngine] | None = None,
         on_ready: Callable[[], None] | None = None,
     ) -> None:
         """``model_and_tokenizer``: an already loaded model, served as the settings' first
-        (else every model of ``settings.model`` is loaded); ``on_ready`` is called once the
-        worker serves (``ready`` is set too)."""
+        (else every model of ``settings.model`` is loaded); ``engines``: engines made
+        already, by the name of the model each serves (a simulated fleet's stand-ins, see
+        bench/fleet_engine.py), served instead of loading anything; ``on_ready`` is called
+        once the worker serves (``ready`` is set too)."""
         self.settings = settings
         self.keys = Keys(settings.prefix)
         self._model_and_tokenizer = model_and_tokenizer
+        self._given_engines = engines
         self._on_ready = on_ready
         self._stop = asyncio.Event()
         self.started_at = time.time()
         self.ready = asyncio.Event()
         # Every lane's jobs decode their images and videos here (tenants take turns).
         self.media_pool = MediaPool(settings.media_threads)
+        # The latest failure of a Redis call at start, for the line RedisNeverAnswered says.
+        self._start_failure: BaseException | None = None
 
     def request_stop(self) -> None:
         self._stop.set()
 
     async def run(self) -> int:
         settings = self.settings
-        redis = await self._unless_stopped(retry_until_done(self._connect, "connect"))
+        # One deadline for everything asked of Redis before serving; outages after the start
+        # are ridden through (retried with backoff) however long they last.
+        deadline = (
+            asyncio.get_running_loop().time() + settings.redis_start_timeout
+            if settings.redis_start_timeout > 0
+            else None
+        )
+        redis = await self._unless_stopped(
+            self._in_time(
+                deadline,
+                retry_until_done(self._connect, "connect", on_failure=self._start_failed),
+            )
+        )
         if redis is None:
             log.info("worker_stopped_before_serving", waiting_for="redis")
             return 0
         hub = ChannelHub(redis)
+        claim = WorkerClaim(
+            redis=redis,
+            keys=self.keys,
+            worker_id=settings.worker_id,
+            ttl_ms=int(settings.heartbeat_ttl * 1000),
+        )
         forwarding = self._queue(redis, self.keys.default_stream)
         queues = {
             m.name: self._queue(redis, self.keys.model_stream(m.name)) for m in settings.models
@@ -122,43 +154,58 @@ class Worker:
         engines: dict[str, AnyEngine] = {}
         try:
             if not await self._unless_stopped(
-                self._check_redis(redis, [forwarding, *queues.values()])
+                self._in_time(
+                    deadline, self._check_redis(redis, [forwarding, *queues.values()], claim)
+                )
             ):
                 log.info("worker_stopped_before_serving", waiting_for="redis")
                 return 0
-            scheduler = scheduler_config(
-                max_concurrency=settings.max_concurrency,
-                limits=DEFAULT_LIMITS,
-                grammar_limits=settings.grammar_limits,
-            )
-            draft = self._draft_model()
-            for served in self._loaded_models():
-                if self._stop.is_set():
-                    log.info("worker_stopped_before_serving", waiting_for="model")
-                    return 0
-                if served.embedding is not None:
-                    engines[served.name] = EmbeddingEngineCore(
-                        served.embedding,
-                        EngineConfig(model_name=served.source, scheduler_config=scheduler),
-                        EmbeddingLimits(max_waiting_requests=scheduler.max_waiting_requests),
-                    )
-                    continue
-                if draft is not None:
-                    try:
-                        check_draft_model(served.model, served.tokenizer, draft)
-                    except ValueError as exc:
-                        raise ModelUnavailable(f"model {served.name!r}: {exc}") from exc
-                engines[served.name] = EngineCore(
-                    served.model,
-                    served.tokenizer,
-                    EngineConfig(model_name=served.source, scheduler_config=scheduler, draft=draft),
-                )
-            return await self._serve(redis, hub, forwarding, queues, engines)
+            if self._given_engines is not None:
+                engines.update(self._given_engines)
+            elif not self._load_engines(engines):
+                log.info("worker_stopped_before_serving", waiting_for="model")
+                return 0
+            return await self._serve(redis, hub, forwarding, queues, engines, claim)
         finally:
             for engine in engines.values():
                 engine.close()
+            # Only while it is ours: a worker refused for a held id leaves the holder's alone.
+            with contextlib.suppress(*REDIS_FAILURES):
+                await claim.release()
             await hub.aclose()
             await redis.aclose()
+
+    def _load_engines(self, engines: dict[str, AnyEngine]) -> bool:
+        """Load each model into ``engines`` (an engine each); False when a stop request came
+        first (what was made is in ``engines``, for the caller to close)."""
+        settings = self.settings
+        scheduler = scheduler_config(
+            max_concurrency=settings.max_concurrency,
+            limits=DEFAULT_LIMITS,
+            grammar_limits=settings.grammar_limits,
+        )
+        draft = self._draft_model()
+        for served in self._loaded_models():
+            if self._stop.is_set():
+                return False
+            if served.embedding is not None:
+                engines[served.name] = EmbeddingEngineCore(
+                    served.embedding,
+                    EngineConfig(model_name=served.source, scheduler_config=scheduler),
+                    EmbeddingLimits(max_waiting_requests=scheduler.max_waiting_requests),
+                )
+                continue
+            if draft is not None:
+                try:
+                    check_draft_model(served.model, served.tokenizer, draft)
+                except ValueError as exc:
+                    raise ModelUnavailable(f"model {served.name!r}: {exc}") from exc
+            engines[served.name] = EngineCore(
+                served.model,
+                served.tokenizer,
+                EngineConfig(model_name=served.source, scheduler_config=scheduler, draft=draft),
+            )
+        return True
 
     def _queue(self, redis: RedisClient, stream: JobStream) -> JobQueue:
         settings = self.settings
@@ -212,15 +259,39 @@ class Worker:
                 await asyncio.wait((task,))
         return None if task.cancelled() else task.result()
 
-    async def _check_redis(self, redis: RedisClient, queues: list[JobQueue]) -> bool:
+    async def _in_time(self, deadline: float | None, step: Awaitable[T]) -> T:
+        """The start step's result, or RedisNeverAnswered once the start deadline passes."""
+        try:
+            async with asyncio.timeout_at(deadline) as timer:
+                return await step
+        except TimeoutError as exc:
+            if not timer.expired():  # a TimeoutError of the step's own: not the deadline
+                raise
+            last = self._start_failure
+            raise RedisNeverAnswered(
+                f"Redis at {redact(self.settings.redis_url)} did not answer within "
+                f"{self.settings.redis_start_timeout:g} s of the start"
+                + (f" ({describe(last)})" if last is not None else "")
+                + "; exiting for the service manager to start the worker again "
+                "(redis_start_timeout)"
+            ) from exc
+
+    async def _start_failed(self, exc: Exception) -> None:
+        self._start_failure = exc
+
+    async def _check_redis(
+        self, redis: RedisClient, queues: list[JobQueue], claim: WorkerClaim
+    ) -> bool:
         """Everything the worker needs from Redis, before it loads the model: a policy that
-        keeps its keys, every command it will send, and the consumer group."""
+        keeps its keys, every command it will send, its worker id (WorkerIdHeld while a live
+        worker holds it) and the consumer group."""
         settings = self.settings
         await retry_until_done(
             lambda: check_eviction_policy(
                 redis, redact(settings.redis_url), allow=settings.allow_eviction
             ),
             "check maxmemory-policy",
+            on_failure=self._start_failed,
         )
         await retry_until_done(
             lambda: check_permissions(
@@ -233,9 +304,15 @@ class Worker:
                 models=[served.name for served in settings.models],
             ),
             "check permissions",
+            on_failure=self._start_failed,
         )
+        await retry_until_done(claim.acquire, "claim the worker id", on_failure=self._start_failed)
         for queue in queues:
-            await retry_until_done(queue.ensure_group, f"create the group of {queue.stream.stream}")
+            await retry_until_done(
+                queue.ensure_group,
+                f"create the group of {queue.stream.stream}",
+                on_failure=self._start_failed,
+            )
         return True
 
     async def _connect(self) -> RedisClient:
@@ -257,9 +334,13 @@ class Worker:
         forwarding: JobQueue,
         queues: dict[str, JobQueue],
         engines: dict[str, AnyEngine],
+        claim: WorkerClaim,
     ) -> int:
         """Wire the collaborators around the engines and serve until stopped."""
         settings = self.settings
+        # Again, before the lanes take this id's pending jobs: a model load can outlast the
+        # claim's TTL, and another worker may have started under the id meanwhile.
+        await retry_until_done(claim.acquire, "claim the worker id")
         metrics = Metrics(settings.metrics_port) if settings.metrics_port is not None else None
         publisher = EventPublisher(
             redis=redis,
@@ -272,7 +353,8 @@ class Worker:
         names = sorted(engines, key=lambda name: name != default)
         try:
             lanes: list[ModelLane] = []
-            # What fair share charges a tenant: the tokens its jobs generated, whichever lane's.
+            # What fair share charges a tenant: its jobs' service (prompt tokens computed and
+            # tokens generated), whichever lane's.
             publisher.on_closed = lambda request_id, tokens: self._closed(lanes, request_id, tokens)
             for name in names:
                 engine, queue = engines[name], queues[name]
@@ -299,6 +381,7 @@ class Worker:
                 metrics=metrics,
                 stop=self._stop,
                 started_at=self.started_at,
+                claim=claim,
             )
             control = ControlListener(
                 redis=redis,

@@ -49,6 +49,7 @@ class CompletionRoutes:
             await gateway.json_body(request),
             limits=gateway.settings.limits,
             user_key=key.name if key is not None else None,
+            counts=gateway.settings.counts,
         )
         await gateway.check_served(accepted.model)
         await gateway.check_media(accepted)

@@ -78,6 +78,7 @@ class MessageRoutes:
             limits=gateway.settings.limits,
             user_key=key.name if key is not None else None,
             count_only=count_only,
+            counts=gateway.settings.counts,
         )
         await gateway.check_served(accepted.model)
         await gateway.check_media(accepted)

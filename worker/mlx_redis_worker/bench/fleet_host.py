@@ -1,0 +1,116 @@
+"""One process of a simulated fleet: many workers, each the real daemon over a stand-in engine.
+
+``python -m mlx_redis_worker.bench.fleet_host SPEC_JSON`` runs ``count`` workers (ids
+``{id_prefix}{first..first+count-1}``) on one event loop, each a ``Worker`` with its own Redis
+connections, consumer, reclaimer, heartbeat, registry entry, publisher and control listener,
+over a ``SimulatedEngine``. It prints ``ready N`` once all serve (``failed ...`` if one stops
+before), and stops them all on SIGTERM, each as a worker stops (drain, leave, release its id).
+Lanes, not processes, because a process per worker costs a Python interpreter each (about
+100 MB and a second of CPU to start): a thousand would not fit a small machine, while the
+daemon's work per worker is Redis I/O that one event loop interleaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from dataclasses import asdict, dataclass
+
+from mlx_redis_protocol.limits import DEFAULT_LIMITS
+from mlx_redis_protocol.logs import configure_logging
+from mlx_redis_worker.bench.fleet_engine import SimulatedEngine
+from mlx_redis_worker.daemon.settings import WorkerSettings
+from mlx_redis_worker.daemon.worker import Worker, scheduler_config
+
+
+@dataclass(frozen=True, slots=True)
+class HostSpec:
+    redis_url: str
+    topology: str  # "standalone" | "cluster"
+    prefix: str
+    model: str
+    id_prefix: str
+    first: int
+    count: int
+    max_concurrency: int
+    step_seconds: float
+    epoch: float
+    heartbeat_interval: float = 5.0
+    activity_interval: float = 1.0
+    reclaim_interval: float = 10.0
+    lease_seconds: float = 60.0
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def worker_settings(spec: HostSpec, index: int) -> WorkerSettings:
+    return WorkerSettings(
+        model=spec.model,
+        redis_url=spec.redis_url,
+        redis_topology=spec.topology,
+        prefix=spec.prefix,
+        worker_id=f"{spec.id_prefix}{index:05d}",
+        max_concurrency=spec.max_concurrency,
+        heartbeat_interval=spec.heartbeat_interval,
+        heartbeat_ttl=3 * spec.heartbeat_interval,
+        activity_interval=spec.activity_interval,
+        reclaim_interval=spec.reclaim_interval,
+        lease_seconds=spec.lease_seconds,
+        drain_timeout=5.0,
+        log_format="json",
+        log_level="WARNING",
+    )
+
+
+def simulated_worker(spec: HostSpec, index: int) -> Worker:
+    settings = worker_settings(spec, index)
+    engine = SimulatedEngine(
+        step_seconds=spec.step_seconds,
+        scheduler_config=scheduler_config(
+            max_concurrency=spec.max_concurrency, limits=DEFAULT_LIMITS
+        ),
+        epoch=spec.epoch,
+        model_name=spec.model,
+    )
+    return Worker(settings, engines={settings.default_model_name: engine})
+
+
+async def run_host(spec: HostSpec) -> int:
+    workers = [simulated_worker(spec, spec.first + i) for i in range(spec.count)]
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    runs = [asyncio.create_task(worker.run()) for worker in workers]
+    ready = asyncio.gather(*(worker.ready.wait() for worker in workers))
+    first_end = asyncio.ensure_future(asyncio.wait(runs, return_when=asyncio.FIRST_COMPLETED))
+    await asyncio.wait((ready, first_end), return_when=asyncio.FIRST_COMPLETED)
+    if ready.done():
+        print(f"ready {len(workers)}", flush=True)
+    else:
+        ended = [task for task in runs if task.done()]
+        failure = ended[0].exception() if ended and not ended[0].cancelled() else None
+        print(f"failed {type(failure).__name__}: {failure}", flush=True)
+        stop.set()
+    await stop.wait()
+    for worker in workers:
+        worker.request_stop()
+    results = await asyncio.gather(*runs, return_exceptions=True)
+    ready.cancel()
+    first_end.cancel()
+    failed = [r for r in results if isinstance(r, BaseException) or r != 0]
+    print(f"stopped {len(results) - len(failed)} failed {len(failed)}", flush=True)
+    return 0 if not failed else 1
+
+
+def main() -> int:
+    spec = HostSpec(**json.loads(sys.argv[1]))
+    configure_logging("json", "WARNING")
+    return asyncio.run(run_host(spec))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
