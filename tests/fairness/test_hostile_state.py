@@ -258,3 +258,24 @@ def test_tenant_weight_ignored_is_logged_once_per_change(redis_url: str, prefix:
         assert [e["event"] for e in logs].count("tenant_weights_unreadable") == 1
 
     run(redis_url, prefix, scenario)
+
+
+def test_shares_read_keys_of_another_type_as_empty(redis_url: str, prefix: str) -> None:
+    """`models`, `stats` and the metrics read the same keys: a stray SET on them (before the
+    next pick repairs it) shows nothing there instead of failing the whole view."""
+
+    async def scenario(fleet: Fleet) -> None:
+        keys = fleet.keys.fair("m")
+        fair = fleet.fair("w1")
+        await fleet.add("r0", "t0")
+        await fleet.add("r1", "t1")
+        await fair.pick(0, now_ms=fleet.clock_ms)
+        await fleet.client.delete(keys.queue("t0"))
+        await fleet.client.set(keys.queue("t0"), "x")
+        shares = {s["tenant"]: s["queued"] for s in await fair.shares()}
+        assert shares == {"t0": 0, "t1": 1}
+        await fleet.client.delete(keys.backlogged)
+        await fleet.client.set(keys.backlogged, "x")
+        assert await fair.shares() == []
+
+    run(redis_url, prefix, scenario)
