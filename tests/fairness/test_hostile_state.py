@@ -304,3 +304,22 @@ def test_one_sweep_files_a_long_lost_list_again(redis_url: str, prefix: str) -> 
         assert sorted(served) == sorted(f"r{i}" for i in range(700))
 
     run(redis_url, prefix, scenario)
+
+
+def test_a_newcomers_clock_far_ahead_is_reset(redis_url: str, prefix: str) -> None:
+    """`fresh` written far ahead (a finite number, yet no backlog of newcomers explains it)
+    would make every new tenant wait behind the known ones for good: the start tag it gives
+    a newcomer is out of range, and reset to virtual time."""
+
+    async def scenario(fleet: Fleet) -> None:
+        keys = fleet.keys.fair("m")
+        fair = fleet.fair("w1")
+        await fleet.add("k0", "known", max_tokens=8)
+        assert await serve(fleet, fair, picks=1) == ["k0"]
+        await fleet.client.hset(keys.state, "fresh", "1e14")
+        for i in range(10):
+            await fleet.add(f"k{i + 1}", "known", max_tokens=8)
+        await fleet.add("n0", "new", max_tokens=8)
+        assert "n0" in await serve(fleet, fair, picks=3)
+
+    run(redis_url, prefix, scenario)
