@@ -17,6 +17,7 @@ from typing import Any, Final, TextIO
 
 import redis.exceptions
 
+from mlx_redis_protocol.catalogue import live_worker_ids
 from mlx_redis_protocol.cli_embed import add_embed_command, embed_job, run_embed
 from mlx_redis_protocol.cli_group import add_group_command, run_group
 from mlx_redis_protocol.cli_models import add_models_command, run_models
@@ -321,7 +322,7 @@ async def _submit(
     """``blobs``: the job's big media files, stored just before it is queued. Ctrl-C while
     it is queued or followed aborts the job (``--detach``: leaves it running); the command
     then exits 130."""
-    if job.model is None and not args.no_worker_check and not await client.served_models():
+    if job.model is None and not args.no_worker_check and not await _any_live_worker(client):
         # As for a job naming a model no worker serves: said at once, not by a silent wait.
         return _fail(
             ExitCode.ERROR,
@@ -333,6 +334,12 @@ async def _submit(
     except asyncio.CancelledError:  # asyncio.run's answer to the first Ctrl-C
         await _interrupted(client, job, args)
         raise
+
+
+async def _any_live_worker(client: Client) -> bool:
+    """Whether a live worker is there to take jobs from the default stream: every worker reads
+    it, whatever its heartbeat says (one that predates models, or does not decode, too)."""
+    return bool(await live_worker_ids(await client.connect(), client.keys))
 
 
 async def _interrupted(client: Client, job: Job, args: argparse.Namespace) -> None:
