@@ -50,6 +50,7 @@ from mlx_redis_worker.daemon.fair_script import (
     MAX_WEIGHT,
     MIN_WEIGHT,
     PICK,
+    SWEEP_CALLS,
     SWEEP_COUNT,
 )
 from mlx_redis_worker.daemon.job_queue import Delivery
@@ -116,6 +117,7 @@ class FairQueue:
         self._settlements: list[tuple[str, int, int]] = []  # (tenant, delta, service)
         self._sweep_cursor = "-"  # where the next sweep of the pending list starts
         self._sweep_soon = False  # a pick failed: the next call sweeps
+        self.refiled = 0  # entries the last call's sweep filed again
 
     async def pick(
         self, count: int, *, now_ms: int = 0, intake: int = INTAKE, sweep: int = 0
@@ -170,6 +172,7 @@ class FairQueue:
         if sweep > 0:
             self._sweep_cursor = as_text(reply[3])
             self._sweep_soon = False
+        self.refiled = int(reply[4])
         for key, found in reply[2]:
             log.warning(
                 "fair_share_key_repaired",
@@ -187,9 +190,13 @@ class FairQueue:
     async def sweep(self) -> None:
         """Settle, and visit the next ``SWEEP_COUNT`` entries of the pending list: an entry
         waiting for a pick that no tenant's queue holds (an operator deleted the key, a call
-        stopped half way) is filed again. Every reclaim interval, so over time the whole list:
-        the stream and its pending list are the truth, the queues an index of them."""
-        await self.pick(0, intake=0, sweep=SWEEP_COUNT)
+        stopped half way) is filed again. Every reclaim interval, so over time the whole list
+        (the stream and its pending list are the truth, the queues an index of them); more
+        calls at once, up to ``SWEEP_CALLS``, while they find entries to file."""
+        for _ in range(SWEEP_CALLS):
+            await self.pick(0, intake=0, sweep=SWEEP_COUNT)
+            if not self.refiled or self._sweep_cursor == "-":
+                return
 
     def started(self, delivery: Delivery, charge: Charge | None) -> None:
         """A job starts here with what its pick charged (None: not picked; reclaimed or
