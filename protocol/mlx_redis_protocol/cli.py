@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from mlx_redis_protocol.cli_client import add_commands as add_client_commands
 from mlx_redis_protocol.cli_output import ExitCode
+from mlx_redis_protocol.install import install_command
 from mlx_redis_protocol.logs import configure_logging, one_line, tell_operator
 
 COMMANDS_GROUP: Final = "mlx_redis_worker.commands"
@@ -84,14 +85,14 @@ def _add_missing_verb(commands: Any, verb: str, distribution: str) -> None:
         add_help=False,
         # No option prefix: every argument, --help included, is taken as given.
         prefix_chars="\0",
-        help=f"(needs {distribution}: pip install {distribution})",
+        help=f"(needs {distribution}: {install_command(distribution)})",
     )
     missing.add_argument("arguments", nargs="*", help=argparse.SUPPRESS)
 
     def answer(args: argparse.Namespace) -> int:
         raise OperatorError(
             f"'{verb}' comes with {distribution}, which is not installed here: "
-            f"pip install {distribution}"
+            f"{install_command(distribution)}"
         )
 
     missing.set_defaults(func=answer)

@@ -17,6 +17,7 @@ from typing import Any, Final, TextIO
 
 import redis.exceptions
 
+from mlx_redis_protocol.catalogue import live_worker_ids
 from mlx_redis_protocol.cli_embed import add_embed_command, embed_job, run_embed
 from mlx_redis_protocol.cli_group import add_group_command, run_group
 from mlx_redis_protocol.cli_models import add_models_command, run_models
@@ -59,6 +60,10 @@ from mlx_redis_protocol.messages import (
 from mlx_redis_protocol.replay_log import read_log
 
 CTL_COMMANDS: Final = ("stats", "ping", "abort", "cache-save", "cache-load", "cache-clear")
+# Ctrl-C on submit aborts its job: how long the workers' replies are waited for, and the
+# whole abort (marker and command) at most, so that the interrupted command still ends soon.
+INTERRUPT_REPLY_SECONDS: Final = 1.0
+INTERRUPT_ABORT_SECONDS: Final = 5.0
 
 
 def add_commands(subparsers: Any) -> None:
@@ -120,8 +125,9 @@ def add_commands(subparsers: Any) -> None:
         "--no-worker-check",
         action="store_true",
         help=(
-            "queue a job naming a model even when no live worker serves it (an autoscaler "
-            "starts one; the job waits at most the replay log's TTL)"
+            "queue the job even when no live worker serves its model (or, without --model, "
+            "no live worker is there to take jobs naming none): an autoscaler starts one; "
+            "the job waits at most the replay log's TTL"
         ),
     )
     response_format = submit.add_mutually_exclusive_group()
@@ -158,6 +164,14 @@ def add_commands(subparsers: Any) -> None:
     )
     submit.add_argument(
         "--no-stream", action="store_true", help="print the request id and exit at once"
+    )
+    submit.add_argument(
+        "--detach",
+        action="store_true",
+        help=(
+            "on Ctrl-C, stop following but leave the job running (follow it again with "
+            "`mlx-worker stream ID`); without it, Ctrl-C aborts the job"
+        ),
     )
     _output_options(submit)
 
@@ -305,7 +319,50 @@ def _media(args: argparse.Namespace) -> StagedMedia | None:
 async def _submit(
     client: Client, job: Job, blobs: dict[str, bytes], args: argparse.Namespace, out: TextIO
 ) -> int:
-    """``blobs``: the job's big media files, stored just before it is queued."""
+    """``blobs``: the job's big media files, stored just before it is queued. Ctrl-C while
+    it is queued or followed aborts the job (``--detach``: leaves it running); the command
+    then exits 130."""
+    if job.model is None and not args.no_worker_check and not await _any_live_worker(client):
+        # As for a job naming a model no worker serves: said at once, not by a silent wait.
+        return _fail(
+            ExitCode.ERROR,
+            "no live worker serves the default stream (jobs naming no model): start a "
+            "worker, name a model with --model, or queue it anyway with --no-worker-check",
+        )
+    try:
+        return await _submit_and_follow(client, job, blobs, args, out)
+    except asyncio.CancelledError:  # asyncio.run's answer to the first Ctrl-C
+        await _interrupted(client, job, args)
+        raise
+
+
+async def _any_live_worker(client: Client) -> bool:
+    """Whether a live worker is there to take jobs from the default stream: every worker reads
+    it, whatever its heartbeat says (one that predates models, or does not decode, too)."""
+    return bool(await live_worker_ids(await client.connect(), client.keys))
+
+
+async def _interrupted(client: Client, job: Job, args: argparse.Namespace) -> None:
+    """Abort the job the interrupted command queued (it may not be queued yet: its marker
+    stops it all the same), or with ``--detach`` say how to follow it again."""
+    request_id = job.request_id
+    if args.detach:
+        _note(f"[detached: {request_id} keeps running; follow it: mlx-worker stream {request_id}]")
+        return
+    try:
+        await asyncio.wait_for(
+            client.abort(request_id, model=job.model, timeout=INTERRUPT_REPLY_SECONDS),
+            INTERRUPT_ABORT_SECONDS,
+        )
+    except (TimeoutError, RedisUnavailable, redis.exceptions.RedisError, OSError) as exc:
+        _note(f"[interrupted: the abort of {request_id} failed ({exc}): ctl abort {request_id}]")
+        return
+    _note(f"[interrupted: aborted {request_id}]")
+
+
+async def _submit_and_follow(
+    client: Client, job: Job, blobs: dict[str, bytes], args: argparse.Namespace, out: TextIO
+) -> int:
     request_id = await client.submit_job(job, blobs=blobs)
     if args.no_stream:
         print(request_id, file=out, flush=True)

@@ -21,6 +21,12 @@ from mlx_redis_protocol.identifiers import is_valid_id
 MAX_EXACT_INT: Final = 2**53
 # The media a model may take besides text, as heartbeats list them.
 MEDIA_KINDS: Final = ("image", "video")
+# What a reader takes of one worker's heartbeat: a value over this many bytes is no heartbeat
+# (a worker of 64 models writes under 16 KiB), and at most this many of its models (those
+# past it are left out). So one heartbeat claiming 20,000 models cannot make every reader
+# (the catalogue, `mlx-worker models`) do and print 20,000 models' work.
+MAX_HEARTBEAT_BYTES: Final = 64 * 1024
+MAX_MODELS_PER_WORKER: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,8 @@ class Heartbeat:
 def decode_heartbeat(raw: bytes | str | None) -> Heartbeat | None:
     """The heartbeat in ``raw``; None for a value that is not one (missing, not JSON, no
     worker id). Fields of the wrong type read as absent rather than fail the whole fleet view."""
+    if raw is not None and len(raw) > MAX_HEARTBEAT_BYTES:
+        return None
     value = worker_document(raw)
     if value is None:
         return None
@@ -140,16 +148,18 @@ def _has_surrogate(text: str) -> bool:
 def _models(value: Any) -> dict[str, ServedModel]:
     if not isinstance(value, dict):
         return {}
-    return {
-        name: ServedModel(
-            max_concurrency=int_or_zero(served.get("max_concurrency")),
-            free_slots=int_or_zero(served.get("free_slots")),
-            in_flight=int_or_zero(served.get("in_flight")),
-            media=_media(served.get("media")),
-        )
-        for name, served in value.items()
-        if isinstance(name, str) and isinstance(served, dict)
-    }
+    models: dict[str, ServedModel] = {}
+    for name, served in value.items():
+        if len(models) >= MAX_MODELS_PER_WORKER:
+            break
+        if isinstance(name, str) and is_valid_id(name) and isinstance(served, dict):
+            models[name] = ServedModel(
+                max_concurrency=int_or_zero(served.get("max_concurrency")),
+                free_slots=int_or_zero(served.get("free_slots")),
+                in_flight=int_or_zero(served.get("in_flight")),
+                media=_media(served.get("media")),
+            )
+    return models
 
 
 def _media(value: Any) -> tuple[str, ...]:

@@ -26,10 +26,10 @@ _TAG_PLACEHOLDERS = {
     **dict.fromkeys(("worker", "claim", "activity", "control"), "worker_id"),
     **dict.fromkeys(("jobs", "dead", "forwarded", "fair"), "MODEL"),
     "reply": "token",
-    "quota": "key_name",
+    **dict.fromkeys(("quota", "responses", "response"), "key_name"),
 }
 # What follows the tag in the table's row, where it is not the name's own rest.
-_TAIL_PLACEHOLDERS = {"forwarded": ":ID", "fair": ":…"}
+_TAIL_PLACEHOLDERS = {"forwarded": ":ID", "fair": ":…", "response": ":RESPONSE_ID"}
 
 # Characters that would break a hash tag or widen an operator's SCAN pattern.
 _FORBIDDEN_PREFIX_CHARACTERS = frozenset("{}*?[]\\ \t\r\n")
@@ -219,6 +219,26 @@ class Keys:
     def quota_in_flight(self, key_name: str) -> str:
         """One gateway API key's in-flight requests, by lease expiry (a sorted set)."""
         return f"{self.prefix}:quota:{{{_checked(key_name, 'API key name')}}}:in_flight"
+
+    def stored_responses(self, scope: str) -> str:
+        """The Responses a gateway keeps for one API key (``scope``, its name), by expiry: a
+        sorted set of ``SIZE/RESPONSE_ID`` members (SIZE: the record's bytes) scored by when
+        each expires (ms of Redis' clock)."""
+        return f"{self.prefix}:responses:{{{_checked(scope, 'API key name')}}}"
+
+    def stored_responses_bytes(self, scope: str) -> str:
+        """The total size of one API key's stored Responses (a string, a number of bytes)."""
+        return f"{self.prefix}:responses:{{{_checked(scope, 'API key name')}}}:bytes"
+
+    def stored_response_base(self, scope: str) -> str:
+        """What a stored Response's key is ``+ RESPONSE_ID``, in its API key's slot (one
+        script then drops an evicted record with its entry)."""
+        return f"{self.prefix}:response:{{{_checked(scope, 'API key name')}}}:"
+
+    def stored_response(self, scope: str, response_id: str) -> str:
+        """One stored Response: its record (JSON: the response, its input and the items
+        before it), expiring on its own."""
+        return self.stored_response_base(scope) + _checked(response_id, "response id")
 
     def reply(self, token: str) -> str:
         """The list a control command's replies are pushed to."""

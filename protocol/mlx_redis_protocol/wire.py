@@ -39,19 +39,11 @@ def unpack(data: object, limits: Limits, what: str) -> dict[str, Any]:
             "too_large", f"{what} is {len(data)} bytes, limit {limits.max_message_bytes}"
         )
     try:
-        value = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_str_len=limits.max_str_len,
-            max_bin_len=limits.max_bin_len,
-            max_array_len=max(limits.max_array_len, limits.max_prompt_tokens),
-            max_map_len=limits.max_map_len,
-            # The protocol uses no extension types; refusing them keeps decoded values plain.
-            max_ext_len=0,
-            ext_hook=_refuse_extension,
-        )
+        value = _unpack(data, limits, "strict")
+    except UnicodeDecodeError:
+        # Not a msgpack fault: the sender's string is not UTF-8. Say which field, so the
+        # sender can find it (a tenant name made of raw bytes, say).
+        raise ProtocolError("invalid_field", _not_utf8(data, limits, what)) from None
     except ValueError as exc:
         # msgpack reports its own limits as ValueError("... exceeds max_str_len(...)"); an
         # extension type is refused through max_ext_len=0 but is malformed, not too long.
@@ -71,6 +63,49 @@ def unpack(data: object, limits: Limits, what: str) -> dict[str, Any]:
         raise ProtocolError("malformed", f"{what} must be a msgpack map")
     _check_version(value, what)
     return value
+
+
+def _unpack(data: bytes | bytearray | memoryview, limits: Limits, unicode_errors: str) -> Any:
+    return msgpack.unpackb(
+        data,
+        raw=False,
+        unicode_errors=unicode_errors,
+        strict_map_key=True,
+        use_list=True,
+        max_str_len=limits.max_str_len,
+        max_bin_len=limits.max_bin_len,
+        max_array_len=max(limits.max_array_len, limits.max_prompt_tokens),
+        max_map_len=limits.max_map_len,
+        # The protocol uses no extension types; refusing them keeps decoded values plain.
+        max_ext_len=0,
+        ext_hook=_refuse_extension,
+    )
+
+
+def _not_utf8(data: bytes | bytearray | memoryview, limits: Limits, what: str) -> str:
+    """The message for a map with a string that is not UTF-8, naming its top-level field:
+    decoded again with the bad bytes kept as surrogates, the field that holds one."""
+    try:
+        value = _unpack(data, limits, "surrogateescape")
+    except Exception:  # any other fault: the general message will do
+        value = None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _has_surrogates(key):
+                return f"{what} has a field name that is not valid UTF-8"
+            if _has_surrogates(item):
+                return f"{what}: `{key}` is not valid UTF-8"
+    return f"{what} has a string that is not valid UTF-8"
+
+
+def _has_surrogates(value: Any) -> bool:
+    if isinstance(value, str):
+        return any("\udc80" <= char <= "\udcff" for char in value)
+    if isinstance(value, list):
+        return any(_has_surrogates(item) for item in value)
+    if isinstance(value, dict):
+        return any(_has_surrogates(k) or _has_surrogates(v) for k, v in value.items())
+    return False
 
 
 def _refuse_extension(code: int, data: bytes) -> object:

@@ -31,7 +31,7 @@ from tests.support.processes import MODEL, WorkerFactory
 from tests.support.waiting import run, until
 
 SPEC = Path(__file__).resolve().parents[2] / "protocol" / "README.md"
-PLACEHOLDER = re.compile(r"\{(request_id|MODEL|worker_id|token|key_name)\}|:ID$")
+PLACEHOLDER = re.compile(r"\{(request_id|MODEL|worker_id|token|key_name)\}|:ID$|:RESPONSE_ID$")
 
 
 def table_patterns(prefix: str) -> dict[str, re.Pattern[str]]:
@@ -52,7 +52,11 @@ def table_patterns(prefix: str) -> dict[str, re.Pattern[str]]:
             pieces, at = [], 0
             for found in PLACEHOLDER.finditer(local):
                 pieces.append(re.escape(local[at : found.start()]))
-                pieces.append(r"\{[^{}]+\}" if found.group(1) else r":\d+-\d+")
+                if found.group(1):
+                    pieces.append(r"\{[^{}]+\}")
+                else:
+                    entry = found.group(0) == ":ID"
+                    pieces.append(r":\d+-\d+" if entry else r":resp_[A-Za-z0-9_.:-]+")
                 at = found.end()
             pieces.append(re.escape(local[at:]))
             patterns[name] = re.compile("".join(pieces) + "$")
@@ -161,6 +165,9 @@ def test_every_name_the_keys_build_and_the_probes_touch_is_a_row_of_the_table() 
         keys.quota("k-1"),
         keys.quota_in_flight("k-1"),
         keys.quota_tokens("k-1"),
+        keys.stored_responses("k-1"),
+        keys.stored_responses_bytes("k-1"),
+        keys.stored_response("k-1", "resp_1"),
     ]
 
     async def probed() -> list[str]:

@@ -27,8 +27,11 @@ from mlx_redis_worker.local_redis import LocalCluster
 from tests.daemon.helpers import check_stream, collect
 from tests.support.acl import (
     PASSWORD,
+    PROTOCOL_DOCS,
     MakeUser,
+    _rules,
     denials,
+    documented_client_acl,
     documented_minimum_acl,
     refusal_line,
     start_refused,
@@ -211,3 +214,36 @@ def test_probes_route_on_a_cluster(redis_cluster: LocalCluster, prefix: str) -> 
 )
 def test_the_user_a_url_logs_in_as(url: str, user: str) -> None:
     assert redis_user(url) == user
+
+
+@pytest.mark.timeout(180)
+def test_the_documented_client_acl_submits_follows_and_aborts(
+    acl_user: MakeUser, admin: redis.Redis, workers: WorkerFactory, redis_url: str, prefix: str
+) -> None:
+    """A client with exactly protocol/README.md's client line (docs/redis.md shows the same)
+    checks the catalogue, queues a job, follows it to its end, aborts another and pings the
+    workers; Redis denies it nothing."""
+    rules = documented_client_acl(prefix)
+    assert " ".join(_rules(lambda line: line.startswith("user client on"))) == " ".join(
+        _rules(lambda line: line.startswith("user client on"), PROTOCOL_DOCS)
+    )
+    user, url = acl_user(rules)
+    workers.start("acl-client-worker", redis_url=redis_url, max_concurrency=1)
+
+    async def main() -> None:
+        async with Client(url, prefix=prefix) as client:
+            request_id = await client.submit("hello there", max_tokens=8, temperature=0.0)
+            summary = check_stream(await collect(client, request_id), request_id)
+            assert isinstance(summary.terminal, DoneEvent), summary.terminal
+            long = await client.submit("a long story", max_tokens=2000, temperature=0.0)
+            (reply,) = await client.abort(long)
+            assert reply.ok, reply
+            ended = await client.wait(long, timeout=60)
+            assert isinstance(ended, DoneEvent) and ended.finish_reason == "abort", ended
+            assert [r.ok for r in await client.ping()] == [True]
+            unchecked = Client(url, prefix=prefix, require_worker=False)
+            async with unchecked:
+                await unchecked.submit("for later", model="not-served-yet", max_tokens=1)
+
+    run(main())
+    assert denials(admin, user) == [], denials(admin, user)

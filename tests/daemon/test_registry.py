@@ -9,6 +9,7 @@ sent ``SCAN`` once per 1000 keys of the database."""
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
@@ -72,3 +73,51 @@ def test_the_request_path_scans_no_keyspace_and_a_stopping_worker_leaves_the_reg
 async def _served(url: str, keys: Keys) -> set[str]:
     async with Client(url, prefix=keys.prefix) as client:
         return await served_models(client.redis, keys)
+
+
+@pytest.mark.timeout(240)
+def test_registry_garbage_neither_hides_a_live_worker_nor_floods_a_reader(
+    workers: WorkerFactory, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stray SET on the workers' registry, then 4,096 members scored +inf: every `submit
+    --model` is still queued (none ends unknown_model) and `models` shows the worker, which
+    repairs the key and prunes the members. A heartbeat claiming 20,000 models costs
+    `models` a bounded number of commands and lines."""
+    keys = Keys(prefix)
+    with RedisServer() as server:
+        admin = redis.Redis.from_url(server.url)
+        workers.start("live", redis_url=server.url)
+        wait_until(lambda: admin.zscore(keys.workers, "live") is not None, 60, "registration")
+        flags = ["--redis-url", server.url, "--prefix", prefix]
+
+        def served_everywhere() -> None:
+            submit = ["submit", "hi", "--model", MODEL, "--max-tokens", "2", *flags]
+            for _ in range(3):
+                assert cli_main(submit) == 0
+            capsys.readouterr()
+            assert cli_main(["models", "--json", *flags]) == 0
+            rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+            assert [r["workers"] for r in rows if r.get("model") == MODEL] == [["live"]]
+
+        admin.delete(keys.workers)
+        admin.set(keys.workers, "x")
+        served_everywhere()
+        assert admin.type(keys.workers) == b"zset"
+        admin.zadd(keys.workers, {f"fake-{i}": float("inf") for i in range(4096)})
+        served_everywhere()
+        wait_until(lambda: admin.zcard(keys.workers) == 1, 30, "the +inf members pruned")
+
+        huge = json.dumps({"worker_id": "big", "models": {f"m{i}": {} for i in range(20_000)}})
+        admin.set(keys.worker("big"), huge, px=60_000)
+        seconds, micros = admin.time()
+        admin.zadd(keys.workers, {"big": seconds * 1000 + micros // 1000 + 60_000})
+        many = json.dumps({"worker_id": "many", "models": {f"m{i}": {} for i in range(500)}})
+        admin.set(keys.worker("many"), many, px=60_000)
+        admin.zadd(keys.workers, {"many": seconds * 1000 + micros // 1000 + 60_000})
+        admin.config_resetstat()
+        assert cli_main(["models", *flags]) == 0
+        out = capsys.readouterr().out
+        calls = sum(stat["calls"] for stat in admin.info("commandstats").values())
+        assert len(out) < 64 * 1024, len(out)
+        assert calls < 1000, calls  # 20,000 models' queues would be 80,000 and more
+        admin.close()

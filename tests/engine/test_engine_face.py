@@ -47,6 +47,14 @@ ENGINE_KEYS = [
     "model_seconds",
     "speculation",
     "vision",
+    "prefill_pace",
+]
+PREFILL_PACE_KEYS = [
+    "budget_tokens",
+    "decode_step_seconds",
+    "prefill_tokens_per_second",
+    "max_prefill_stall",
+    "min_prefill_tokens",
 ]
 SPECULATION_KEYS = [
     "steps",
@@ -107,6 +115,9 @@ def test_the_stats_dicts_are_the_typed_stats(engine: EngineCore) -> None:
     assert list(view["health"]) == HEALTH_KEYS and view["requests"] == []
     assert list(view["speculation"]) == SPECULATION_KEYS
     assert view["vision"] is None  # a text model's engine
+    assert list(view["prefill_pace"]) == PREFILL_PACE_KEYS
+    assert typed.scheduler.prefill_pace is not None
+    assert view["prefill_pace"]["max_prefill_stall"] == 1.0
     for method in ("prompt_lookup", "draft_model"):
         assert list(view["speculation"][method]) == SPECULATION_METHOD_KEYS
     assert view["total_completion_tokens"] == typed.scheduler.total_completion_tokens

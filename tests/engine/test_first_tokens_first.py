@@ -140,24 +140,8 @@ def test_groups_are_prefilled_shortest_first_and_each_first_token_leaves_with_it
     tiny_model: Any, on_a_stream: Any
 ) -> None:
     prompts = prompts_of_lengths(tiny_model[1], LENGTHS)
-    steps, _ = run_scheduler(
-        tiny_model, on_a_stream, prompts, 4, max_num_seqs=8, prefill_batch_size=4
-    )
-    # Each group's prompts fit one prefill chunk: admitted and prefilled in one step, whose
-    # outputs carry the group's first tokens.
-    assert {r: s[0] for r, s in steps.items()} == {
-        **{r: 1 for r in ("r3", "r7", "r1", "r6")},
-        **{r: 2 for r in ("r4", "r2", "r5", "r0")},
-    }
-    # Prefill first: the first group's second token waits for the second group's prefill.
-    # Then every step decodes everyone; the first decode step runs the first tokens (handed
-    # out already) through the model, so second tokens leave from the step after it.
-    assert steps["r3"] == [1, 4, 5, 6]
-    assert steps["r0"] == [2, 4, 5, 6]
-
-
-def test_without_prefill_priority_every_step_decodes(tiny_model: Any, on_a_stream: Any) -> None:
-    prompts = prompts_of_lengths(tiny_model[1], LENGTHS)
+    # Whole chunks beside each decode step whatever the timings (the budget's subject is
+    # test_stall_free): every step decodes the running batch.
     steps, _ = run_scheduler(
         tiny_model,
         on_a_stream,
@@ -165,14 +149,21 @@ def test_without_prefill_priority_every_step_decodes(tiny_model: Any, on_a_strea
         4,
         max_num_seqs=8,
         prefill_batch_size=4,
-        max_consecutive_prefills=0,
+        min_prefill_tokens=2048,
     )
-    # Each decode step after a group's prefill runs its first tokens through the model.
+    # Each group's prompts fit one prefill chunk: admitted and prefilled in one step, whose
+    # outputs carry the group's first tokens.
+    assert {r: s[0] for r, s in steps.items()} == {
+        **{r: 1 for r in ("r3", "r7", "r1", "r6")},
+        **{r: 2 for r in ("r4", "r2", "r5", "r0")},
+    }
+    # The decode step after a group's prefill runs its first tokens (handed out already)
+    # through the model, so second tokens leave from the step after it.
     assert steps["r3"] == [1, 3, 4, 5]
     assert steps["r0"] == [2, 4, 5, 6]
 
 
-def test_a_bounded_run_of_prefills_lets_the_running_batch_decode(
+def test_smaller_groups_are_prefilled_one_a_step_beside_the_decode(
     tiny_model: Any, on_a_stream: Any
 ) -> None:
     prompts = prompts_of_lengths(tiny_model[1], LENGTHS)
@@ -183,14 +174,11 @@ def test_a_bounded_run_of_prefills_lets_the_running_batch_decode(
         4,
         max_num_seqs=8,
         prefill_batch_size=2,
-        max_consecutive_prefills=1,
+        min_prefill_tokens=2048,
     )
-    # Groups of two, one prefilled per step; the running batch decodes every other step
-    # while prompts wait (step 3's decode runs the first tokens through the model, step 5's
-    # hands the second ones out).
     firsts = [steps[r][0] for r in ("r3", "r7", "r1", "r6", "r4", "r2", "r5", "r0")]
     assert firsts == [1, 1, 2, 2, 3, 3, 4, 4]
-    assert steps["r3"] == [1, 5, 6, 7]
+    assert steps["r3"] == [1, 3, 4, 5]
 
 
 def test_greedy_tokens_are_those_of_mlx_lm_whatever_the_grouping(

@@ -97,8 +97,12 @@ def test_configs_reject_bad_values() -> None:
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="max_prefill_wait"):
         SchedulerConfig(max_prefill_wait=float("nan"))
-    with pytest.raises(ValueError, match="max_consecutive_prefills"):
-        SchedulerConfig(max_consecutive_prefills=-1)
+    for stall in (float("nan"), -0.5):
+        with pytest.raises(ValueError, match="max_prefill_stall"):
+            SchedulerConfig(max_prefill_stall=stall)
+    with pytest.raises(ValueError, match="min_prefill_tokens"):
+        SchedulerConfig(min_prefill_tokens=0)
+    assert SchedulerConfig(max_prefill_stall=float("inf")).max_prefill_stall == float("inf")
     defaults = EngineConfig()
     assert (defaults.model_name, defaults.scheduler_config) == ("", None)
     assert (defaults.step_interval, defaults.stream_interval) == (0.001, 1)

@@ -221,7 +221,7 @@ def test_running_streams_advance_every_step_while_images_are_encoded(
     # The step's budget of image tokens is the prefill chunk: 8 lets two tiles (4 image
     # tokens each) a step through, 2048 all three pictures at once.
     scheduler = _scheduler(
-        tiny_vision_model, on_a_stream, max_consecutive_prefills=0, prefill_step_size=budget
+        tiny_vision_model, on_a_stream, prefill_step_size=budget, min_prefill_tokens=budget
     )
     queue = scheduler.vision_queue
     assert queue is not None

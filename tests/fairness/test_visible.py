@@ -74,7 +74,10 @@ def test_tenants_queued_running_and_served_are_shown_everywhere(
                 for rid in rids:
                     end = await client.wait(rid, timeout=120)
                     assert isinstance(end, DoneEvent), end
-                    served[tenant] = served.get(tenant, 0) + end.usage.completion_tokens
+                    # Service: the prompt tokens computed (not cached) and those generated.
+                    usage = end.usage
+                    work = usage.prompt_tokens - usage.cached_tokens + usage.completion_tokens
+                    served[tenant] = served.get(tenant, 0) + work
             return served
 
     served = run(scenario())

@@ -25,6 +25,7 @@ PER_ADDRESS = 6
 ROOM_FROM = CAP - CAP // 2  # the last 16 slots, at most half the cap, are the room kept
 ATTACKERS = [f"127.0.0.{host}" for host in range(2, 10)]
 VICTIM = "127.0.0.1"
+OTHER = "127.0.0.10"
 
 
 def answer_from(gateway: GatewayProcess, address: str, path: str, secret: str = "") -> int:
@@ -75,18 +76,30 @@ def test_idle_sockets_from_many_addresses_make_room_for_requests_at_the_cap(
 ) -> None:
     """Eight addresses open six idle sockets each (48, twice the cap): none of their
     connections is refused with a 503, at most the room threshold stays open, and requests
-    from another address, with a key or to /health, are all answered."""
+    from another address, with a key or to /health, are all answered. A client whose idle
+    keep-alive connections carried a key, as many as any attacker's, keeps them all."""
     keys = tmp_path / "keys.toml"
     secret = add_key(keys, key_name("victim"))
     gateway = lone_gateways.start(
         *("--api-keys", str(keys), "--max-connections", str(CAP)),
         *("--max-connections-per-address", str(PER_ADDRESS), "--header-timeout", "600"),
     )
+    keyed = [connect_from(gateway, VICTIM) for _ in range(PER_ADDRESS)]
+    models = (
+        f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {secret}\r\n\r\n"
+    ).encode()
+    for sock in keyed:
+        sock.sendall(models)
+        assert read_answer(sock)[0] == 200
     idle = [connect_from(gateway, address) for address in ATTACKERS for _ in range(PER_ADDRESS)]
     try:
-        statuses = [answer_from(gateway, VICTIM, "/health") for _ in range(5)]
-        statuses += [answer_from(gateway, VICTIM, "/v1/models", secret) for _ in range(5)]
+        statuses = [answer_from(gateway, OTHER, "/health") for _ in range(5)]
+        statuses += [answer_from(gateway, OTHER, "/v1/models", secret) for _ in range(5)]
         assert statuses == [200] * 10
+        assert not any(closed_by_peer(sock) for sock in keyed)
+        for sock in keyed:
+            sock.sendall(models)
+        assert [read_answer(sock)[0] for sock in keyed] == [200] * len(keyed)
         # Each newcomer past the threshold closed an idle socket: the rest are closed
         # without a word (no 503 answer), and at most the threshold's worth stay open.
         wait_until(
@@ -97,7 +110,7 @@ def test_idle_sockets_from_many_addresses_make_room_for_requests_at_the_cap(
         open_ones = [sock for sock in idle if not closed_by_peer(sock)]
         assert len(open_ones) <= ROOM_FROM
     finally:
-        for sock in idle:
+        for sock in idle + keyed:
             sock.close()
 
 

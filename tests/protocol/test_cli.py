@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -14,24 +15,42 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from redis.asyncio import Redis
 
 from mlx_redis_protocol.cli import main
+from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.codec_job import decode_job
+from mlx_redis_protocol.heartbeat import Heartbeat, ServedModel
 from mlx_redis_protocol.keys import Keys
-from mlx_redis_protocol.messages import Event, Job
+from mlx_redis_protocol.messages import DoneEvent, Event, Job
 from mlx_redis_worker.local_redis import RedisServer, free_port
 from tests.protocol.background import Background
 from tests.protocol.fake_responder import FakeResponder
 from tests.protocol.helpers import delta, done, emit, error, reset, text_events, wait_for_job
-from tests.support.processes import WorkerFactory
+from tests.support.environment import clean_environment
+from tests.support.fleet import write_heartbeat_sync
+from tests.support.processes import WORKER_COMMAND, WorkerFactory
+from tests.support.waiting import wait_until
 
 Script = Callable[[Job], list[Event]]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def fake_worker(redis_url: str, keys: Keys, script: Script) -> Background:
-    """Takes the first job off the stream and writes the events ``script`` makes for it."""
+    """Takes the first job off the stream and writes the events ``script`` makes for it. Its
+    heartbeat (a worker of the tiny model) is there before it returns: ``submit`` finds a
+    live worker to take jobs naming no model."""
+    beat = Heartbeat(
+        worker_id="fake",
+        pid=1,
+        started_at=1.0,
+        in_flight=0,
+        default_model="tiny",
+        models={"tiny": ServedModel(max_concurrency=1, free_slots=1, in_flight=0)},
+    )
+    with redis.Redis.from_url(redis_url) as sync:
+        write_heartbeat_sync(sync, keys, "fake", beat.encode())
 
     async def work(stop: asyncio.Event) -> None:
         redis = Redis.from_url(redis_url)
@@ -203,8 +222,33 @@ def test_reset_is_reported_and_the_stream_goes_on(
 def test_no_stream_prints_the_request_id(
     redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli(redis_url, keys.prefix, "submit", "hi", "--no-stream", "--request-id", "r-7") == 0
+    args = ("submit", "hi", "--no-stream", "--request-id", "r-7", "--no-worker-check")
+    assert cli(redis_url, keys.prefix, *args) == 0
     assert capsys.readouterr().out == "r-7\n"
+
+
+def test_submit_without_a_live_worker_says_so_at_once_and_queues_nothing(
+    redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No --model and no worker: nothing would take the job from the default stream."""
+    for extra in ((), ("--no-stream",)):
+        assert cli(redis_url, keys.prefix, "submit", "hi", "--request-id", "r-0", *extra) == 1
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert captured.err.splitlines() == [
+            "mlx-worker: no live worker serves the default stream (jobs naming no model): "
+            "start a worker, name a model with --model, or queue it anyway with "
+            "--no-worker-check"
+        ]
+
+    async def untouched() -> tuple[int, int]:
+        client = Redis.from_url(redis_url)
+        try:
+            return await client.exists(keys.jobs), await client.exists(keys.log("r-0"))
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(untouched()) == (0, 0)
 
 
 def test_stream_replays_a_finished_request(
@@ -227,7 +271,8 @@ def test_unknown_request_exits_4(
 def test_no_event_within_timeout_exits_5(
     redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli(redis_url, keys.prefix, "submit", "hi", "--timeout", "0.3") == 5
+    args = ("submit", "hi", "--timeout", "0.3", "--no-worker-check")
+    assert cli(redis_url, keys.prefix, *args) == 5
 
 
 def test_unreachable_redis_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -262,7 +307,9 @@ def test_environment_provides_url_and_prefix(
 ) -> None:
     monkeypatch.setenv("MLXW_REDIS_URL", redis_url)
     monkeypatch.setenv("MLXW_PREFIX", keys.prefix)
-    assert main(["submit", "hi", "--no-stream", "--request-id", "from-env"]) == 0
+    assert (
+        main(["submit", "hi", "--no-stream", "--request-id", "from-env", "--no-worker-check"]) == 0
+    )
     assert main(["stream", "from-env", "--timeout", "0.2"]) == 5  # found, but nothing runs it
 
 
@@ -510,3 +557,56 @@ def test_submit_with_a_json_schema_prints_matching_json_from_a_real_worker(
     assert capsys.readouterr().err == (
         "[the output does not match the response format: it was cut short]\n"
     )
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("detach", [False, True], ids=["aborts", "detaches"])
+def test_ctrl_c_on_submit_aborts_its_job_unless_detached(
+    workers: WorkerFactory, redis_url: str, keys: Keys, detach: bool
+) -> None:
+    """SIGINT while the text streams: the job is aborted and the command says so (exit 130);
+    with --detach the job runs on to its end and the command says how to follow it."""
+    workers.start("w-ctrl-c")
+    request_id = f"ctrl-c-{detach}"
+    tokens = 400
+    command = [
+        *WORKER_COMMAND, "submit", "a long story", "--raw", "--max-tokens", str(tokens),
+        "--temperature", "0", "--request-id", request_id, "--redis-url", redis_url,
+        "--prefix", keys.prefix, *(["--detach"] if detach else []),
+    ]  # fmt: skip
+    submit = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_environment(),
+    )
+    try:
+        with redis.Redis.from_url(redis_url) as sync:
+            # A few deltas in: the job runs while the command follows it.
+            wait_until(lambda: sync.xlen(keys.log(request_id)) > 3, 60, "the job's first deltas")
+            submit.send_signal(signal.SIGINT)
+            _, stderr = submit.communicate(timeout=30)
+    finally:
+        submit.kill()
+    assert submit.returncode == 130, stderr
+    assert "Traceback" not in stderr, stderr
+    note = stderr.strip().splitlines()[-1]
+
+    async def ending() -> DoneEvent:
+        async with Client(redis_url, prefix=keys.prefix) as client:
+            ended = await client.wait(request_id, timeout=60)
+        assert isinstance(ended, DoneEvent), ended
+        return ended
+
+    ended = asyncio.run(ending())
+    if detach:
+        assert note == (
+            f"[detached: {request_id} keeps running; follow it: mlx-worker stream {request_id}]"
+        )
+        assert ended.finish_reason == "length"
+        assert ended.usage.completion_tokens == tokens
+    else:
+        assert note == f"[interrupted: aborted {request_id}]"
+        assert ended.finish_reason == "abort"
+        assert 0 < ended.usage.completion_tokens < tokens

@@ -4,11 +4,19 @@ writer left (not ids, a registry key of another type, a member whose worker died
 
 from __future__ import annotations
 
+import asyncio
+
 from mlx_redis_protocol.catalogue import live_worker_ids, served_models
 from mlx_redis_protocol.connection import RedisClient, connect
 from mlx_redis_protocol.control import count_live_workers
+from mlx_redis_protocol.heartbeat import (
+    MAX_HEARTBEAT_BYTES,
+    MAX_MODELS_PER_WORKER,
+    decode_heartbeat,
+)
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.registry import (
+    MAX_REGISTRY_READ,
     PRUNE_GRACE_MS,
     read_registry,
     register_model,
@@ -80,16 +88,70 @@ def test_readers_trust_the_heartbeat_key_not_the_member(redis_url: str, keys: Ke
     run(main())
 
 
-def test_a_registry_key_of_another_type_reads_as_empty(redis_url: str, keys: Keys) -> None:
+def test_a_registry_key_of_another_type_is_replaced_by_the_next_registration(
+    redis_url: str, keys: Keys
+) -> None:
+    """A stray SET (or a stream) on a registry key: readers see nothing there (and say so),
+    a reader that may wait gets the answer of the next heartbeat, which replaces the key."""
+
     async def main() -> None:
         redis = await connect(redis_url)
         try:
             await redis.set(keys.workers, b"stray")
             await redis.xadd(keys.models, {"x": b"1"})
-            registered = await read_registry(redis, keys)
+            registered = await read_registry(redis, keys, repair_wait=0)
             assert (registered.workers, registered.models) == ((), ())
-            assert await served_models(redis, keys) == set()
+            assert registered.unreadable == (keys.workers, keys.models)
+            waiting = asyncio.ensure_future(read_registry(redis, keys, repair_wait=30))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()
+            await redis.set(keys.worker("alive"), heartbeat("alive", "a").encode(), px=60_000)
+            replaced = await register_worker(redis, keys, "alive", 60_000, ["a"])
+            assert replaced == [keys.workers, keys.models]
+            registered = await waiting
+            assert (registered.workers, registered.models, registered.unreadable) == (
+                ("alive",),
+                ("a",),
+                (),
+            )
+            assert await served_models(redis, keys) == {"a"}
+            assert await register_worker(redis, keys, "alive", 60_000, ["a"]) == []
         finally:
             await redis.aclose()
 
     run(main())
+
+
+def test_members_that_never_expire_neither_hide_workers_nor_stay(
+    redis_url: str, keys: Keys
+) -> None:
+    """4,096 members scored +inf (and as many models) would fill every read of the newest
+    members: readers skip scores no heartbeat can have, and a registration drops them."""
+
+    async def main() -> None:
+        redis = await connect(redis_url)
+        try:
+            fake = {f"fake-{i}": float("inf") for i in range(MAX_REGISTRY_READ)}
+            await redis.zadd(keys.workers, fake)
+            await redis.zadd(keys.models, {f"m-{i}": float("inf") for i in range(4096)})
+            await redis.set(keys.worker("alive"), heartbeat("alive", "a").encode(), px=60_000)
+            await redis.zadd(keys.workers, {"alive": await redis_now_ms(redis) + 60_000})
+            await redis.zadd(keys.models, {"a": await redis_now_ms(redis)})
+            assert await live_worker_ids(redis, keys) == ["alive"]
+            assert (await read_registry(redis, keys)).models == ("a",)
+            await register_worker(redis, keys, "other", 15_000, ["b"])
+            assert await redis.zcard(keys.workers) == 2
+            assert sorted(await redis.zrange(keys.models, 0, -1)) == [b"a", b"b"]
+        finally:
+            await redis.aclose()
+
+    run(main())
+
+
+def test_a_heartbeat_claiming_twenty_thousand_models_is_bounded() -> None:
+    huge = heartbeat("big", *(f"model-{i}" for i in range(20_000))).encode()
+    assert len(huge) > MAX_HEARTBEAT_BYTES
+    assert decode_heartbeat(huge) is None
+    many = heartbeat("many", *(f"m{i}" for i in range(200))).encode()
+    decoded = decode_heartbeat(many)
+    assert decoded is not None and len(decoded.models) == MAX_MODELS_PER_WORKER

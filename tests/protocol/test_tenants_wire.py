@@ -71,3 +71,16 @@ def test_a_priority_out_of_range_or_not_an_integer_is_invalid_field(priority: ob
         decode_job(_job(priority=priority))
     assert raised.value.code == "invalid_field"
     assert "priority" in raised.value.message
+
+
+def test_a_tenant_of_invalid_utf8_is_named_as_such() -> None:
+    """Raw bytes in `tenant` (a msgpack str of invalid UTF-8) are the field's fault, said so,
+    not "not valid msgpack"; the request id stays readable for the error event."""
+    valid = msgpack.packb({"v": 1, "request_id": "r1", "prompt": "x", "tenant": "ab"})
+    data = valid.replace(b"\xa2ab", b"\xa2\xff\xfe")
+    with pytest.raises(ProtocolError) as refused:
+        decode_job(data)
+    assert refused.value.code == "invalid_field"
+    assert "`tenant` is not valid UTF-8" in str(refused.value)
+    assert "msgpack" not in str(refused.value)
+    assert readable_request_id(data) == "r1"

@@ -14,6 +14,7 @@ from tests.support.environment import clean_environment
 from tests.support.processes import MODEL, WORKER_COMMAND
 
 REDIS_DOCS = Path(__file__).resolve().parents[2] / "docs" / "redis.md"
+PROTOCOL_DOCS = Path(__file__).resolve().parents[2] / "protocol" / "README.md"
 PASSWORD = "acl-test-pw"
 # Makes a user with these rules (after ``reset``); returns its name and a URL logging in as it.
 MakeUser = Callable[[list[str]], tuple[str, str]]
@@ -40,8 +41,20 @@ def documented_minimum_acl(
     ]
 
 
-def _rules(wanted: Callable[[str], bool]) -> list[str]:
-    lines = [line.strip() for line in REDIS_DOCS.read_text().splitlines() if wanted(line.strip())]
+def documented_client_acl(prefix: str) -> list[str]:
+    """protocol/README.md's ACL line of a client (submit, follow, control), as ACL SETUSER
+    rules for ``prefix``."""
+    rules = _rules(lambda line: line.startswith("user client on >PASSWORD"), PROTOCOL_DOCS)
+    return [
+        rule.replace(">PASSWORD", f">{PASSWORD}")
+        .replace("~mlxw:*", f"~{prefix}:*")
+        .replace("&mlxw:*", f"&{prefix}:*")
+        for rule in rules
+    ]
+
+
+def _rules(wanted: Callable[[str], bool], docs: Path = REDIS_DOCS) -> list[str]:
+    lines = [line.strip() for line in docs.read_text().splitlines() if wanted(line.strip())]
     assert len(lines) == 1, lines
     return lines[0].split()[2:] if lines[0].startswith("user ") else lines[0].split()[3:]
 

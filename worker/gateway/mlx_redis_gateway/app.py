@@ -5,7 +5,9 @@ load balancer, and a client that lost its stream resumes it on any of them with
 ``GET /v1/requests/{id}/stream`` and ``Last-Event-ID``.
 
 This module puts the app together: the routes (``routes/``: ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``POST /v1/responses``, ``POST /v1/embeddings``, Anthropic's
+``POST /v1/completions``, ``POST /v1/responses`` (and its stored responses: ``GET`` and
+``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``),
+``POST /v1/embeddings``, Anthropic's
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /v1/requests/{id}``, ``GET /v1/requests/{id}/stream``,
 ``GET /health``, and the status
@@ -25,14 +27,14 @@ from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlx_redis_gateway.browser_guard import BrowserGuard
 from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.gateway import Gateway, unavailable
-from mlx_redis_gateway.http_limits import RequestLimits
+from mlx_redis_gateway.http_limits import RequestLimits, note_refusal
 from mlx_redis_gateway.routes.completions import CompletionRoutes
 from mlx_redis_gateway.routes.embeddings import EmbeddingRoutes
 from mlx_redis_gateway.routes.messages import MessageRoutes
@@ -56,10 +58,14 @@ def build_app(settings: GatewaySettings) -> Starlette:
     models = ModelRoutes(gateway)
     requests = RequestRoutes(gateway)
     messages = MessageRoutes(gateway)
+    responses = ResponseRoutes(gateway)
     routes = [
         Route("/v1/chat/completions", completions.chat, methods=["POST"]),
         Route("/v1/completions", completions.text, methods=["POST"]),
-        Route("/v1/responses", ResponseRoutes(gateway).create, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
         Route("/v1/messages", messages.create, methods=["POST"]),
         Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/v1/embeddings", EmbeddingRoutes(gateway).create, methods=["POST"]),
@@ -81,11 +87,14 @@ def build_app(settings: GatewaySettings) -> Starlette:
         HTTPException: _http_error,
         RedisUnavailable: _unavailable,
         RedisError: _redis_error,
+        ClientDisconnect: _client_left,
     }
     app = Starlette(
         routes=routes,
         middleware=[
-            Middleware(RequestLimits, limits=settings.http),
+            Middleware(
+                RequestLimits, limits=settings.http, on_body_refused=gateway.charge_refused_body
+            ),
             Middleware(BrowserGuard, allowed_hosts=settings.checked_hosts()),
         ],
         exception_handlers=handlers,
@@ -127,6 +136,14 @@ def _answer(
         status_code=error.status_for(path),
         headers={**(headers or {}), **error.headers()},
     )
+
+
+async def _client_left(request: Request, exc: Exception) -> Response:
+    """A client that closed its connection before its body arrived whole: counted in the
+    refusals' log (one line a second at most, with a count), not a traceback each; the answer
+    goes nowhere."""
+    note_refusal("client_left_mid_upload")
+    return Response(status_code=400)
 
 
 async def _unavailable(request: Request, exc: Exception) -> Response:

@@ -91,6 +91,7 @@ def add_gateway_commands(commands: Any) -> None:
     gateway.add_argument(
         "--media-fetch-timeout", type=float, default=10.0, help="seconds an image URL may take"
     )
+    _add_store_limits(gateway)
     gateway.set_defaults(func=run_gateway)
 
     api_key = commands.add_parser("api-key", help="manage the gateway's API keys")
@@ -118,6 +119,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     from mlx_redis_gateway.http_limits import HttpLimits
     from mlx_redis_gateway.permissions import check_gateway_permissions
     from mlx_redis_gateway.request_counts import RequestCounts
+    from mlx_redis_gateway.response_store import StoreLimits
     from mlx_redis_gateway.server import serve
     from mlx_redis_protocol.connection import REFUSED, redact
     from mlx_redis_protocol.keys import Keys
@@ -167,6 +169,11 @@ def run_gateway(args: argparse.Namespace) -> int:
             media_fetch_hosts=tuple(args.media_fetch_host or ()),
             media_fetch_networks=tuple(args.media_fetch_network or ()),
             media_fetch_timeout=args.media_fetch_timeout,
+            store=StoreLimits(
+                ttl_seconds=args.store_ttl,
+                max_response_bytes=args.store_max_response_bytes,
+                max_key_bytes=args.store_max_key_bytes,
+            ),
         )
     except ValueError as exc:
         return _fail(str(exc))
@@ -189,6 +196,33 @@ def run_gateway(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     serve(app, host, port, settings.http)
     return 0
+
+
+def _add_store_limits(gateway: argparse.ArgumentParser) -> None:
+    from mlx_redis_gateway.response_store import DEFAULT_STORE_LIMITS as default
+
+    gateway.add_argument(
+        "--store-ttl",
+        type=int,
+        default=default.ttl_seconds,
+        help="seconds the Responses API keeps a stored response (store: true) for "
+        f"previous_response_id and GET /v1/responses/{{id}} (default {default.ttl_seconds}, "
+        "30 days; 0: keep none)",
+    )
+    gateway.add_argument(
+        "--store-max-response-bytes",
+        type=int,
+        default=default.max_response_bytes,
+        help="the most one stored response may take, its conversation included (default "
+        f"{default.max_response_bytes}); a conversation over it is a 400 with store: true",
+    )
+    gateway.add_argument(
+        "--store-max-key-bytes",
+        type=int,
+        default=default.max_key_bytes,
+        help="the most one API key's stored responses may take together (default "
+        f"{default.max_key_bytes}); past it the key's oldest are dropped",
+    )
 
 
 def _add_http_limits(gateway: argparse.ArgumentParser) -> None:

@@ -11,7 +11,8 @@ Two rules, checked as a connection is accepted (``http_limits.guarded_protocol``
   still sending a head), of the address with the most connections open, is closed. So
   thousands of idle or half-open sockets from hundreds of addresses are replaced by whoever
   comes next, and a request with a key, or a ``/health`` probe, finds a slot where before it
-  found a 503. Connections answering a request are never closed for room: only when none is
+  found a 503. Connections whose last request had a valid key are passed over while one
+  without is found. Connections answering a request are never closed for room: only when none is
   left to close is the newcomer refused (503).
 
 The table holds only open connections, so it is bounded by the connection cap.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, Final, Protocol, TypeVar
@@ -22,6 +23,7 @@ from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Scope
 
 from mlx_redis_gateway.anthropic_shaping import AnthropicPing, MessageFrames, message_object
 from mlx_redis_gateway.api_keys import ApiKey, KeyFile
@@ -31,7 +33,7 @@ from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.http_limits import read_json
 from mlx_redis_gateway.media_parts import MediaResolver
 from mlx_redis_gateway.openai_api import CompletionRequest
-from mlx_redis_gateway.quotas import Quotas
+from mlx_redis_gateway.quotas import Quotas, read_lease
 from mlx_redis_gateway.redis_health import HealthProbe
 from mlx_redis_gateway.settings import GatewaySettings
 from mlx_redis_gateway.shaping import DONE_MESSAGE, ResponseShape, Shaper, sse_data, sse_message
@@ -46,6 +48,7 @@ from mlx_redis_protocol.errors import (
     StreamTimeout,
 )
 from mlx_redis_protocol.messages import Event, Job
+from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe
 from mlx_redis_protocol.supervisor import supervise
 
 log = structlog.get_logger(__name__)
@@ -122,6 +125,24 @@ class Gateway:
             await self.client.aclose()
 
     # -- a request in ------------------------------------------------------------------------
+
+    async def charge_refused_body(self, scope: Scope) -> None:
+        """A body refused for its size counts as a request of its key (when it has a valid
+        one and the key's quota has a request left): a key cannot send oversized bodies
+        faster than it may send requests. The refusal is a 413 whatever this finds."""
+        if self.settings.api_keys is None:
+            return
+        try:
+            key = self.auth.api_key(Request(scope))
+        except ApiError:
+            return  # no key, or a wrong one: only the address's cool-down counts it
+        assert key is not None
+        lease = f"refused-{uuid.uuid4().hex}"
+        try:
+            if await self.quotas.admit(key, lease) is None:
+                await self.quotas.release(lease)
+        except (RedisUnavailable, *REDIS_FAILURES) as exc:
+            log.warning("refused_body_not_charged", api_key=key.name, error=describe(exc))
 
     async def json_body(self, request: Request) -> Any:
         require_json(request)
@@ -206,6 +227,29 @@ class Gateway:
         if accepted.resumable is not None:
             return accepted.resumable
         return self.settings.resumable_by_default
+
+    async def admit_read(self, key: ApiKey | None, subject: str) -> str | None:
+        """A quota lease for one read of ``subject`` (a request, a stored response; None
+        without keys): reads count against their key's rate and concurrency like
+        completions, so a key cannot flood the gateway with reads that use no quota."""
+        if key is None:
+            return None
+        lease = read_lease(subject)
+        await self.quotas.admit_or_refuse(key, lease, holder=subject)
+        return lease
+
+    async def release_read(self, lease: str | None) -> None:
+        if lease is not None:
+            await self.quotas.release(lease)
+
+    @asynccontextmanager
+    async def reading(self, key: ApiKey | None, subject: str) -> AsyncIterator[None]:
+        """A read of ``subject`` under its quota lease (``admit_read``)."""
+        lease = await self.admit_read(key, subject)
+        try:
+            yield
+        finally:
+            await self.release_read(lease)
 
     # -- its answer out ----------------------------------------------------------------------
 

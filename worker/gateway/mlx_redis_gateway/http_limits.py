@@ -40,8 +40,8 @@ import socket
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Final
 
@@ -52,6 +52,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from mlx_redis_gateway.address_cooldown import AddressCooldowns
 from mlx_redis_gateway.connection_table import ConnectionTable, address_group
 from mlx_redis_gateway.errors import ApiError
+from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
 
 log = structlog.get_logger(__name__)
 
@@ -65,6 +66,20 @@ RESERVED_DESCRIPTORS: Final = 512
 REFUSAL_LOG_SECONDS: Final = 1.0
 
 
+# What a job's bytes may become in a JSON body: a client that escapes non-ASCII text
+# (Python's json and the SDKs built on it write a CJK character's 3 bytes as 6) doubles it.
+JSON_EXPANSION: Final = 2
+# A body's bytes that are no job's: field names, sampling settings, JSON's punctuation.
+BODY_FRAMING: Final = 64 * _KIB
+
+
+def body_limit(limits: Limits) -> int:
+    """The largest body that could carry a job within ``limits``: a larger one is refused
+    from its ``content-length``, before a byte of it is read (a 3.9 MiB body read whole,
+    parsed and then refused by the job's limit cost the gateway a core at 80 a second)."""
+    return JSON_EXPANSION * limits.max_message_bytes + BODY_FRAMING
+
+
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
     """Bounds on what one HTTP client can make the gateway hold or parse."""
@@ -72,9 +87,8 @@ class HttpLimits:
     # The request line and all headers together (nginx: 4 buffers of 8 KiB).
     max_header_bytes: int = 32 * _KIB
     max_headers: int = 100
-    # A request's body; a job cannot exceed 1 MiB of msgpack, and JSON spends more bytes on
-    # the same content (escapes), so 4 MiB refuses nothing that could become a job.
-    max_body_bytes: int = 4 * _MIB
+    # A request's body: what a job may hold, and JSON's framing of it (``body_limit``).
+    max_body_bytes: int = field(default_factory=lambda: body_limit(DEFAULT_LIMITS))
     # Nesting of a JSON body (a response_format schema nests at most 32 levels of schema).
     max_json_depth: int = 128
     # Seconds from a connection's opening (or a request's first byte) to its whole head.
@@ -178,6 +192,13 @@ class _RefusalLog:
 
 
 _refusals = _RefusalLog()
+
+
+def note_refusal(code: str) -> None:
+    """Count a refusal of ``code`` in the refusals' log (at most a line a second a kind)."""
+    _refusals.note(code)
+
+
 # What a refused connection is closed with: SO_LINGER on with a zero timeout makes close()
 # send a reset and drop what is queued, with no FIN_WAIT or TIME_WAIT left behind.
 _RESET_ON_CLOSE: Final = struct.pack("ii", 1, 0)
@@ -187,6 +208,11 @@ _SIZE_REFUSALS: Final = frozenset({"headers_too_large", "body_too_large"})
 # headers, a chunked body past the limit): the connection's protocol counts it toward the
 # address's cool-down once the answer is sent, as it does its own refusals.
 SIZE_REFUSED: Final = "mlxw.size_refused"
+# Set in a request's ASGI scope by the guard when its ``content-length`` is over the limit and
+# it carries a key: RequestLimits refuses it (charging the key) without reading its body.
+BODY_OVER_LIMIT: Final = "mlxw.body_over_limit"
+# The headers a key may come in (``auth``): a request without one is refused at its head.
+_KEY_HEADERS: Final = frozenset({b"authorization", b"x-api-key"})
 # Set in a request's ASGI scope when a valid API key authenticated it: its connection keeps
 # the long keep-alive timer.
 KEYED: Final = "mlxw.keyed"
@@ -216,6 +242,9 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
         _hold_timer: asyncio.TimerHandle | None = None
         # The address group this connection is counted under in the table (None: not counted).
         _group: str | None = None
+        # Whether its last request had a valid key: it keeps its slot longer (closed for room
+        # only when no idle connection without one is found).
+        _keyed = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -237,16 +266,19 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
                 )
                 return
             if self.client is not None:
-                cooling = cooldowns.cooling(self.client[0])
+                address = address_group(self.client[0])
+                cooling = cooldowns.cooling(address)
                 if cooling > 0:
-                    self._turn_away(self.client[0], cooling)
+                    self._turn_away(address, cooling)
                     return
             self._arm_head_timer()
 
         def _make_room(self) -> None:
             """Close the connection the table picks (an idle one of the address holding the
             most), so the newcomer does not find the gateway full."""
-            victim = table.victim(lambda other: other is not self and other._closable())
+            victim = table.victim(
+                lambda other: other is not self and not other._keyed and other._closable()
+            ) or table.victim(lambda other: other is not self and other._closable())
             if victim is None:
                 return
             _refusals.note("closed_for_room")
@@ -361,6 +393,13 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
                 # (Behind a pipelined request still being answered, the body is refused as
                 # it is read instead, so that answer is not cut.)
                 self._body_refused = True
+                if any(name in _KEY_HEADERS for name, _ in self.headers):
+                    # A key pays for its refusals (RequestLimits charges it, then answers):
+                    # the body is still never read.
+                    self.flow.pause_reading()
+                    self.scope[BODY_OVER_LIMIT] = True  # type: ignore[typeddict-unknown-key]
+                    super().on_headers_complete()
+                    return
                 refusal = body_too_large(limits.max_body_bytes)
                 path = self.url.decode("latin-1").partition("?")[0]
                 self._refuse(413, refusal.message, refusal.type, "body_too_large", path)
@@ -405,9 +444,10 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
         def on_response_complete(self) -> None:
             scope = getattr(self, "scope", None)
             if scope is not None and scope.get(SIZE_REFUSED) and self.client is not None:
-                cooldowns.refused(self.client[0])
+                cooldowns.refused(address_group(self.client[0]))
+            self._keyed = bool(scope and scope.get(KEYED))
             super().on_response_complete()
-            if self.timeout_keep_alive_task is not None and not (scope and scope.get(KEYED)):
+            if self.timeout_keep_alive_task is not None and not self._keyed:
                 # No key: idle sockets cost a client nothing to keep, so they are not kept
                 # long (the table closes them for room sooner still).
                 self.timeout_keep_alive_task.cancel()
@@ -418,7 +458,7 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
         def _refuse(self, status: int, message: str, kind: str, code: str, path: str = "") -> None:
             _refusals.note(code)
             if code in _SIZE_REFUSALS and self.client is not None:
-                cooldowns.refused(self.client[0])
+                cooldowns.refused(address_group(self.client[0]))
             body = error_body(message, kind, code, status, path)
             head = (
                 f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
@@ -451,11 +491,25 @@ def body_too_large(limit: int) -> ApiError:
 
 
 class RequestLimits:
-    """ASGI middleware: header count and body size, checked before a route runs."""
+    """ASGI middleware: header count and body size, checked before a route runs. A body
+    refused for its size is first passed to ``on_body_refused`` (the gateway charges the
+    request's key for it)."""
 
-    def __init__(self, app: ASGIApp, limits: HttpLimits = DEFAULT_HTTP_LIMITS) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        limits: HttpLimits = DEFAULT_HTTP_LIMITS,
+        on_body_refused: Callable[[Scope], Awaitable[None]] | None = None,
+    ) -> None:
         self.app = app
         self.limits = limits
+        self.on_body_refused = on_body_refused
+
+    async def _body_refused(self, scope: Scope) -> ApiError:
+        scope[SIZE_REFUSED] = True
+        if self.on_body_refused is not None:
+            await self.on_body_refused(scope)
+        return body_too_large(self.limits.max_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -474,6 +528,9 @@ class RequestLimits:
                 ),
             )
             return
+        if scope.get(BODY_OVER_LIMIT):
+            await _send_error(send, scope["path"], await self._body_refused(scope))
+            return
         deadline = asyncio.get_running_loop().time() + self.limits.body_timeout
         received, body_done, refused = 0, False, False
 
@@ -491,8 +548,7 @@ class RequestLimits:
                 received += len(message.get("body", b""))
                 if received > self.limits.max_body_bytes:
                     refused = True
-                    scope[SIZE_REFUSED] = True
-                    raise body_too_large(self.limits.max_body_bytes)
+                    raise await self._body_refused(scope)
                 body_done = not message.get("more_body", False)
             return message
 

@@ -54,6 +54,7 @@ def gateway_probes(
     ``limits`` (API keys), the commands of the quota scripts."""
     token = f"permission-probe-{secrets.token_hex(6)}"
     record, log_key, reply = keys.gateway_request(token), keys.log(token), keys.reply(token)
+    stored = keys.stored_response(token, "resp_probe")
     probes = [
         Probe(
             "ZRANGE",  # and GET of each registered worker's heartbeat
@@ -91,6 +92,12 @@ def gateway_probes(
             lambda: redis.set(record, b"", xx=True, ex=60),
         ),
         Probe("GET", "resume a request", record, lambda: redis.get(record)),
+        Probe(
+            "GET",
+            "continue from a stored response (previous_response_id)",
+            stored,
+            lambda: redis.get(stored),
+        ),
         Probe(
             "SET",
             "abort the job of a client that went away",

@@ -1,20 +1,20 @@
-"""``POST /v1/responses``: OpenAI's Responses API, stateless, over the same chat jobs.
+"""``POST /v1/responses``: OpenAI's Responses API, over the same chat jobs.
 
 A body's ``instructions``, ``input`` and function ``tools`` become a chat request
 (:mod:`mlx_redis_gateway.responses_items`), read by the chat parser (one set of rules and
-refusals); the answer is a Responses object, or its stream of typed events
+refusals); with ``previous_response_id``, the stored conversation it names comes before the
+input (``response_store``). The answer is a Responses object, or its stream of typed events
 (``response.created`` … ``response.output_text.delta`` or
-``response.function_call_arguments.delta`` … ``response.completed``). Nothing is stored
-beyond the job's log: ``store`` is ignored, ``previous_response_id`` and anything else that
-needs a stored response is a 400 naming it. The answer's text and calls come through the chat
-shaper, so a job re-run after a worker crash streams on as a chat stream does.
+``response.function_call_arguments.delta`` … ``response.completed``). ``conversation``,
+``background`` and stored prompts are a 400 naming the field. The answer's text and calls come
+through the chat shaper, so a job re-run after a worker crash streams on as a chat stream does.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from mlx_redis_gateway.errors import ApiError, bad_request
@@ -26,21 +26,55 @@ from mlx_redis_gateway.responses_items import (
     chat_turns,
     echoed_tools,
     function_call_item,
+    input_items,
     output_items,
 )
 from mlx_redis_gateway.shaping import Chunk, Shaper
-from mlx_redis_protocol.identifiers import new_request_id
+from mlx_redis_protocol.identifiers import is_valid_id, new_request_id
 from mlx_redis_protocol.limits import Limits
 from mlx_redis_protocol.messages import DoneEvent, Event, ToolCall, Usage
 
 # Fields that need what this gateway does not keep or run: a 400 naming them when set.
 _UNSUPPORTED: Final = {
-    "previous_response_id": "previous_response_id needs stored responses (this API is stateless)",
-    "conversation": "conversation needs stored responses (this API is stateless)",
+    "conversation": "conversations are not supported (previous_response_id chains responses)",
     "background": "background responses are not supported",
     "prompt": "stored prompts are not supported",
 }
 LOGPROBS_INCLUDE: Final = "message.output_text.logprobs"
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesRequest:
+    """A Responses body read: its chat job, the fields its answer echoes, whether it is to be
+    stored, and its input as the items a stored response lists."""
+
+    accepted: CompletionRequest
+    echoed: dict[str, Any]
+    store: bool
+    input_items: list[dict[str, Any]]
+
+
+def previous_response_id(body: object) -> str | None:
+    """The stored response a body continues from (checked: a string), or None."""
+    previous = body.get("previous_response_id") if isinstance(body, dict) else None
+    if previous is not None and not isinstance(previous, str):
+        raise bad_request("previous_response_id must be a string", param="previous_response_id")
+    return previous
+
+
+def previous_not_found(response_id: str) -> ApiError:
+    """OpenAI's answer to a ``previous_response_id`` it does not have (or no longer)."""
+    return ApiError(
+        400,
+        # At most an id's length of what the caller sent is said back.
+        f"Previous response with id {response_id[:128]!r} not found.",
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
+
+
+def is_response_id(value: str) -> bool:
+    return value.startswith("resp_") and is_valid_id(value)
 
 
 def parse_responses_request(
@@ -48,17 +82,22 @@ def parse_responses_request(
     *,
     limits: Limits,
     user_key: str | None = None,
+    context: Sequence[dict[str, Any]] = (),
     counts: RequestCounts = DEFAULT_COUNTS,
-) -> tuple[CompletionRequest, dict[str, Any]]:
-    """The chat request a Responses body stands for, and the fields its answer echoes;
-    ``counts``: how many input items, parts and tools it may hold."""
+) -> ResponsesRequest:
+    """The chat request a Responses body stands for (after ``context``, the items of the
+    stored conversation it continues), and the fields its answer echoes; ``counts``: how many
+    input items, parts and tools it may hold."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     check_responses(body, counts)
     for name, message in _UNSUPPORTED.items():
         if body.get(name) not in (None, [], False):
             raise bad_request(message, param=name)
-    chat: dict[str, Any] = {"messages": _messages(body)}
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise bad_request("store must be a boolean", param="store")
+    chat: dict[str, Any] = {"messages": _messages(body, context)}
     for name in ("model", "temperature", "top_p", "user", "stream", "metadata", "priority"):
         if name in body:
             chat[name] = body[name]
@@ -100,8 +139,10 @@ def parse_responses_request(
         "tools": echoed_tools(tools),
         "tool_choice": body.get("tool_choice") or "auto",
         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+        "store": store is not False,
+        "previous_response_id": previous_response_id(body),
     }
-    return job, echoed
+    return ResponsesRequest(job, echoed, store is not False, input_items(body["input"]))
 
 
 def _wants_logprobs(body: Mapping[str, Any]) -> bool:
@@ -119,14 +160,17 @@ def _replace_id(accepted: CompletionRequest, request_id: str) -> CompletionReque
     return replace(accepted, job=replace(accepted.job, request_id=request_id))
 
 
-def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """``instructions`` as a system turn, then ``input``'s turns, as chat messages."""
+def _messages(body: Mapping[str, Any], context: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``instructions`` as a system turn, then the stored conversation's turns (not its
+    instructions, as OpenAI), then ``input``'s, as chat messages."""
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise bad_request("instructions must be a string", param="instructions")
         messages.append({"role": "system", "content": instructions})
+    if context:
+        messages += chat_turns(list(context))
     value = body.get("input")
     if isinstance(value, str):
         messages.append({"role": "user", "content": value})
@@ -169,9 +213,20 @@ class ResponseEvents:
     ``function_call`` per call) and close when the next one opens or the answer ends."""
 
     def __init__(
-        self, request_id: str, shaper: Shaper, echoed: Mapping[str, Any], created: float
+        self,
+        request_id: str,
+        shaper: Shaper,
+        echoed: Mapping[str, Any],
+        created: float,
+        *,
+        hold_final: bool = False,
     ) -> None:
+        """``hold_final``: the last message (``response.completed`` or
+        ``response.incomplete``) waits for ``final_message()``, so the response is stored
+        before a client can read its id and continue from it."""
         self.request_id = request_id
+        self.hold_final = hold_final
+        self.final: dict[str, Any] | None = None  # the finished response, once done
         self.shaper = shaper
         self.echoed = echoed
         self.created = created
@@ -332,9 +387,15 @@ class ResponseEvents:
         if self.message_at is None and not done.tool_calls:
             out.append(self._open_message())  # an answer without text still has its message
         out.append(self._close_message("completed" if status == "completed" else "incomplete"))
-        response = self.response(status, done, self.logprobs)
-        out.append(self._message(f"response.{status}", response=response))
+        self.final = self.response(status, done, self.logprobs)
+        if not self.hold_final:
+            out.append(self.final_message())
         return b"".join(out)
+
+    def final_message(self) -> bytes:
+        """The message that ends a finished response's stream."""
+        assert self.final is not None
+        return self._message(f"response.{self.final['status']}", response=self.final)
 
     def response(
         self,

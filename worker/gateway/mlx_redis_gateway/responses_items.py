@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from mlx_redis_gateway.errors import bad_request
+from mlx_redis_protocol.identifiers import new_request_id
 from mlx_redis_protocol.messages import DoneEvent, ToolCall
 
 _ROLES: Final = ("system", "developer", "user", "assistant")
@@ -100,6 +101,49 @@ def _function_call_output(item: Mapping[str, Any], param: str) -> dict[str, Any]
         raise bad_request(f"{param}.call_id must be a string", param=f"{param}.call_id")
     output = _content(item.get("output"), f"{param}.output")
     return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
+
+
+def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``input`` (already read by ``chat_turns``) as the items a stored response lists: each
+    with its ``id`` (the caller's, else a new one) and ``status``, a message's content as
+    parts (``input_text``, or ``output_text`` in an assistant's)."""
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    return [_stored_item(item) for item in value]
+
+
+def _stored_item(item: Mapping[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    given = item.get("id")
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}[kind]
+    stored: dict[str, Any] = {
+        "id": given if isinstance(given, str) else f"{prefix}_{new_request_id()}",
+        "type": kind,
+        "status": "completed",
+    }
+    if kind == "message":
+        stored["role"] = item["role"]
+        stored["content"] = _stored_parts(item["content"], item["role"])
+    else:
+        call = kind == "function_call"
+        names = ("call_id", "name", "arguments") if call else ("call_id", "output")
+        stored.update({name: item[name] for name in names})
+    return stored
+
+
+def _stored_parts(content: str | list[dict[str, Any]], role: str) -> list[dict[str, Any]]:
+    kind = "output_text" if role == "assistant" else "input_text"
+    if isinstance(content, str):
+        content = [{"type": kind, "text": content}]
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        if part["type"] == "input_image":
+            parts.append({key: part[key] for key in ("type", "image_url", "detail") if key in part})
+        elif kind == "output_text":
+            parts.append({"type": kind, "text": part["text"], "annotations": []})
+        else:
+            parts.append({"type": kind, "text": part["text"]})
+    return parts
 
 
 def chat_tools(value: object) -> list[dict[str, Any]] | None:

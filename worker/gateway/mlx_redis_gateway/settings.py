@@ -8,6 +8,7 @@ from pathlib import Path
 from mlx_redis_gateway.http_limits import DEFAULT_HTTP_LIMITS, HttpLimits
 from mlx_redis_gateway.quotas import LEASE_SECONDS
 from mlx_redis_gateway.request_counts import DEFAULT_COUNTS, RequestCounts
+from mlx_redis_gateway.response_store import DEFAULT_STORE_LIMITS, StoreLimits
 from mlx_redis_protocol.constants import DEFAULT_LOG_TTL_SECONDS, DEFAULT_PREFIX, DEFAULT_REDIS_URL
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
 from mlx_redis_protocol.media_fetch import FetchPolicy
@@ -40,6 +41,8 @@ class GatewaySettings:
     media_fetch_hosts: tuple[str, ...] = ()
     media_fetch_networks: tuple[str, ...] = ()
     media_fetch_timeout: float = 10.0
+    # The Responses API's stored responses (``store: true``): how long, how big.
+    store: StoreLimits = DEFAULT_STORE_LIMITS
 
     @property
     def fetch_policy(self) -> FetchPolicy:

@@ -23,7 +23,11 @@ the worker's default ``max_schema_bytes`` lets through: a compile each), ``idle-
 each, 20 alternatives a token), and the image attackers, 4 connections each (the attacker
 key's cap) asking ``--model`` for chat completions with images: ``image-bomb`` (a 65,535 x
 65,535 PNG header over 4 KB), ``image-50mb`` (a 50 MB image: its data URL, 67 MB),
-``image-flood`` (a new real 512 x 512 picture every time, about 1 MB as a data URL).
+``image-flood`` (a new real 512 x 512 picture every time, about 1 MB as a data URL),
+``keep-alive-sockets`` (21 sockets from each of 500 addresses, 127.64.x.y: 10,500, each asking
+once without a key and kept open, reopened when closed), ``big-bodies`` (4 connections sending
+chat bodies just under 4 MiB with the attacker's key) and ``many-tools`` (4 connections asking
+for chat completions with 48 salted agent tools, 30.5k prompt tokens each on tiny).
 
 Each attacker connects from ``--source`` (Linux routes all of 127.0.0.0/8 to the loopback
 interface), so that the gateway sees it as a client of its own, as a client on another host
@@ -67,6 +71,17 @@ FLOOD_IMAGE_SIZE = (512, 512)  # random pixels: about 770 KB as a PNG
 FLOOD_IMAGES = 8  # in turn, each after new text: no prefix-cache hit
 # The first attacker's address; the bench gives each attack phase the next one (``source``).
 FIRST_SOURCE = 2
+# The keep-alive attacker: sockets from many addresses (127.64.x.y, none the victim's or another
+# phase's), each making one request without a key and keeping its connection open.
+KEEP_ALIVE_ADDRESSES = 500
+KEEP_ALIVE_PER_ADDRESS = 21
+# The big-bodies attacker: bodies just under the gateway's old fixed 4 MiB limit, with a key.
+BIG_BODY = 4 * 1024 * 1024 - 64 * 1024
+BIG_BODY_CONNECTIONS = 4  # the attacker key's concurrency cap
+# The many-tools attacker: a coding agent's tool list, each tool's description and parameters
+# a few hundred tokens, salted so that no prompt is a prefix-cache hit.
+MANY_TOOLS = 48
+TOOL_CONNECTIONS = 4  # the attacker key's concurrency cap
 
 
 class Target:
@@ -289,6 +304,104 @@ def idle_sockets(count: int) -> Attack:
     return attack
 
 
+async def keep_alive_sockets(target: Target) -> None:
+    """``KEEP_ALIVE_ADDRESSES`` addresses holding ``KEEP_ALIVE_PER_ADDRESS`` sockets each,
+    every one making a request without a key and keeping its connection open, reopened (and
+    asking again) whenever the gateway closes it."""
+    request = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+    async def hold(address: tuple[str, int] | None) -> None:
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection(
+                    "127.0.0.1", target.port, local_addr=address
+                )
+            except OSError as exc:
+                target.statuses[f"connect failed: {type(exc).__name__}"] += 1
+                await asyncio.sleep(0.5)
+                continue
+            try:
+                writer.write(request)
+                target.answered(await reader.readline())
+                while await reader.read(65536):  # the answer, then until the gateway closes
+                    pass
+            except OSError as exc:
+                target.statuses[type(exc).__name__] += 1
+            finally:
+                writer.close()
+
+    # None: only 127.0.0.1 can be bound here (the report says so).
+    addresses: list[tuple[str, int] | None] = [
+        (f"127.64.{index // 250}.{1 + index % 250}", 0) if target.local_addr else None
+        for index in range(KEEP_ALIVE_ADDRESSES)
+    ]
+    await asyncio.gather(
+        *(hold(address) for address in addresses for _ in range(KEEP_ALIVE_PER_ADDRESS))
+    )
+
+
+async def big_bodies(target: Target) -> None:
+    """``BIG_BODY_CONNECTIONS`` connections sending chat bodies of ``BIG_BODY`` bytes with the
+    attacker's key, one after another."""
+    filler = "a" * (BIG_BODY - 200)
+    body = json.dumps(
+        {"model": target.model, "max_tokens": 1, "messages": [{"role": "user", "content": filler}]}
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{target.auth}"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+
+    async def sender() -> None:
+        while True:
+            await target.exchange(head, body=body)
+
+    await asyncio.gather(*(sender() for _ in range(BIG_BODY_CONNECTIONS)))
+
+
+def agent_tools(salt: str) -> list[dict[str, Any]]:
+    """``MANY_TOOLS`` function tools as a coding agent declares them: a paragraph of
+    description and five described parameters each (as the worker describes them to a model
+    whose template has no tools: 30.5k prompt tokens on tiny's tokenizer, 15.6k on SmolLM2's),
+    ``salt`` in the first one's name."""
+    words = str.split("read the file at the path and return its lines with numbers for the agent")
+    tools = []
+    for index in range(MANY_TOOLS):
+        description = " ".join(words[(index + i) % len(words)] for i in range(120))
+        properties = {
+            f"arg{n}_{index}": {"type": "string", "description": " ".join(words[n:] + words[:n])}
+            for n in range(5)
+        }
+        name = f"tool_{salt}_{index}" if index == 0 else f"tool_{index}"
+        parameters = {
+            "type": "object",
+            "properties": properties,
+            "required": ["arg0_" + str(index)],
+        }
+        tools.append(
+            {
+                "type": "function",
+                "function": {"name": name, "description": description, "parameters": parameters},
+            }
+        )
+    return tools
+
+
+async def many_tools(target: Target) -> None:
+    async def sender() -> None:
+        while True:
+            await target.chat(
+                {
+                    "messages": [{"role": "user", "content": "list the files"}],
+                    "max_tokens": 8,
+                    "tools": agent_tools(uuid.uuid4().hex[:8]),
+                }
+            )
+
+    await asyncio.gather(*(sender() for _ in range(TOOL_CONNECTIONS)))
+
+
 def get(path: str, auth: str) -> str:
     """A GET request's head that closes its connection."""
     return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Connection: close\r\n\r\n"
@@ -304,6 +417,9 @@ def attacks(idle: int) -> dict[str, Attack]:
         "idle-sockets": idle_sockets(idle),
         "nested-anyof": nested_anyof_schema,
         "logprobs-fanout": logprobs_fanout,
+        "keep-alive-sockets": keep_alive_sockets,
+        "big-bodies": big_bodies,
+        "many-tools": many_tools,
         **image_attacks(),
     }
 

@@ -9,7 +9,8 @@ Phases alternate with baselines (base, A, base, B, …, base), so each attacker'
 against the baselines on either side of it, in the same run.
 
 Each attacker (``attackers``: huge header, huge body, read flood, resume flood, hostile
-schema, idle sockets, and the image attackers: image bombs, 50 MB images, image floods;
+schema, idle sockets, keep-alive sockets from 500 addresses, bodies just under 4 MiB with a
+key, 48 agent tools, and the image attackers: image bombs, 50 MB images, image floods;
 ``--attackers`` picks some) is a process of its own at the lowest CPU priority, connecting from an
 address of its own (127.0.0.2, 127.0.0.3, …: one per attack phase), standing for a client on
 another host: the bench measures what its requests cost the gateway, Redis and the
@@ -353,6 +354,8 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
             return await _measure(bench, prompts, args.repeat)
 
         results = asyncio.run(run())
+        # Before the teardown: a worker still busy with an attacker's long prompts may not
+        # stop in time, and the table must not be lost with it.
+        print(format_isolation(results), flush=True)
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    print(format_isolation(results))
     return 0

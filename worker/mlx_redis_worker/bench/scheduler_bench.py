@@ -40,12 +40,13 @@ class ReplayGenerator:
         return [uid]
 
     has_prefill_work = False
+    num_prefilling = 0
 
     @property
     def num_decoding(self) -> int:
         return len(self._uids)
 
-    def prefill(self) -> list[Any]:
+    def prefill(self, budget: int | None = None) -> list[Any]:
         return []
 
     def start_generation(self) -> list[Any]:

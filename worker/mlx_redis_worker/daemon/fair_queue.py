@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import structlog
+from redis.exceptions import ResponseError
 
 from mlx_redis_protocol.codec_job import readable_request_id
 from mlx_redis_protocol.connection import RedisClient, as_text
@@ -43,6 +44,15 @@ from mlx_redis_protocol.keys import FairKeys, JobStream
 from mlx_redis_protocol.limits import DEFAULT_LIMITS
 from mlx_redis_protocol.lua import run_script
 from mlx_redis_protocol.wire import top_level_strings
+from mlx_redis_worker.daemon.fair_script import (
+    COPY_WEIGHTS,
+    DEFAULT_COST,
+    MAX_WEIGHT,
+    MIN_WEIGHT,
+    PICK,
+    SWEEP_CALLS,
+    SWEEP_COUNT,
+)
 from mlx_redis_worker.daemon.job_queue import Delivery
 
 log = structlog.get_logger(__name__)
@@ -56,165 +66,10 @@ FAIR_CONSUMER: Final = "(fair-queue)"
 # long backlog is seen by the next pick, not after backlog / INTAKE picks.
 INTAKE: Final = 256
 INTAKE_WHILE_BUSY: Final = 1024
-# What a job without ``max_tokens`` is charged at its start (settled at its end).
-DEFAULT_COST: Final = 256
-# Weights an operator may give (``tenant_weights`` hash): a ratio of 10,000 at most.
-MIN_WEIGHT: Final = 0.01
-MAX_WEIGHT: Final = 100.0
 MAX_WEIGHTS: Final = 1000
-
-# KEYS[1] the model's stream, KEYS[2] backlogged tenants (zset: start tag), KEYS[3] idle
-# tenants' finish tags (zset), KEYS[4] state (hash: vtime), KEYS[5] weights (hash), KEYS[6]
-# this minute's served tokens (hash, expiring). Per-tenant queues are ARGV[11]..'q:'..tenant
-# (zset: priority, lower first; arrival order within one) and ..'age:'..tenant (zset: arrival
-# ms), in the same slot (same tag); their members are entry ids with both parts zero-padded to
-# 20 digits, so that members of one score sort as the ids do (as text, '5-10' < '5-9').
-# Unpadded members (queued by an older worker) are read as they are. ARGV: 1 group, 2 fair
-# consumer, 3 this worker, 4 intake count, 5 picks wanted, 6 now in ms (0: Redis' clock), 7 age
-# bound in ms, 8 default tenant, 9 max job bytes, 10 default cost, 11 queue key base, 12 served
-# TTL, 13 number of settlements, then (tenant, token delta, tokens served) for each.
-PICK: Final = """
-local stream, backlogged, idle, state, weights = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local group, fair, me = ARGV[1], ARGV[2], ARGV[3]
-local now = tonumber(ARGV[6])
-if now == 0 then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local age_bound, default_tenant = tonumber(ARGV[7]), ARGV[8]
-local max_bytes, default_cost, base = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
-local vtime = tonumber(redis.call('HGET', state, 'vtime') or '0')
-
-local function weight(tenant)
-  local w = tonumber(redis.call('HGET', weights, tenant) or '')
-  if w == nil or w ~= w or w <= 0 then return 1 end
-  return w
-end
-
-local function job_of(fields)
-  for i = 1, #fields, 2 do
-    if fields[i] == 'job' then
-      local data = fields[i + 1]
-      if #data > max_bytes then return nil end
-      local ok, job = pcall(cmsgpack.unpack, data)
-      if ok and type(job) == 'table' then return job end
-      return nil
-    end
-  end
-  return nil
-end
-
-local function tenant_of(job)
-  local t = job and job['tenant']
-  if type(t) == 'string' and #t >= 1 and #t <= 128 and not string.find(t, '[^%w%._:%-]') then
-    return t
-  end
-  return default_tenant
-end
-
-local function member_of(id)
-  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
-  return string.rep('0', 20 - #ms) .. ms .. '-' .. string.rep('0', 20 - #seq) .. seq
-end
-
-local function id_of(member)
-  local ms, seq = string.match(member, '^(%d+)-(%d+)$')
-  return (string.gsub(ms, '^0+(%d)', '%1')) .. '-' .. (string.gsub(seq, '^0+(%d)', '%1'))
-end
-
-local function integer(value, low, high)
-  if type(value) == 'number' and value == math.floor(value) and value >= low and value <= high then
-    return value
-  end
-  return nil
-end
-
--- Settlements: the difference between a finished job's charge and its tokens.
-local n = tonumber(ARGV[13])
-for i = 0, n - 1 do
-  local tenant, delta = ARGV[14 + 3 * i], tonumber(ARGV[15 + 3 * i])
-  local shift = delta / weight(tenant)
-  if redis.call('ZSCORE', backlogged, tenant) then
-    redis.call('ZINCRBY', backlogged, shift, tenant)
-  elseif redis.call('ZSCORE', idle, tenant) then
-    redis.call('ZINCRBY', idle, shift, tenant)
-  elseif shift > 0 then
-    redis.call('ZADD', idle, vtime + shift, tenant)
-  end
-  redis.call('HINCRBY', KEYS[6], tenant, ARGV[16 + 3 * i])
-end
-if n > 0 then redis.call('EXPIRE', KEYS[6], ARGV[12]) end
-
--- Intake: new entries become pending for the fair consumer, filed in their tenant's queue.
-local read = redis.call(
-  'XREADGROUP', 'GROUP', group, fair, 'COUNT', ARGV[4], 'STREAMS', stream, '>')
-if read then
-  for _, entry in ipairs(read[1][2]) do
-    local id, fields = entry[1], entry[2]
-    local job = job_of(fields)
-    local tenant = tenant_of(job)
-    local priority = integer(job and job['priority'], -100, 100) or 0
-    local member = member_of(id)
-    redis.call('ZADD', base .. 'q:' .. tenant, priority, member)
-    redis.call('ZADD', base .. 'age:' .. tenant, tonumber(string.match(id, '^(%d+)')), member)
-    if not redis.call('ZSCORE', backlogged, tenant) then
-      local finish = tonumber(redis.call('ZSCORE', idle, tenant) or '-inf')
-      redis.call('ZREM', idle, tenant)
-      redis.call('ZADD', backlogged, math.max(vtime, finish), tenant)
-    end
-  end
-end
-
--- Picks: the backlogged tenant with the least start tag; within it, the most urgent job,
--- unless its oldest has waited past the age bound.
-local picked = {}
-local tries = 0
-while #picked < tonumber(ARGV[5]) and tries < tonumber(ARGV[5]) + 16 do
-  tries = tries + 1
-  local head = redis.call('ZRANGE', backlogged, 0, 0, 'WITHSCORES')
-  if #head == 0 then break end
-  local tenant, start = head[1], tonumber(head[2])
-  local queue, ages = base .. 'q:' .. tenant, base .. 'age:' .. tenant
-  local member = nil
-  local oldest = redis.call('ZRANGE', ages, 0, 0, 'WITHSCORES')
-  if #oldest > 0 and now - tonumber(oldest[2]) >= age_bound then
-    member = oldest[1]
-  else
-    member = redis.call('ZRANGE', queue, 0, 0)[1]
-  end
-  local cost = 0
-  if member then
-    redis.call('ZREM', queue, member)
-    redis.call('ZREM', ages, member)
-    local id = id_of(member)
-    -- Only while it still waits for us: a worker that reclaimed it (one without fair share)
-    -- runs it already; a deleted entry is gone.
-    local waiting = redis.call('XPENDING', stream, group, id, id, 1, fair)
-    local rows = redis.call('XRANGE', stream, id, id)
-    if #waiting == 1 and #rows == 1 then
-      redis.call('XCLAIM', stream, group, me, 0, id, 'JUSTID')
-      local job = job_of(rows[1][2])
-      cost = integer(job and job['max_tokens'], 1, 1e9) or default_cost
-      table.insert(picked, {id, rows[1][2], tenant, tostring(cost)})
-    elseif #waiting == 1 then
-      redis.call('XACK', stream, group, id)
-    end
-  end
-  if start > vtime then vtime = start end
-  local finish = start + cost / weight(tenant)
-  if redis.call('EXISTS', queue) == 1 then
-    redis.call('ZADD', backlogged, finish, tenant)
-  else
-    redis.call('ZREM', backlogged, tenant)
-    redis.call('ZADD', idle, finish, tenant)
-  end
-end
-redis.call('HSET', state, 'vtime', tostring(vtime))
--- An idle tenant whose finish tag virtual time has passed would come back at vtime anyway.
-redis.call('ZREMRANGEBYSCORE', idle, '-inf', '(' .. tostring(vtime))
-local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
-return {picked, last[1] and last[1][1] or '0-0'}
-"""
+# The fleet's weights hash is read only up to this many entries (a larger one is ignored,
+# logged): a hash someone filled cannot make every reclaim interval read megabytes.
+MAX_WEIGHTS_READ: Final = 4 * MAX_WEIGHTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,12 +113,21 @@ class FairQueue:
         self.running: dict[str, _Running] = {}  # by entry id: jobs running here
         self._entry_of: dict[str, str] = {}  # request id -> entry id, of those
         self._weights: dict[str, float] | None = None
-        self._settlements: list[tuple[str, int, int]] = []  # (tenant, delta, served)
+        self._ignored: dict[str, str] = {}  # the fleet's entries ignored, as last logged
+        self._settlements: list[tuple[str, int, int]] = []  # (tenant, delta, service)
+        self._sweep_cursor = "-"  # where the next sweep of the pending list starts
+        self._sweep_soon = False  # a pick failed: the next call sweeps
+        self.refiled = 0  # entries the last call's sweep filed again
 
-    async def pick(self, count: int, *, now_ms: int = 0, intake: int = INTAKE) -> Picked:
+    async def pick(
+        self, count: int, *, now_ms: int = 0, intake: int = INTAKE, sweep: int = 0
+    ) -> Picked:
         """Up to ``count`` jobs to start now, handed to this worker (pending for it, delivery
-        count unchanged), after filing up to ``intake`` new entries; ``now_ms`` 0 is Redis'
-        clock (tests simulate time)."""
+        count unchanged), after filing up to ``intake`` new entries and sweeping ``sweep``
+        entries of the pending list (see ``sweep``); ``now_ms`` 0 is Redis' clock (tests
+        simulate time)."""
+        if self._sweep_soon:
+            sweep = max(sweep, SWEEP_COUNT)
         settlements, self._settlements = self._settlements, []
         flat = [str(item) for settlement in settlements for item in settlement]
         try:
@@ -291,21 +155,48 @@ class FairQueue:
                     DEFAULT_COST,
                     self.keys.queue_base,
                     SERVED_WINDOW_SECONDS,
+                    self._sweep_cursor,
+                    sweep,
                     len(settlements),
                     *flat,
                 ],
             )
-        except BaseException:
+        except BaseException as exc:
             # Not sent (or its reply lost): send them with the next pick. A lost reply that
             # ran settles twice, an error of one job's tokens in the tenant's tag.
             self._settlements = settlements + self._settlements
+            # A script that stopped half way may have taken new entries without filing them:
+            # the next call sweeps the pending list for them.
+            self._sweep_soon = isinstance(exc, ResponseError) or self._sweep_soon
             raise
+        if sweep > 0:
+            self._sweep_cursor = as_text(reply[3])
+            self._sweep_soon = False
+        self.refiled = int(reply[4])
+        for key, found in reply[2]:
+            log.warning(
+                "fair_share_key_repaired",
+                model=self.stream.model,
+                key=as_text(key),
+                found=as_text(found),
+            )
         deliveries, charges = [], {}
         for entry_id, fields, tenant, cost in reply[0]:
             delivery = _delivery(as_text(entry_id), fields)
             deliveries.append(delivery)
             charges[delivery.entry_id] = Charge(as_text(tenant), int(as_text(cost)))
         return Picked(deliveries, charges, as_text(reply[1]))
+
+    async def sweep(self) -> None:
+        """Settle, and visit the next ``SWEEP_COUNT`` entries of the pending list: an entry
+        waiting for a pick that no tenant's queue holds (an operator deleted the key, a call
+        stopped half way) is filed again. Every reclaim interval, so over time the whole list
+        (the stream and its pending list are the truth, the queues an index of them); more
+        calls at once, up to ``SWEEP_CALLS``, while they find entries to file."""
+        for _ in range(SWEEP_CALLS):
+            await self.pick(0, intake=0, sweep=SWEEP_COUNT)
+            if not self.refiled or self._sweep_cursor == "-":
+                return
 
     def started(self, delivery: Delivery, charge: Charge | None) -> None:
         """A job starts here with what its pick charged (None: not picked; reclaimed or
@@ -318,8 +209,9 @@ class FairQueue:
             self._entry_of[request_id] = delivery.entry_id
 
     def closed(self, request_id: str, tokens: int) -> None:
-        """The publisher's word: the request's events end after ``tokens`` completion tokens
-        (a request of another lane is not ours: ignored)."""
+        """The publisher's word: the request's events end after ``tokens`` of service (the
+        prompt tokens it computed, not found in the prefix cache, and those it generated; a
+        request of another lane is not ours: ignored)."""
         entry_id = self._entry_of.get(request_id)
         if entry_id is not None and entry_id in self.running:
             self.running[entry_id].tokens += tokens
@@ -359,22 +251,40 @@ class FairQueue:
 
     async def refresh_weights(self) -> dict[str, float]:
         """Copy the fleet's tenant weights into this model's slot (where the pick script reads
-        them) when they changed; the weights in force."""
-        weights = parse_weights(await self.redis.hgetall(self.tenant_weights_key))
+        them) when they changed, or when the copy differs from them (someone else wrote it);
+        the weights in force. Each entry ignored is logged once, when it appears or changes."""
+        raw, problem = await self._fleet_weights()
+        weights, ignored = parse_weights(raw)
+        if problem is not None:  # the hash is the operators', not ours to repair
+            ignored = {"": problem}
+            if self._ignored != ignored:
+                log.warning("tenant_weights_unreadable", key=self.tenant_weights_key, found=problem)
+        for tenant, text in ignored.items():
+            if self._ignored.get(tenant) != text:
+                log.warning("tenant_weight_ignored", tenant=tenant, weight=text)
+        self._ignored = ignored
+        pairs = [item for tenant, w in sorted(weights.items()) for item in (tenant, repr(w))]
+        rewritten = await run_script(self.redis, COPY_WEIGHTS, [self.keys.weights], pairs)
         if weights != self._weights:
-            # The new weights first, then those dropped: a pick in between sees no tenant
-            # without its weight (every worker writes the same copy).
-            copied: Any = await self.redis.hkeys(self.keys.weights)
-            dropped = [name for name in copied if as_text(name) not in weights]
-            async with self.redis.pipeline(transaction=False) as pipe:
-                if weights:
-                    pipe.hset(self.keys.weights, mapping={t: str(w) for t, w in weights.items()})
-                if dropped:
-                    pipe.hdel(self.keys.weights, *dropped)
-                await pipe.execute()
             log.info("tenant_weights_changed", model=self.stream.model, weights=weights)
             self._weights = weights
+        elif rewritten:
+            log.warning("fair_share_key_repaired", model=self.stream.model, key=self.keys.weights)
         return weights
+
+    async def _fleet_weights(self) -> tuple[dict[Any, Any], str | None]:
+        """The fleet's weights hash when it is one of a sane size; else none, and why."""
+        key = self.tenant_weights_key
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.type(key)
+            pipe.hlen(key)
+            kind, size = await pipe.execute(raise_on_error=False)
+        if as_text(kind) not in ("hash", "none"):
+            return {}, f"a key of type {as_text(kind)}"
+        if isinstance(size, int) and size > MAX_WEIGHTS_READ:
+            return {}, f"{size} entries, more than {MAX_WEIGHTS_READ}"
+        raw: dict[Any, Any] = await self.redis.hgetall(key)
+        return raw, None
 
 
 @dataclass(slots=True)
@@ -390,20 +300,24 @@ def readable_tenant(job_bytes: bytes | None) -> str:
     return tenant if tenant is not None and is_valid_id(tenant) else DEFAULT_TENANT
 
 
-def parse_weights(raw: Mapping[Any, Any]) -> dict[str, float]:
-    """The usable entries of the fleet's ``tenant_weights`` hash (others are logged, ignored)."""
+def parse_weights(raw: Mapping[Any, Any]) -> tuple[dict[str, float], dict[str, str]]:
+    """The usable entries of the fleet's ``tenant_weights`` hash, and those ignored (tenant
+    -> the value, both cut short for a log line)."""
     weights: dict[str, float] = {}
-    for name, value in list(raw.items())[:MAX_WEIGHTS]:
+    ignored: dict[str, str] = {}
+    for name, value in raw.items():
         tenant, text = as_text(name), as_text(value)
         try:
             weight = float(text)
         except ValueError:
             weight = math.nan
         if not is_valid_id(tenant) or not MIN_WEIGHT <= weight <= MAX_WEIGHT:
-            log.warning("tenant_weight_ignored", tenant=tenant[:128], weight=text[:32])
-            continue
-        weights[tenant] = weight
-    return weights
+            ignored[tenant[:128]] = text[:32]
+        elif len(weights) < MAX_WEIGHTS:
+            weights[tenant] = weight
+        else:
+            ignored[tenant] = f"{text[:32]} (over {MAX_WEIGHTS} weights)"
+    return weights, ignored
 
 
 def _delivery(entry_id: str, fields: list[Any]) -> Delivery:

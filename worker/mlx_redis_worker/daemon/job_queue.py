@@ -104,6 +104,7 @@ class Delivery:
 
 
 DEFAULT_DEAD_LETTER_MAXLEN = 10_000
+MAX_SETTLED_KEPT = 4096
 
 
 class JobQueue:
@@ -124,6 +125,10 @@ class JobQueue:
         self.lease_ms = lease_ms
         self.dead_letter_maxlen = dead_letter_maxlen
         self._reclaim_cursor = "0-0"
+        # Entries this consumer acknowledged or dead-lettered lately (the newest
+        # MAX_SETTLED_KEPT), marked before the command goes out: a lease refresh that raced
+        # their end finds them gone, and they are not lost.
+        self._settled: dict[str, None] = {}
 
     async def ensure_group(self) -> None:
         """Create the consumer group (and the stream) unless it exists; also after Redis lost
@@ -184,8 +189,19 @@ class JobQueue:
         )
         return [as_text(entry_id) for entry_id in lost]
 
+    def settled(self, entry_id: str) -> bool:
+        """Whether this consumer acknowledged or dead-lettered the entry lately."""
+        return entry_id in self._settled
+
+    def _settling(self, *entry_ids: str) -> None:
+        for entry_id in entry_ids:
+            self._settled[entry_id] = None
+        while len(self._settled) > MAX_SETTLED_KEPT:
+            del self._settled[next(iter(self._settled))]
+
     async def ack(self, *entry_ids: str) -> None:
         """Acknowledge and delete entries (any number: one round trip)."""
+        self._settling(*entry_ids)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xack(self.stream.stream, self.stream.group, *entry_ids)
             pipe.xdel(self.stream.stream, *entry_ids)
@@ -217,6 +233,7 @@ class JobQueue:
         if delivery.forwarded_from is not None:
             fields[FORWARDED_FROM_FIELD] = delivery.forwarded_from
         pairs = [item for field in fields.items() for item in field]
+        self._settling(delivery.entry_id)
         moved = await run_script(
             self.redis,
             DEAD_LETTER,

@@ -318,8 +318,12 @@ class JobRunner:
         if first is None:
             first = asyncio.ensure_future(self.engine.abort_request(request_id))
             self.aborting[request_id] = first
-        # False: it ended before the abort reached the engine.
-        return await asyncio.shield(first)
+        stopped = await asyncio.shield(first)
+        if not stopped and self.aborting.get(request_id) is first:
+            # It ended before the abort reached the engine (or was not in it yet): forget the
+            # answer, so that a later run of the request can be aborted.
+            del self.aborting[request_id]
+        return stopped
 
     async def end_waiting(self, request_id: str) -> str:
         """End with ``done(abort)`` a request that waits: no worker has begun it (its job is in

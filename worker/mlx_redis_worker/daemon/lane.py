@@ -124,6 +124,7 @@ class ModelLane:
         room = self.max_concurrency - len(self.backlog)
         if self.fair is not None:
             await self.fair.refresh_weights()
+            await self.fair.sweep()
         if room > 0:
             if self.fair is None:
                 claimed = await self.queue.reclaim(room)
@@ -136,6 +137,9 @@ class ModelLane:
     async def extend_leases(self) -> None:
         held = {*self.jobs, *(d.entry_id for d in self.backlog), *self.runner.parked}
         lost = await self.queue.extend_leases(sorted(held))
+        # A job that ended meanwhile (its entry acknowledged) is gone from our pending list,
+        # and not lost.
+        lost = [entry_id for entry_id in lost if not self.queue.settled(entry_id)]
         if lost:
             log.warning("leases_lost", model=self.name, entries=lost)
             self.backlog = [d for d in self.backlog if d.entry_id not in lost]

@@ -91,7 +91,14 @@ def fair_share_probes(redis: RedisClient, keys: Keys, model: str) -> list[Probe]
         Probe("ZREMRANGEBYSCORE", needed, queue, lambda: redis.zremrangebyscore(queue, 0, -1)),
         Probe("HGET", needed, queue, lambda: redis.hget(queue, "probe")),
         Probe("HGETALL", "read tenant weights", queue, lambda: redis.hgetall(queue)),
-        Probe("HKEYS", "copy tenant weights", queue, lambda: redis.hkeys(queue)),
+        Probe("HLEN", "copy tenant weights", queue, lambda: redis.hlen(queue)),
+        Probe("TYPE", "repair fair-share keys of another type", queue, lambda: redis.type(queue)),
+        Probe(
+            "ZREMRANGEBYRANK",
+            "forget idle tenants",
+            queue,
+            lambda: redis.zremrangebyrank(queue, 1, 0),
+        ),
         Probe("HDEL", "copy tenant weights", queue, lambda: redis.hdel(queue, "probe")),
         Probe("HSET", "copy tenant weights", queue, undone(lambda pipe: pipe.hset(queue, "p", 1))),
         Probe(

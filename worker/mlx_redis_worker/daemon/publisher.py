@@ -66,6 +66,9 @@ class _Stream:
     written: asyncio.Future[None]
     model: str | None = None  # the fleet's name of the model running it (for on_done)
     tokens: int = 0  # completion tokens this attempt streamed so far
+    # Prompt tokens the engine computed for it (not found in the prefix cache): with
+    # ``tokens``, the request's service, what fair share charges its tenant.
+    prefill: int = 0
     # Splits the text into content, reasoning and tool calls (None: text as it is).
     parser: OutputParser | None = None
 
@@ -162,8 +165,9 @@ class EventPublisher:
         self.keys = keys
         self.log_ttl = log_ttl
         self.on_done = on_done
-        # Observes each request's completion tokens when its publishing ends (finished,
-        # abandoned or lost): what fair share charges its tenant.
+        # Observes each request's service when its publishing ends (finished, abandoned or
+        # lost): the prompt tokens computed and the tokens generated, what fair share charges
+        # its tenant.
         self.on_closed: Callable[[str, int], None] | None = None
         self.token_history = TokenHistory()
         self._streams: dict[str, _Stream] = {}
@@ -284,6 +288,8 @@ class EventPublisher:
                 # An embedding job's service (what fair share charges) is its inputs' tokens.
                 stream.tokens = output.prompt_tokens
                 self._add_embeddings(stream, output.embedding_index, output.embeddings)
+            else:
+                stream.prefill = max(output.prompt_tokens - output.cached_tokens, 0)
             stream.tokens += len(output.new_token_ids)
             self.token_history.add(len(output.new_token_ids))
             split = Split(content=output.new_text)
@@ -405,7 +411,7 @@ class EventPublisher:
     def _closed(self, stream: _Stream) -> None:
         if self.on_closed is not None:
             try:
-                self.on_closed(stream.request_id, stream.tokens)
+                self.on_closed(stream.request_id, stream.tokens + stream.prefill)
             except Exception:
                 log.exception("on_closed_observer_failed")
 

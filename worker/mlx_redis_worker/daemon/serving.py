@@ -313,9 +313,11 @@ class Serving:
         # After the key, so a reader that finds the member finds the heartbeat. A full Redis
         # refuses it too, and then prunes nobody: the member written last time stays.
         with contextlib.suppress(OutOfMemoryError):
-            await register_worker(
+            replaced = await register_worker(
                 self.redis, self.keys, self.settings.worker_id, ttl_ms, list(beat.models)
             )
+            for key in replaced:
+                log.warning("registry_key_repaired", key=key, found="a key of another type")
 
     def activity(self) -> Activity:
         history = self.publisher.token_history

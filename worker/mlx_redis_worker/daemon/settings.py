@@ -21,9 +21,11 @@ from mlx_redis_protocol.constants import (
     DEFAULT_PREFIX,
     DEFAULT_REDIS_URL,
 )
+from mlx_redis_protocol.heartbeat import MAX_MODELS_PER_WORKER
 from mlx_redis_protocol.identifiers import ID_RULE, is_valid_id
 from mlx_redis_protocol.limits import DEFAULT_LIMITS, Limits
 from mlx_redis_protocol.media_fetch import FetchPolicy
+from mlx_redis_protocol.registry import MAX_AHEAD_MS
 from mlx_redis_worker.daemon.job_queue import DEFAULT_DEAD_LETTER_MAXLEN
 
 if TYPE_CHECKING:
@@ -209,6 +211,12 @@ class WorkerSettings:
             raise ValueError("read_block_ms must be shorter than socket_timeout")
         if self.heartbeat_ttl <= self.heartbeat_interval:
             raise ValueError("heartbeat_ttl must exceed heartbeat_interval")
+        if len(self.models) > MAX_MODELS_PER_WORKER:
+            # Readers take no more of a heartbeat's models (a hostile one may claim 20,000).
+            raise ValueError(f"a worker serves at most {MAX_MODELS_PER_WORKER} models")
+        if self.heartbeat_ttl * 1000 > MAX_AHEAD_MS:
+            # The registry drops members that expire further ahead than this (garbage).
+            raise ValueError(f"heartbeat_ttl must be at most {MAX_AHEAD_MS // 1000} s")
         if self.redis_topology not in TOPOLOGIES:
             raise ValueError(f"redis_topology must be one of {', '.join(TOPOLOGIES)}")
         if self.log_format not in ("json", "console"):

@@ -353,7 +353,8 @@ class Worker:
         names = sorted(engines, key=lambda name: name != default)
         try:
             lanes: list[ModelLane] = []
-            # What fair share charges a tenant: the tokens its jobs generated, whichever lane's.
+            # What fair share charges a tenant: its jobs' service (prompt tokens computed and
+            # tokens generated), whichever lane's.
             publisher.on_closed = lambda request_id, tokens: self._closed(lanes, request_id, tokens)
             for name in names:
                 engine, queue = engines[name], queues[name]

@@ -58,9 +58,16 @@ class SchedulerConfig:
     never unbounded memory). Waiting requests are prefilled in groups of ``prefill_batch_size``,
     in chunks of ``prefill_step_size`` tokens, shortest prompt first; one that has waited
     ``max_prefill_wait`` seconds goes before any shorter one (oldest first), so none starves.
-    A request's first token leaves in the step its prefill ends. While prompts wait, up to
-    ``max_consecutive_prefills`` steps in a row prefill without decoding the running batch
-    (first tokens first; 0 decodes every step). A request over ``max_prompt_tokens`` or asking
+    A request's first token leaves in the step its prefill ends.
+
+    Stall-free: while sequences are decoding, every step decodes them and does a bounded
+    amount of prefill beside it, so no prompt freezes running streams. The bound is time: a
+    step's prefill may take about ``max_prefill_stall`` times the measured decode step
+    (prefill speed and decode step time are measured as the engine runs), turned into a
+    token budget of at least ``min_prefill_tokens`` (long prompts always progress) and at
+    most ``prefill_step_size``. With nothing decoding, prefill runs in whole chunks. A larger
+    stall fills first tokens of a burst sooner; ``inf`` prefills a whole chunk each step.
+    A request over ``max_prompt_tokens`` or asking
     for more than ``max_logprobs`` top log-probabilities per token is refused (``ValueError``),
     and so is a response_format over one of ``grammar_limits``.
     """
@@ -70,7 +77,8 @@ class SchedulerConfig:
     prefill_step_size: int = 2048
     max_waiting_requests: int = 1024
     max_prefill_wait: float = 1.0
-    max_consecutive_prefills: int = 8
+    max_prefill_stall: float = 1.0
+    min_prefill_tokens: int = 32
     max_prompt_tokens: int = 32768
     max_logprobs: int = SamplingParams.MAX_LOGPROBS
     max_kv_size: int | None = None
@@ -91,6 +99,7 @@ class SchedulerConfig:
             "prefix_cache_max_entries",
             "prefix_cache_max_bytes",
             "speculative_max_batch",
+            "min_prefill_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -98,8 +107,8 @@ class SchedulerConfig:
             raise ValueError("SchedulerConfig.max_waiting_requests must be >= 0")
         if not self.max_prefill_wait >= 0:  # NaN too
             raise ValueError("SchedulerConfig.max_prefill_wait must be >= 0")
-        if self.max_consecutive_prefills < 0:
-            raise ValueError("SchedulerConfig.max_consecutive_prefills must be >= 0")
+        if not self.max_prefill_stall >= 0:  # NaN too; inf: whole chunks
+            raise ValueError("SchedulerConfig.max_prefill_stall must be >= 0 (inf allowed)")
         if not 0 <= self.max_logprobs <= SamplingParams.MAX_LOGPROBS:
             raise ValueError(
                 f"SchedulerConfig.max_logprobs must be in [0, {SamplingParams.MAX_LOGPROBS}]"

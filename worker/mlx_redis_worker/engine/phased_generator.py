@@ -10,8 +10,8 @@ token therefore leaves two calls after its prefill ended, behind another prefill
   (mlx-lm runs the last token in a forward pass of its own: one pass per prefill group more),
 - ``start_generation()`` moves every sequence whose prompt is now processed into the decode
   batch and samples its first token at once (returned in the same step as its prefill),
-- ``decode()`` runs one decode step of the running batch; the scheduler may skip it while
-  prompts wait (prefill first, bounded by ``SchedulerConfig.max_consecutive_prefills``).
+- ``decode()`` runs one decode step of the running batch; the scheduler runs it every step
+  while sequences decode, with a bounded prefill beside it (``prefill(budget)``: stall-free).
 
 Only the step is replaced: queueing, caches, removal and the batch classes are mlx-lm's. The
 phases read ``BatchGenerator``'s internal fields, so the mlx-lm version is pinned below 0.33 in
@@ -63,6 +63,9 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         # at its image tokens), from a prompt position on: the prefill feeds these instead of
         # token ids, chunk by chunk (``_chunk_embeddings``).
         self.prompt_embeddings: dict[int, tuple[int, mx.array]] = {}
+        # The last prefill() pass: tokens computed (padding included) and seconds.
+        self.last_prefill_tokens = 0
+        self.last_prefill_seconds = 0.0
         missing = [name for name in _FIELDS if not hasattr(self, name)]
         if missing:
             raise RuntimeError(
@@ -82,6 +85,17 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
     def num_decoding(self) -> int:
         """Sequences in the decode batch."""
         return len(self._generation_batch)
+
+    @property
+    def num_prefilling(self) -> int:
+        """Sequences queued for prefill or part-way through their prompts."""
+        return len(self._unprocessed_sequences) + len(self._prompt_batch)
+
+    def wait_for_decode(self) -> None:
+        """Wait for the decode pass ``decode()`` left running on the device (mlx-lm
+        evaluates a step's next tokens asynchronously): the time to here is the decode step's
+        own, not charged to the prefill pass that would otherwise wait for it."""
+        mx.synchronize(self._stream)
 
     def decode(self) -> list[GenerationBatch.Response]:
         """One decode step of the running batch: a token for each running sequence."""
@@ -114,10 +128,14 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
             kept.append(response)
         return kept
 
-    def prefill(self) -> list[PromptProcessingBatch.Response]:
+    def prefill(self, budget: int | None = None) -> list[PromptProcessingBatch.Response]:
         """Take queued sequences into the prompt batch (up to ``prefill_batch_size``, while the
-        decode batch has room) and process the next chunk of each prompt. Each response says
+        decode batch has room) and process the next chunk of each prompt: ``prefill_step_size``
+        tokens each, or with a ``budget``, that many tokens in all (the pass is as wide as its
+        longest chunk: each prompt gets an equal share, at least one token). Each response says
         how far its prompt got and whether a segment (e.g. a shared prefix) ended here."""
+        self.last_prefill_tokens = 0
+        self.last_prefill_seconds = 0.0
         with mx.stream(self._stream):
             room = min(
                 self.prefill_batch_size - len(self._prompt_batch),
@@ -126,6 +144,10 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
             )
             if room > 0:
                 self._prompt_batch.extend(self._make_batch(room))
+            width = self.prefill_step_size
+            if budget is not None:
+                rows = sum(1 for p in self._currently_processing if _has_prompt_left(p[0]))
+                width = max(1, min(width, budget // max(rows, 1)))
             responses: list[PromptProcessingBatch.Response] = []
             chunks: list[list[int]] = []
             finishing: list[int] = []  # rows whose chunk takes the prompt's last token
@@ -133,17 +155,17 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
                 zip(self._prompt_batch.uids, self._currently_processing, strict=True)
             ):
                 segments = progress[0]
-                if not segments or _only_last_token(segments):
+                if not _has_prompt_left(segments):
                     chunks.append([])  # prompt done: waits for start_generation
                     continue
-                chunk = segments[0][: self.prefill_step_size]
+                chunk = segments[0][:width]
                 segments[0] = segments[0][len(chunk) :]
                 end_of_segment = not segments[0]
                 if end_of_segment:
                     segments.pop(0)
                     if (
                         _only_last_token(segments)
-                        and len(chunk) < self.prefill_step_size
+                        and len(chunk) < width
                         and uid not in self.last_token_apart
                         and self._split_model is not None
                     ):
@@ -272,8 +294,12 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
             # extend() appends: put the processing records in the batch's new order.
             order = [i for i in range(len(chunks)) if i not in set(active)] + active
             self._currently_processing = [self._currently_processing[i] for i in order]
+        seconds = time.perf_counter() - started
         self._counters.prompt_tokens += sum(len(c) for c in chunks)
-        self._counters.prompt_time += time.perf_counter() - started
+        self._counters.prompt_time += seconds
+        # The pass computes every row as wide as the longest chunk: its cost.
+        self.last_prefill_tokens = len(active) * max(len(c) for c in chunks)
+        self.last_prefill_seconds = seconds
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         """mlx-lm's ``next()`` in the phased order (decode, prefill, first tokens)."""
@@ -415,6 +441,11 @@ class _Logits:
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         return self._logits[:, None, :]
+
+
+def _has_prompt_left(segments: list[list[int]]) -> bool:
+    """More than the last token is left (the last one goes with the final chunk or apart)."""
+    return bool(segments) and not _only_last_token(segments)
 
 
 def _only_last_token(segments: list[list[int]]) -> bool:

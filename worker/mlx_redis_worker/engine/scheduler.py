@@ -1,10 +1,11 @@
 """The scheduler: a waiting queue in front of mlx-lm's continuous-batching BatchGenerator.
 
-Engine thread only. Each ``step`` admits a group of waiting requests (shortest prompt first,
-with an age bound: ``admission``) once the previous group's prompts are processed, reusing
-prefix-cache hits; then runs the generator's phases (``phased_generator``): a decode step for
-running sequences (skipped while prompts wait, up to ``max_consecutive_prefills`` steps in a
-row), a prefill chunk, and the first token of every sequence whose prefill just ended. It turns
+Engine thread only. Each ``step`` admits waiting requests into the free rows of the prefill
+batch (shortest prompt first, with an age bound: ``admission``), reusing prefix-cache hits;
+then runs the generator's phases (``phased_generator``): a decode step for running sequences,
+every step (stall-free: no prompt freezes running streams), a prefill chunk within the step's
+token budget (``prefill_pace``: about ``max_prefill_stall`` decode steps' time, a whole chunk
+with nothing decoding), and the first token of every sequence whose prefill just ended. It turns
 each sequence's token into text and, every ``stream_interval`` tokens, a ``RequestOutput``. A
 failure in one sequence's processing finishes that sequence with ``finish_reason="error"``; a
 failure of the batch step itself fails the sequences in the batch and starts a fresh generator,
@@ -31,6 +32,7 @@ from mlx_redis_worker.engine.config import SchedulerConfig
 from mlx_redis_worker.engine.grammar_rows import GrammarBatch, GrammarProcessor
 from mlx_redis_worker.engine.output_collector import RequestStreamState
 from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator, SplitModel
+from mlx_redis_worker.engine.prefill_pace import PrefillPace
 from mlx_redis_worker.engine.prefix_cache import SHARED_PREFIX, Admission, PrefixCache
 from mlx_redis_worker.engine.prompt import model_vocab_size
 from mlx_redis_worker.engine.request import Request, RequestOutput, RequestStatus
@@ -117,7 +119,11 @@ class Scheduler:
         self.total_prompt_tokens = 0
         self.total_completion_tokens = 0
         self.batch_failures = 0
-        self._prefills_since_decode = 0
+        self.pace = PrefillPace(
+            self.config.max_prefill_stall,
+            self.config.min_prefill_tokens,
+            self.config.prefill_step_size,
+        )
         # Wall time inside the generator's phases (model, sampling, waiting on the device): the
         # rest of a step's time is the engine's own host work.
         self.model_seconds = 0.0
@@ -202,10 +208,19 @@ class Scheduler:
             started = time.perf_counter()
             try:
                 generated = []
-                if self._decode_due(generator):
+                decoding = generator.num_decoding > 0
+                if decoding:
                     with self.grammar_rows.decoding():
                         generated = generator.decode()
-                self._store_prefixes(generator, generator.prefill())
+                    if generator.has_prefill_work:
+                        generator.wait_for_decode()
+                    self.pace.observe_decode(time.perf_counter() - started)
+                if generator.has_prefill_work:
+                    prefill = generator.prefill(self.pace.budget(decoding))
+                    self.pace.observe_prefill(
+                        generator.last_prefill_tokens, generator.last_prefill_seconds
+                    )
+                    self._store_prefixes(generator, prefill)
                 generated += generator.start_generation()
             except Exception as exc:
                 self._fail_batch(exc)
@@ -220,27 +235,16 @@ class Scheduler:
                 self._finish(sequence, "error", error=_describe(sequence.failure))
         return self._take_finished()
 
-    def _decode_due(self, generator: PhasedBatchGenerator) -> bool:
-        """First tokens first: while prompts wait, prefill without decoding the running batch,
-        for at most ``max_consecutive_prefills`` steps in a row."""
-        if generator.num_decoding == 0:
-            self._prefills_since_decode = 0
-            return False
-        if (
-            generator.has_prefill_work
-            and self._prefills_since_decode < self.config.max_consecutive_prefills
-        ):
-            self._prefills_since_decode += 1
-            return False
-        self._prefills_since_decode = 0
-        return True
-
     def _admit(self) -> None:
-        """Take the next prefill group once the generator has processed the previous one's
-        prompts: choosing late lets a short prompt that arrived meanwhile go first."""
-        if self._generator is not None and self._generator.has_prefill_work:
-            return
-        room = min(self.config.max_num_seqs - self.num_running, self.config.prefill_batch_size)
+        """Fill the prefill batch's free rows (``prefill_batch_size``) from the waiting queue,
+        choosing as late as that: a short prompt that arrived meanwhile goes first, and one
+        long prompt in prefill (its chunks bounded while others decode) does not hold back
+        the short ones behind it."""
+        prefilling = self._generator.num_prefilling if self._generator is not None else 0
+        room = min(
+            self.config.max_num_seqs - self.num_running,
+            self.config.prefill_batch_size - prefilling,
+        )
         group = pick_prefill_group(
             self.waiting,
             room,
@@ -509,6 +513,7 @@ class Scheduler:
             model_seconds=self.model_seconds,
             speculation=SpeculationStats.of(self.speculation),
             vision=self.vision_queue.stats() if self.vision_queue is not None else None,
+            prefill_pace=self.pace.stats(),
         )
 
     def open_requests(self) -> tuple[RequestProgress, ...]:

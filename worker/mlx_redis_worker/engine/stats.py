@@ -54,6 +54,20 @@ class SchedulerStats:
     speculation: SpeculationStats
     # A vision-language model's image work (None for a text model).
     vision: VisionStats | None = None
+    # The prefill budget beside decode steps (None for an embedding model).
+    prefill_pace: PrefillPaceStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPaceStats:
+    """The current budget (tokens a step may prefill while sequences decode) and the measures
+    it comes from (0.0 before the first measurement)."""
+
+    budget_tokens: int
+    decode_step_seconds: float
+    prefill_tokens_per_second: float
+    max_prefill_stall: float
+    min_prefill_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

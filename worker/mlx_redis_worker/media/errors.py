@@ -17,6 +17,7 @@ def missing_extra(exc: ImportError) -> MediaError:
     """A worker without the vision extra, asked to read media."""
     return MediaError(
         "invalid_field",
-        f"this worker cannot read images or videos ({exc.name} is not installed): "
-        "install mlx-redis-worker[vision]",
+        f"this worker cannot read images or videos ({exc.name} is not installed): its "
+        # A fixed form, not the host's checkout path: the producer reads this line.
+        "operator installs the vision extra, pip install '.[vision]' in the worker's checkout",
     )

@@ -13,16 +13,17 @@ its vectors were trained to be cut to; none, and only the full length is given).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from mlx_redis_protocol.install import install_command
 from mlx_redis_protocol.logs import one_line
 from mlx_redis_worker.engine.embedding_model import EmbeddingModel
 from mlx_redis_worker.models.loading import ModelUnavailable, locate_model
 
 SENTENCE_TRANSFORMERS_MODULES = "modules.json"
 MATRYOSHKA_KEY = "matryoshka_dimensions"
-INSTALL_HINT = "pip install 'mlx-redis-worker[embeddings]'"
 # What mlx-embeddings pools these architectures with: mean over the tokens (BERT, XLM-R).
 MEAN_POOLED = ("bert", "xlm-roberta", "xlm_roberta")
 
@@ -41,10 +42,15 @@ def load_embedding_model(name_or_path: str) -> EmbeddingModel:
     except ImportError as exc:
         raise ModelUnavailable(
             f"model {name_or_path!r} is an embedding model, and mlx-embeddings is not "
-            f"installed: {INSTALL_HINT}"
+            f"installed: {install_command('mlx-redis-worker', 'embeddings')}"
         ) from exc
     config = _json(folder / "config.json")
     _check_pooling(name_or_path, folder, config)
+    # The tokenizer's own threads (Rust's rayon, on by default) spin for work beside the
+    # engine thread's forward pass and the other requests' tokenizing: on the 2-core dev
+    # machine they cost the embedding engine 7% of its CPU per input (bench embeddings,
+    # tiny-embed), and the library's own batches 4%. An operator's setting is kept.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         model, tokenizer = load(str(folder))
     except Exception as exc:

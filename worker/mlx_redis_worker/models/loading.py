@@ -16,6 +16,7 @@ import mlx_lm
 from huggingface_hub.constants import HF_HUB_CACHE
 
 from mlx_redis_protocol.logs import one_line
+from mlx_redis_worker.models.fixture_packages import MissingFixturePackage
 from mlx_redis_worker.models.paths import FIXTURES, resolve_model
 from mlx_redis_worker.models.vision import (
     VisionModelError,
@@ -53,6 +54,10 @@ def locate_model(name_or_path: str) -> Path:
     if name_or_path in FIXTURES:
         try:
             return Path(resolve_model(name_or_path))
+        except MissingFixturePackage as exc:  # the one command that installs it
+            raise ModelUnavailable(
+                f"model fixture {name_or_path!r} cannot be prepared: {exc}"
+            ) from exc
         except Exception as exc:  # building the fixture failed (a missing package, disk full)
             raise ModelUnavailable(
                 f"model fixture {name_or_path!r} could not be prepared: {one_line(exc, typed=True)}"

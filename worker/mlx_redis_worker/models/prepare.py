@@ -8,8 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from mlx_redis_worker.models.encoders import MissingMiniLMError
-from mlx_redis_worker.models.gguf import MissingGGUFError
+from mlx_redis_worker.models.fixture_packages import MissingFixturePackage
 
 EXIT_MISSING_PACKAGE = 2
 
@@ -19,7 +18,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         folder = _prepare(args)
-    except (MissingGGUFError, MissingMiniLMError) as exc:
+    except MissingFixturePackage as exc:
         print(f"mlx-worker: {exc}", file=sys.stderr)
         return EXIT_MISSING_PACKAGE
     print(f"prepared in {time.monotonic() - started:.1f}s", file=sys.stderr)

@@ -199,6 +199,19 @@ def random_vision_weights(config: dict[str, Any], seed: int = SEED) -> dict[str,
     return random_parameters(module.Model(model_config), seed, desc="init smolvlm")
 
 
+def silence_padded_vocab(weights: dict[str, mx.array], used: int) -> dict[str, mx.array]:
+    """The head's rows past the tokenizer's ``used`` ids set to zero: a real model pads its
+    vocabulary with rows that never win, and a random one's would make ids no tokenizer
+    decodes (mlx-vlm's detokenizer fails on them). The maximum of thousands of random logits
+    is above zero, so greedy decoding never picks a padded id."""
+    return {
+        name: mx.concatenate([weight[:used], mx.zeros_like(weight[used:])])
+        if name.endswith("lm_head.weight") and weight.shape[0] > used
+        else weight
+        for name, weight in weights.items()
+    }
+
+
 def prepare_tiny_vision(
     size: VisionSize = "small",
     cache_dir: str | os.PathLike[str] | None = None,
@@ -216,7 +229,7 @@ def prepare_tiny_vision(
     tokenizer = vision_tokenizer(size)
     config = vision_config(size, tokenizer)
     config["torch_dtype"] = dtype
-    weights = random_vision_weights(config)
+    weights = silence_padded_vocab(random_vision_weights(config), tokenizer.get_vocab_size())
     if dtype == "bfloat16":
         weights = {name: weight.astype(mx.bfloat16) for name, weight in weights.items()}
     with atomic_folder(dest) as staging:

@@ -20,6 +20,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlx_redis_protocol.install import install_command
 from mlx_redis_protocol.logs import one_line
 
 # mlx-vlm model types whose language model and image merge fit the engine's batch.
@@ -45,12 +46,8 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 
 def vision_extra_hint() -> str:
-    """How to install the vision extra: from this checkout when running from one."""
-    root = Path(__file__).resolve().parents[3]
-    target = (
-        f"{root}[vision]" if (root / "pyproject.toml").is_file() else "mlx-redis-worker[vision]"
-    )
-    return f"pip install '{target}'"
+    """How to install the vision extra (from the checkout the worker came from)."""
+    return install_command("mlx-redis-worker", "vision")
 
 
 def load_vision_model(folder: Path, config: dict[str, Any]) -> tuple[Any, Any]:

@@ -11,7 +11,6 @@ from mlx_redis_gateway.api_keys import ApiKey
 from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.gateway import Gateway, answer, client_left
 from mlx_redis_gateway.openai_api import check_request_id
-from mlx_redis_gateway.quotas import read_lease
 from mlx_redis_gateway.shaping import ResponseShape
 
 
@@ -66,15 +65,9 @@ class RequestRoutes:
         return request_id, shape
 
     async def _admit_read(self, request: Request, key: ApiKey | None) -> str | None:
-        """A quota lease for reading the request named in the path (None without keys): a
-        read counts against its key's rate and concurrency like a completion."""
-        if key is None:
-            return None
+        """A quota lease for reading the request named in the path (None without keys)."""
         request_id = check_request_id(request.path_params["request_id"])
-        lease = read_lease(request_id)
-        await self.gateway.quotas.admit_or_refuse(key, lease, holder=request_id)
-        return lease
+        return await self.gateway.admit_read(key, request_id)
 
     async def _release(self, lease: str | None) -> None:
-        if lease is not None:
-            await self.gateway.quotas.release(lease)
+        await self.gateway.release_read(lease)

@@ -1,0 +1,271 @@
+"""Stall-free scheduling: running streams advance every step while long prompts prefill.
+
+Counted in engine steps, never seconds: whatever the machine's speed, a running sequence gets
+a token in every step, a prompt in prefill progresses by at least ``min_prefill_tokens`` a
+step, an abort frees its slot before the next step, and a short prompt is not held behind a
+long one. The pace's budget arithmetic is checked on its own with synthetic timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_redis_worker.engine.config import SchedulerConfig
+from mlx_redis_worker.engine.prefill_pace import PrefillPace
+from mlx_redis_worker.engine.request import Request, SamplingParams
+from mlx_redis_worker.engine.scheduler import Scheduler
+from tests.support.engines import MakeEngine, reference_tokens
+
+LONG = 20_000  # a coding agent's ordinary prompt
+
+
+def tokens_of_length(tokenizer: Any, length: int, seed: int = 0) -> list[int]:
+    vocab = [t for t in range(100, 2000) if t not in set(tokenizer.eos_token_ids)]
+    return [vocab[(7 * seed + 13 * i) % len(vocab)] for i in range(length)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
+def endless(tokenizer: Any) -> SamplingParams:
+    """Greedy with the model's EOS masked out: a stream that runs until it is aborted."""
+    eos = mx.array(sorted(tokenizer.eos_token_ids))
+
+    def no_eos(tokens: mx.array, logits: mx.array) -> mx.array:
+        return logits.at[:, eos].add(-mx.inf)
+
+    return SamplingParams(max_tokens=1_000_000, temperature=0.0, logits_processors=[no_eos])
+
+
+def scheduler_over(tiny_model: Any, stream: Any, **config: Any) -> Scheduler:
+    model, tokenizer = tiny_model
+    config.setdefault("max_prefill_wait", 3600.0)
+    scheduler = Scheduler(model, tokenizer, SchedulerConfig(enable_prefix_cache=False, **config))
+    scheduler.attach_stream(stream)
+    return scheduler
+
+
+def start_stream(scheduler: Scheduler, tokenizer: Any) -> None:
+    """Add request ``stream`` and step past the step that feeds its first token back through
+    the model (it streams nothing): from then on it gets a token a step."""
+    scheduler.add_request(Request("stream", tokens_of_length(tokenizer, 12), endless(tokenizer)))
+    streamed = 0
+    while streamed < 2:
+        streamed += sum(len(o.new_token_ids) for o in scheduler.step().outputs)
+
+
+def prefilled_tokens(scheduler: Scheduler) -> int:
+    generator = scheduler._generator
+    assert generator is not None
+    return int(generator.last_prefill_tokens)
+
+
+def test_a_running_stream_gets_a_token_every_step_while_a_long_prompt_prefills(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """The default budget, from this machine's measured speeds: the stream is never skipped
+    while a 20k-token prompt prefills, which progresses by at least ``min_prefill_tokens``
+    each step (its first steps: prefilling all of it takes minutes on a loaded 2-core CPU,
+    the next test follows a prompt to its end)."""
+    scheduler = scheduler_over(tiny_model, on_a_stream)
+    tokenizer = tiny_model[1]
+    start_stream(scheduler, tokenizer)
+    scheduler.add_request(Request("long", tokens_of_length(tokenizer, LONG, 1), greedy(2)))
+    floor = SchedulerConfig().min_prefill_tokens
+    for step in range(1, 7):
+        outputs = {o.request_id: o for o in scheduler.step().outputs}
+        assert len(outputs["stream"].new_token_ids) == 1, f"step {step}: the stream stalled"
+        assert "long" not in outputs
+        assert prefilled_tokens(scheduler) >= floor
+    stats = scheduler.stats().prefill_pace
+    assert stats is not None and stats.decode_step_seconds > 0
+    assert stats.prefill_tokens_per_second > 0
+    scheduler.abort_all()
+    scheduler.close()
+
+
+def test_a_long_prompt_beside_a_stream_progresses_every_step_to_its_end(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    scheduler = scheduler_over(tiny_model, on_a_stream)
+    tokenizer = tiny_model[1]
+    start_stream(scheduler, tokenizer)
+    length = 3000
+    scheduler.add_request(Request("long", tokens_of_length(tokenizer, length, 1), greedy(2)))
+    floor = SchedulerConfig().min_prefill_tokens
+    progress: list[int] = []
+    outputs: dict[str, Any] = {}
+    while "long" not in outputs:
+        outputs = {o.request_id: o for o in scheduler.step().outputs}
+        assert len(outputs["stream"].new_token_ids) == 1, f"step {len(progress)}: stalled"
+        progress.append(prefilled_tokens(scheduler))
+        assert len(progress) <= math.ceil(length / floor)
+    assert outputs["long"].new_token_ids  # its first token, in the step its prefill ended
+    # Every step but the last (the prompt's remainder) prefilled at least the floor.
+    assert min(progress[:-1], default=floor) >= floor
+    assert sum(progress) == length
+    scheduler.abort_all()
+    scheduler.close()
+
+
+def test_an_abort_mid_prefill_frees_the_slot_before_the_next_chunk(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    chunk = 1024  # a fixed budget: min = max
+    scheduler = scheduler_over(
+        tiny_model, on_a_stream, prefill_step_size=chunk, min_prefill_tokens=chunk, max_num_seqs=2
+    )
+    tokenizer = tiny_model[1]
+    start_stream(scheduler, tokenizer)
+    scheduler.add_request(Request("long", tokens_of_length(tokenizer, LONG, 1), greedy(2)))
+    for _ in range(3):
+        scheduler.step()
+        assert prefilled_tokens(scheduler) == chunk
+    assert scheduler.num_running == 2
+    scheduler.add_request(Request("next", tokens_of_length(tokenizer, 20, 2), greedy(2)))
+    assert scheduler.abort_request("long")
+    # The next step has no chunk of it: its slot goes to the waiting request, whose prompt is
+    # prefilled in that step (its first token with it) beside the stream's decode.
+    outputs = {o.request_id: o for o in scheduler.step().outputs}
+    assert outputs["long"].finish_reason == "abort"
+    assert outputs["next"].new_token_ids and len(outputs["stream"].new_token_ids) == 1
+    assert prefilled_tokens(scheduler) == 20
+    scheduler.abort_all()
+    scheduler.close()
+
+
+def test_an_abort_through_the_engine_lands_within_one_step_of_a_long_prefill(
+    tiny_model: Any, make_engine: MakeEngine
+) -> None:
+    chunk = 1024
+    engine = make_engine(tiny_model, prefill_step_size=chunk, min_prefill_tokens=chunk)
+    tokenizer = tiny_model[1]
+
+    async def scenario() -> tuple[str | None, int]:
+        await engine.start()
+        stream_id = await engine.add_request(tokens_of_length(tokenizer, 12), endless(tokenizer))
+        stream = engine.stream_outputs(stream_id)
+        await anext(stream)  # the stream decodes
+        long_id = await engine.add_request(tokens_of_length(tokenizer, LONG, 1), greedy(2))
+        await anext(stream)  # a step with the long prompt's first chunk has run
+        before = engine.stats().steps_executed
+        assert await engine.abort_request(long_id)
+        after = engine.stats().steps_executed
+        outputs = [o async for o in engine.stream_outputs(long_id)]
+        await engine.abort_request(stream_id)
+        async for _ in stream:  # to its final abort output
+            pass
+        await engine.stop()
+        return outputs[-1].finish_reason, after - before
+
+    reason, steps = asyncio.run(scenario())
+    # The abort waits for the step in progress at most: one chunk, never the whole prompt.
+    assert reason == "abort" and steps <= 1
+
+
+def test_a_short_prompt_is_not_held_behind_a_long_one_in_prefill(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """The long prompt's chunks are bounded while the stream decodes; a short prompt arriving
+    meanwhile takes a free row of the prefill batch and leaves with its first token at once,
+    long before the long prompt is done."""
+    chunk = 256
+    scheduler = scheduler_over(
+        tiny_model, on_a_stream, prefill_step_size=chunk, min_prefill_tokens=chunk
+    )
+    tokenizer = tiny_model[1]
+    start_stream(scheduler, tokenizer)
+    long = 4 * chunk
+    scheduler.add_request(Request("long", tokens_of_length(tokenizer, long, 1), greedy(2)))
+    scheduler.step()
+    short = tokens_of_length(tokenizer, 30, 2)
+    scheduler.add_request(Request("short", short, greedy(3)))
+    firsts: dict[str, int] = {}
+    tokens: list[int] = []
+    step = 1
+    while "long" not in firsts:
+        step += 1
+        for output in scheduler.step().outputs:
+            if output.new_token_ids:
+                firsts.setdefault(output.request_id, step)
+            if output.request_id == "short":
+                tokens += output.new_token_ids
+        assert step < 20
+    # Joined beside a prompt part-way through its prefill (padded to its length), the short
+    # one's greedy tokens are still mlx-lm's.
+    assert tokens == reference_tokens(tiny_model, short, 3)
+    # The rows in prefill share the budget: in step 2 the short prompt's 30 tokens and 128 of
+    # the long one's (256, 384, 640, 896, then its last 128 with its last token: step 5).
+    assert {r: firsts[r] for r in ("short", "long")} == {"short": 2, "long": 5}
+    scheduler.abort_all()
+    scheduler.close()
+
+
+# -- the pace's budget ---------------------------------------------------------------------
+
+
+def test_with_nothing_decoding_or_no_bound_prefill_runs_whole_chunks() -> None:
+    pace = PrefillPace(max_stall=1.0, min_tokens=32, max_tokens=2048)
+    assert pace.budget(decoding=False) == 2048
+    assert pace.budget(decoding=True) == 32  # nothing measured yet: the floor
+    assert PrefillPace(math.inf, 32, 2048).budget(decoding=True) == 2048
+
+
+def test_the_budget_settles_where_a_step_s_prefill_takes_the_stall() -> None:
+    """A pass costs a fixed 4 ms plus 50 µs a token, a decode step 10 ms: with a stall of 1.0
+    the budget converges to the 120 tokens whose pass takes 10 ms; with 2.0, to 320."""
+    for stall, settled in ((1.0, 120), (2.0, 320)):
+        pace = PrefillPace(max_stall=stall, min_tokens=32, max_tokens=2048)
+        for _ in range(60):
+            pace.observe_decode(0.010)
+            tokens = pace.budget(decoding=True)
+            pace.observe_prefill(tokens, 0.004 + 50e-6 * tokens)
+        assert abs(pace.budget(decoding=True) - settled) <= 2
+
+
+def test_a_pass_too_slow_for_the_stall_still_gets_the_floor() -> None:
+    pace = PrefillPace(max_stall=1.0, min_tokens=32, max_tokens=2048)
+    for _ in range(10):
+        pace.observe_decode(0.001)
+        pace.observe_prefill(32, 1.0)
+    assert pace.budget(decoding=True) == 32
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.floats(0.0, 100.0) | st.just(math.inf),
+    st.integers(1, 4096),
+    st.integers(1, 4096),
+    st.lists(
+        st.tuples(
+            st.floats(allow_nan=True, allow_infinity=True),
+            st.integers(-5, 10**6),
+            st.floats(allow_nan=True, allow_infinity=True),
+        ),
+        max_size=20,
+    ),
+)
+def test_the_budget_stays_between_the_floor_and_the_chunk(
+    stall: float, floor: int, chunk: int, samples: list[tuple[float, int, float]]
+) -> None:
+    pace = PrefillPace(max_stall=stall, min_tokens=floor, max_tokens=chunk)
+    for decode, tokens, seconds in samples:
+        pace.observe_decode(decode)
+        pace.observe_prefill(tokens, seconds)
+        budget = pace.budget(decoding=True)
+        assert min(floor, chunk) <= budget <= chunk
+        assert math.isfinite(pace.decode_seconds) and math.isfinite(pace.prefill_rate)
+
+
+@pytest.mark.parametrize("stall", [float("nan"), -1.0])
+def test_a_bad_stall_is_refused(stall: float) -> None:
+    with pytest.raises(ValueError, match="max_prefill_stall"):
+        SchedulerConfig(max_prefill_stall=stall)

@@ -1,0 +1,69 @@
+"""How many prompt tokens a step may prefill beside the running batch's decode.
+
+Chunked prefill with decode first (vLLM's scheduler, Sarathi-Serve's stall-free batching):
+while sequences are decoding, each step decodes them and spends a bounded share of its time on
+prompts. Sarathi sizes the share from an offline profile; here it comes from what this machine
+does as the engine runs, since the same worker serves a 2-core CPU and an H100: an
+exponential moving average of the decode step's seconds and of prefill tokens per second, both
+measured on the engine thread. The budget is the tokens that fit in ``max_stall`` decode steps
+at the measured prefill speed, kept between ``min_tokens`` (a long prompt always progresses)
+and ``max_tokens`` (the prefill chunk).
+
+The speed of a small chunk is lower than a large one's (a pass has fixed costs), so the budget
+found from it is conservative; the next step's budget grows toward the size whose pass takes
+the stall: the fixed point of ``tokens = speed(tokens) * stall``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from mlx_redis_worker.engine.stats import PrefillPaceStats
+
+# Weight of a new measurement: the budget follows a change of load within a few steps, and one
+# step slowed by something else (a grammar compile, the OS) moves it a third of the way.
+SMOOTHING = 0.3
+
+
+class PrefillPace:
+    """Engine thread only: fed with the timings of decode and prefill passes, asked for the
+    next step's prefill budget."""
+
+    def __init__(self, max_stall: float, min_tokens: int, max_tokens: int) -> None:
+        self.max_stall = max_stall
+        self.max_tokens = max_tokens
+        self.min_tokens = min(min_tokens, max_tokens)
+        self.decode_seconds = 0.0
+        self.prefill_rate = 0.0
+
+    def budget(self, decoding: bool) -> int:
+        """The prompt tokens this step may prefill: a whole chunk with nothing decoding, else
+        the tokens that take about ``max_stall`` decode steps (the minimum until both speeds
+        are measured)."""
+        if not decoding or math.isinf(self.max_stall):
+            return self.max_tokens
+        if self.decode_seconds <= 0.0 or self.prefill_rate <= 0.0:
+            return self.min_tokens
+        tokens = min(self.max_tokens, self.prefill_rate * self.decode_seconds * self.max_stall)
+        return max(self.min_tokens, int(tokens))
+
+    def observe_decode(self, seconds: float) -> None:
+        if seconds > 0.0 and math.isfinite(seconds):
+            self.decode_seconds = _average(self.decode_seconds, seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0.0 and math.isfinite(tokens / seconds):
+            self.prefill_rate = _average(self.prefill_rate, tokens / seconds)
+
+    def stats(self) -> PrefillPaceStats:
+        return PrefillPaceStats(
+            budget_tokens=self.budget(decoding=True),
+            decode_step_seconds=self.decode_seconds,
+            prefill_tokens_per_second=self.prefill_rate,
+            max_prefill_stall=self.max_stall,
+            min_prefill_tokens=self.min_tokens,
+        )
+
+
+def _average(current: float, sample: float) -> float:
+    return sample if current <= 0.0 else current + SMOOTHING * (sample - current)
