@@ -59,6 +59,11 @@ from mlx_redis_worker.daemon.job_queue import Delivery
 
 log = structlog.get_logger(__name__)
 
+# The least service a job's tenant is charged (its tag moves by at least this): a job that
+# ends having computed no token (its media refused, expired, aborted before it started)
+# still held a slot for its Redis round trips and event-loop time. Were it free, a tenant's
+# burst of refused jobs (image bombs) would all start before another tenant's next job.
+MIN_JOB_SERVICE: Final = 16
 # The consumer that holds jobs waiting for a fair pick. Not a valid worker id (parentheses),
 # so no worker can be it, and ``group prune`` never removes it (it holds pending entries).
 FAIR_CONSUMER: Final = "(fair-queue)"
@@ -220,7 +225,8 @@ class FairQueue:
 
     def ended(self, entry_id: str) -> None:
         """The job's task ended: its tenant's tag moves by the difference between its charge
-        and its tokens, sent with the next pick. A job nobody can follow (no readable request
+        and its tokens (at least ``MIN_JOB_SERVICE``), sent with the next pick; the served
+        window counts its tokens as they were. A job nobody can follow (no readable request
         id) keeps its charge."""
         running = self.running.pop(entry_id, None)
         if running is None:
@@ -228,7 +234,8 @@ class FairQueue:
         if running.request_id is not None:
             self._entry_of.pop(running.request_id, None)
             tenant, charged = running.charge.tenant, running.charge.tokens
-            self._settlements.append((tenant, running.tokens - charged, running.tokens))
+            service = max(running.tokens, MIN_JOB_SERVICE)
+            self._settlements.append((tenant, service - charged, running.tokens))
 
     def running_by_tenant(self) -> dict[str, int]:
         counts: dict[str, int] = {}
