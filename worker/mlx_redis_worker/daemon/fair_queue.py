@@ -7,16 +7,18 @@ id in its tenant's queue, then chooses the waiting job to start by start-time fa
 (SFQ) and hands that entry over to the worker with ``XCLAIM``. The entry never leaves the
 stream, so leases, reclaim, dead letters, attempt fences and acknowledgement stay as they are.
 
-Why start-time fair queuing, not deficit round robin: a job's cost (its tokens) is known
-only when it ends, and DRR needs it to decide whether a job fits a tenant's deficit. SFQ
-charges an estimate at the start (``max_tokens``) and settles the difference at the end
-(``FairQueue.settle``), and its bound holds for any cost: while two tenants are backlogged,
+Why start-time fair queuing, not deficit round robin: a job's cost (the prompt tokens it
+computes and the tokens it generates) is known only when it ends, and DRR needs it to decide
+whether a job fits a tenant's deficit. SFQ charges an estimate at the start (``max_tokens``
+and the prompt's bytes / 4) and settles the difference at the end (``FairQueue.ended``, sent
+with the next pick), and its bound holds for any cost: while two tenants are backlogged,
 their service divided by their weights never differs by more than one largest job each. A
 tenant that was idle comes back at the current virtual time (``max(V, F)``): idling banks no
 credit, so the window of service that counts is the time a tenant has jobs waiting.
 
 The Redis layout (all keys tagged with the model's name, so on a Cluster they share the
-stream's slot and one script sees them all) is spelled out in protocol/README.md.
+stream's slot and one script sees them all) is spelled out in protocol/README.md; the script,
+and how it survives others' writes to these keys, in ``fair_script``.
 """
 
 from __future__ import annotations
