@@ -163,15 +163,15 @@ def start_hosts(
             read_block_ms=load.read_block_ms,
         )
         first += count
-        stderr = (logs / f"host-{index}.log").open("w")
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "mlx_redis_worker.bench.fleet_host", spec.encode()],
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
+        with (logs / f"host-{index}.log").open("w") as stderr:  # the child keeps its copy
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "mlx_redis_worker.bench.fleet_host", spec.encode()],
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    text=True,
+                )
             )
-        )
     for index, process in enumerate(processes):
         assert process.stdout is not None
         line = process.stdout.readline().strip()  # "ready N" or "failed ..."
@@ -200,7 +200,6 @@ def stop_hosts(processes: Sequence[subprocess.Popen[str]]) -> list[str]:
 def gateway(url: str, prefix: str, logs: Path) -> Iterator[str]:
     """A gateway process on a free port; its base URL."""
     port = free_port()
-    log = (logs / "gateway.log").open("w")
     command = [
         sys.executable,
         "-m",
@@ -215,7 +214,8 @@ def gateway(url: str, prefix: str, logs: Path) -> Iterator[str]:
         "--prefix",
         prefix,
     ]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    with (logs / "gateway.log").open("w") as log:  # the child keeps its copy
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
