@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Final
 
+from redis.exceptions import ResponseError
+
 from mlx_redis_protocol.connection import RedisClient, as_text
 from mlx_redis_protocol.identifiers import is_valid_id
 from mlx_redis_protocol.keys import FairKeys
@@ -56,13 +58,14 @@ async def tenant_shares(
         pipe.zrange(fair.backlogged, 0, MAX_TENANTS_SHOWN - 1)
         for bucket in buckets:
             pipe.hgetall(fair.served(bucket))
-        replies: list[Any] = await pipe.execute()
+        replies: list[Any] = _readable(await pipe.execute(raise_on_error=False))
     # Written by workers' scripts, yet read as any bytes: what is not a tenant and a count
-    # is left out.
-    waiting = [t for t in (as_text(name) for name in replies[0]) if is_valid_id(t)]
+    # is left out, and a key of another type (someone else's write, repaired by the next
+    # pick) reads as empty.
+    waiting = [t for t in (as_text(name) for name in replies[0] or []) if is_valid_id(t)]
     served: dict[str, int] = {}
     for counts in replies[1:]:
-        for name, tokens in counts.items():
+        for name, tokens in (counts or {}).items():
             tenant, text = as_text(name), as_text(tokens)
             if is_valid_id(tenant) and text.isdigit():
                 served[tenant] = served.get(tenant, 0) + int(text)
@@ -71,11 +74,21 @@ async def tenant_shares(
         async with redis.pipeline(transaction=False) as pipe:
             for tenant in waiting:
                 pipe.zcard(fair.queue(tenant))
-            queued = await pipe.execute()
+            queued = _readable(await pipe.execute(raise_on_error=False))
     shares = [
-        TenantShare(tenant, int(count), served.get(tenant, 0))
+        TenantShare(tenant, int(count or 0), served.get(tenant, 0))
         for tenant, count in zip(waiting, queued, strict=True)
     ]
     idle = sorted((t for t in served if t not in set(waiting)), key=lambda t: -served[t])
     shares += [TenantShare(tenant, 0, served[tenant]) for tenant in idle]
     return shares[:MAX_TENANTS_SHOWN]
+
+
+def _readable(replies: list[Any]) -> list[Any]:
+    """The replies, a key of another type's (WRONGTYPE) as None; any other error raised."""
+    for reply in replies:
+        if isinstance(reply, ResponseError) and "WRONGTYPE" not in str(reply):
+            raise reply
+        if isinstance(reply, BaseException) and not isinstance(reply, ResponseError):
+            raise reply
+    return [None if isinstance(reply, ResponseError) else reply for reply in replies]

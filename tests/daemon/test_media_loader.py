@@ -5,6 +5,8 @@ where the issue says so, and the loader keeps serving the next job."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -19,6 +21,7 @@ from mlx_redis_protocol.messages import ImageInput, Job, VideoInput
 from mlx_redis_worker.daemon.media_loader import LoadedMedia, MediaLoader
 from mlx_redis_worker.daemon.media_pool import MediaPool
 from mlx_redis_worker.media.errors import MediaError
+from mlx_redis_worker.thread_priority import LOWEST_NICENESS
 from tests.support.media import image_file, png_bomb, serving_media, video_file
 from tests.support.waiting import run
 
@@ -104,7 +107,8 @@ def test_a_decompression_bomb_is_refused_from_its_header(redis_url: str, prefix:
     [
         (PNG[: len(PNG) // 2], "corrupt or truncated"),
         (image_file(3, (64, 64), "JPEG")[:300], "truncated|Truncated"),
-        (b"GIF89a" + b"\xff" * 40, "not a readable gif"),
+        # 16 x 16 pixels stated, then garbage (all 0xff would state 65,535 x 65,535: a bomb).
+        (b"GIF89a\x10\x00\x10\x00" + b"\xff" * 36, "not a readable gif"),
         (b"\x89PNG\r\n\x1a\n" + b"garbage" * 10, "not a readable png"),
     ],
 )
@@ -238,3 +242,53 @@ def test_tenants_take_turns_in_the_pool() -> None:
         return order
 
     assert run(main())[:3] == ["a0", "a1", "b0"]
+
+
+def test_a_bomb_is_refused_without_a_pool_turn(redis_url: str, prefix: str) -> None:
+    """Inline or from a blob, a bomb's header refuses it on the loop: the media pool runs
+    nothing for it (no decoding thread spent), while a real image after it takes one turn."""
+
+    async def main() -> list[int]:
+        pool = MediaPool(1)
+        done = []
+        async with Client(redis_url, prefix=prefix) as client:
+            await client.redis.set(client.keys.blob("bomb"), png_bomb())
+            loader = MediaLoader(
+                redis=client.redis,
+                keys=client.keys,
+                limits=DEFAULT_LIMITS,
+                pool=pool,
+                fetch=FetchPolicy(),
+            )
+            for source in (ImageInput(data=png_bomb()), ImageInput(blob="bomb")):
+                with pytest.raises(MediaError, match="65535x65535 pixels, over max_image_pixels"):
+                    await loader.load(_job((ImageInput(data=PNG), source)))
+                done.append(pool.stats.done)
+            await loader.load(_job((ImageInput(data=PNG),)))
+            done.append(pool.stats.done)
+        pool.close()
+        return done
+
+    # The good image before the bomb in each job is decoded (1 turn each); the bombs none.
+    assert run(main()) == [1, 2, 3]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness is per thread on Linux")
+def test_media_threads_run_at_the_lowest_priority() -> None:
+    """A tenant's decoding yields the CPU to the engine thread and the event loop."""
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def main() -> list[int]:
+        pool = MediaPool(2)
+
+        def niceness() -> int:
+            return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+        found = await asyncio.gather(*(pool.run(f"t{i}", niceness) for i in range(4)))
+        pool.close()
+        return list(found)
+
+    assert run(main()) == [LOWEST_NICENESS] * 4
+    # Per thread: the caller's (the event loop's) priority stays as it was.
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine

@@ -98,7 +98,10 @@ def test_hostile_files_end_their_jobs_and_the_worker_keeps_serving(
     workers, _ = vision_fleet
     png = image_file(5, (64, 64))
     hostile: list[tuple[dict[str, Any], str]] = [
-        ({"images": [png_bomb()]}, "limit_exceeded: job.images[0] has more pixels"),
+        (
+            {"images": [png_bomb()]},
+            "limit_exceeded: job.images[0] is 65535x65535 pixels, over max_image_pixels",
+        ),
         ({"images": [png_bomb(500, 500)]}, "500x500 pixels, over max_image_pixels"),
         ({"images": [png[: len(png) // 2]]}, "corrupt or truncated"),
         ({"images": [ImageInput(blob="never-stored")]}, "no such blob"),
@@ -140,7 +143,7 @@ def test_the_openai_sdk_sends_png_and_jpeg_files(
     )
     assert answer.choices[0].message.content
     assert answer.usage is not None and answer.usage.prompt_tokens > 20  # image tokens
-    with pytest.raises(openai.BadRequestError, match="more pixels"):
+    with pytest.raises(openai.BadRequestError, match="65535x65535 pixels"):
         client.chat.completions.create(
             model=VISION,
             max_tokens=6,

@@ -132,6 +132,38 @@ def test_inputs_over_a_limit_are_refused_before_the_batch(
     run(scenario())
 
 
+def test_a_burst_of_requests_shares_one_pass_and_a_bad_one_fails_alone(
+    embedder: Callable[..., EmbeddingEngineCore],
+) -> None:
+    async def scenario() -> None:
+        engine = embedder()
+        alone = vector((await engine.embed([TEXTS[0]])).vectors[0])
+        before = engine.scheduler.batches
+        # Asked in one turn of the loop: made together (one tokenizer call) and stepped together;
+        # a text the tokenizer refuses (a lone surrogate), an empty one and a token id outside
+        # the vocabulary fail their own requests only.
+        asked: list[list[str | list[int]]] = [[TEXTS[0]], ["\ud800 lone"], [TEXTS[1], ""]]
+        asked.append([[5, 4096]])
+        for text in TEXTS:
+            asked.append([text])
+        results = await asyncio.gather(
+            *(engine.embed(inputs) for inputs in asked), return_exceptions=True
+        )
+        assert isinstance(results[1], TypeError)
+        assert isinstance(results[2], ValueError) and "input[1] is an empty string" in str(
+            results[2]
+        )
+        assert isinstance(results[3], ValueError) and "token id 4096" in str(results[3])
+        good = [r for r in results if not isinstance(r, BaseException)]
+        assert len(good) == 1 + len(TEXTS)
+        assert engine.scheduler.batches - before == 1
+        np.testing.assert_allclose(vector(good[0].vectors[0]), alone, atol=2e-6)
+        np.testing.assert_allclose(vector(good[1].vectors[0]), alone, atol=2e-6)
+        assert engine.stats().scheduler.num_requests_processed == 1 + 1 + len(TEXTS)
+
+    run(scenario())
+
+
 def test_steps_hold_to_the_token_budget_and_an_abort_ends_a_long_request(
     embedder: Callable[..., EmbeddingEngineCore],
 ) -> None:

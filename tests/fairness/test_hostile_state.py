@@ -11,6 +11,7 @@ import structlog
 from mlx_redis_worker.daemon.fair_queue import FAIR_CONSUMER, FairQueue
 from mlx_redis_worker.daemon.fair_script import IDLE_TTL_SECONDS, NEWCOMER_ALLOWANCE
 from tests.fairness.test_pick import Fleet, request_ids, run
+from tests.fairness.test_pick import job as job_body
 
 
 async def serve(fleet: Fleet, fair: FairQueue, *, picks: int, tokens: int = 8) -> list[str]:
@@ -256,5 +257,69 @@ def test_tenant_weight_ignored_is_logged_once_per_change(redis_url: str, prefix:
             assert await fair.refresh_weights() == {}
             assert await fair.refresh_weights() == {}
         assert [e["event"] for e in logs].count("tenant_weights_unreadable") == 1
+
+    run(redis_url, prefix, scenario)
+
+
+def test_shares_read_keys_of_another_type_as_empty(redis_url: str, prefix: str) -> None:
+    """`models`, `stats` and the metrics read the same keys: a stray SET on them (before the
+    next pick repairs it) shows nothing there instead of failing the whole view."""
+
+    async def scenario(fleet: Fleet) -> None:
+        keys = fleet.keys.fair("m")
+        fair = fleet.fair("w1")
+        await fleet.add("r0", "t0")
+        await fleet.add("r1", "t1")
+        await fair.pick(0, now_ms=fleet.clock_ms)
+        await fleet.client.delete(keys.queue("t0"))
+        await fleet.client.set(keys.queue("t0"), "x")
+        shares = {s["tenant"]: s["queued"] for s in await fair.shares()}
+        assert shares == {"t0": 0, "t1": 1}
+        await fleet.client.delete(keys.backlogged)
+        await fleet.client.set(keys.backlogged, "x")
+        assert await fair.shares() == []
+
+    run(redis_url, prefix, scenario)
+
+
+def test_one_sweep_files_a_long_lost_list_again(redis_url: str, prefix: str) -> None:
+    """Every fair-share key deleted under 700 waiting jobs: one sweep (more calls while they
+    find lost entries) files them all again, and every job runs once."""
+
+    async def scenario(fleet: Fleet) -> None:
+        keys = fleet.keys.fair("m")
+        fair = fleet.fair("w1")
+        async with fleet.client.pipeline(transaction=False) as pipe:
+            for i in range(700):
+                fleet.clock_ms += 1
+                body = job_body(f"r{i}", f"t{i % 5}")
+                pipe.xadd(fleet.stream.stream, {"job": body}, id=f"{fleet.clock_ms}-0")
+            await pipe.execute()
+        await fair.pick(0, now_ms=fleet.clock_ms, intake=1024)
+        doomed = [keys.backlogged, keys.idle, keys.state]
+        doomed += [keys.queue(f"t{i}") for i in range(5)] + [keys.ages(f"t{i}") for i in range(5)]
+        await fleet.client.delete(*doomed)
+        await fair.sweep()
+        served = await serve(fleet, fair, picks=800)
+        assert sorted(served) == sorted(f"r{i}" for i in range(700))
+
+    run(redis_url, prefix, scenario)
+
+
+def test_a_newcomers_clock_far_ahead_is_reset(redis_url: str, prefix: str) -> None:
+    """`fresh` written far ahead (a finite number, yet no backlog of newcomers explains it)
+    would make every new tenant wait behind the known ones for good: the start tag it gives
+    a newcomer is out of range, and reset to virtual time."""
+
+    async def scenario(fleet: Fleet) -> None:
+        keys = fleet.keys.fair("m")
+        fair = fleet.fair("w1")
+        await fleet.add("k0", "known", max_tokens=8)
+        assert await serve(fleet, fair, picks=1) == ["k0"]
+        await fleet.client.hset(keys.state, "fresh", "1e14")
+        for i in range(10):
+            await fleet.add(f"k{i + 1}", "known", max_tokens=8)
+        await fleet.add("n0", "new", max_tokens=8)
+        assert "n0" in await serve(fleet, fair, picks=3)
 
     run(redis_url, prefix, scenario)

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from mlx_redis_gateway.address_cooldown import MAX_ADDRESSES, AddressCooldowns
+from mlx_redis_gateway.connection_table import address_group
 from tests.gateway.test_http_limits import closed, health, openai_error, read_answer
 from tests.support.gateway import GatewayFactory, GatewayProcess
 
@@ -197,3 +198,22 @@ def test_the_address_table_is_bounded_and_forgets_the_least_recent() -> None:
     assert cooldowns.hold("10.0.15.255") and not cooldowns.hold("10.0.15.255")
     cooldowns.release("10.0.15.255")
     assert cooldowns.hold("10.0.15.255")
+
+
+def test_a_crowd_of_addresses_refused_once_each_does_not_flush_a_cooling_one() -> None:
+    clock = Clock()
+    cooldowns = AddressCooldowns(refusals=2, seconds=10.0, max_held=1, clock=clock)
+    cooldowns.refused("offender")
+    cooldowns.refused("offender")
+    assert cooldowns.cooling("offender") == 10.0
+    for number in range(3 * MAX_ADDRESSES):
+        cooldowns.refused(f"10.{number // 65536}.{number // 256 % 256}.{number % 256}")
+    assert cooldowns.cooling("offender") == 10.0
+
+
+def test_an_ipv6_client_cools_down_per_64() -> None:
+    cooldowns = AddressCooldowns(refusals=2, seconds=10.0, max_held=1, clock=Clock())
+    cooldowns.refused(address_group("2001:db8:1:2::1"))
+    cooldowns.refused(address_group("2001:db8:1:2::99"))
+    assert cooldowns.cooling(address_group("2001:db8:1:2:ffff::7")) == 10.0
+    assert cooldowns.cooling(address_group("2001:db8:1:3::1")) == 0

@@ -20,6 +20,7 @@ from mlx_redis_protocol.keys import Keys
 from tests.protocol.test_client_models import heartbeat
 from tests.support.fleet import write_heartbeat_sync
 from tests.support.gateway import GatewayFactory, GatewayProcess
+from tests.support.waiting import wait_until
 
 MAX_BODY = 256 * 1024
 MAX_HEAD = 8 * 1024
@@ -287,3 +288,24 @@ def test_a_keep_alive_connection_serves_a_bounded_number_of_requests(
         assert [status for status, _, _ in answers] == [200, 200, 200]
         assert [headers.get("connection") for _, headers, _ in answers] == [None, None, "close"]
         assert closed(sock)
+
+
+def test_clients_that_leave_mid_upload_cost_a_log_line_not_a_traceback_each(
+    gateway: GatewayProcess,
+) -> None:
+    for _ in range(5):
+        with connect(gateway) as sock:
+            sock.sendall(
+                f"{CHAT_HEAD}Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                '{"model": "tiny"'.encode()
+            )
+    # Each left before its body was whole: the route's read saw it leave.
+    wait_until(
+        lambda: "client_left_mid_upload" in gateway.log_path.read_text(),
+        30,
+        lambda: f"the departures logged:\n{gateway.log_tail()}",
+    )
+    assert health(gateway) == 200
+    log = gateway.log_path.read_text()
+    assert "Traceback" not in log and "ClientDisconnect" not in log
+    assert log.count("client_left_mid_upload") <= 5

@@ -208,6 +208,9 @@ def _add_bench_commands(commands: Any) -> None:
         "--idle-seconds", type=float, default=5.0, help="idle fleet's Redis CPU sampled this long"
     )
     fleet.add_argument("--no-gateway", action="store_true", help="skip /v1/models, /status.json")
+    fleet.add_argument(
+        "--read-block-ms", type=int, default=1000, help="the workers' XREADGROUP BLOCK"
+    )
     fleet.set_defaults(func=_lazy("mlx_redis_worker.bench.fleet_bench", "run_fleet_bench"))
 
     gateway = benches.add_parser(

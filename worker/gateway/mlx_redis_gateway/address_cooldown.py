@@ -13,7 +13,11 @@ the next connection. At most ``max_held`` connections an address are held (and
 connection is reset right at accept (``SO_LINGER`` 0).
 
 The table of addresses is an LRU of ``MAX_ADDRESSES``: bounded whatever the number of
-clients. Behind a reverse proxy every client has the proxy's address: there the proxy
+clients; a full table drops an address that is not cooling down first, so a crowd of
+addresses refused once each does not flush a cooling one out. An IPv6 client counts per /64
+(``connection_table.address_group``), the block one host is given.
+
+Behind a reverse proxy every client has the proxy's address: there the proxy
 enforces the size limits (ops/README.md) and ``--cooldown-after-refusals 0`` turns this off.
 """
 
@@ -31,6 +35,8 @@ log = structlog.get_logger(__name__)
 
 MAX_ADDRESSES: Final = 4096
 MAX_HELD_TOTAL: Final = 256
+# Oldest addresses looked at for one that is not cooling down, when the table is full.
+EVICTION_SEARCH: Final = 64
 # Cool-downs that began are logged at most this often (with the count and the last address):
 # many addresses starting one each must not become a flood of log lines.
 COOLDOWN_LOG_SECONDS: Final = 1.0
@@ -72,7 +78,7 @@ class AddressCooldowns:
         if entry is None:
             entry = self._addresses[address] = _Address()
             if len(self._addresses) > MAX_ADDRESSES:
-                self._addresses.popitem(last=False)
+                self._evict(now)
         else:
             self._addresses.move_to_end(address)
         entry.refusals.append(now)
@@ -90,6 +96,18 @@ class AddressCooldowns:
                     count=self._started,
                 )
                 self._started, self._logged_at = 0, now
+
+    def _evict(self, now: float) -> None:
+        """Drop the oldest address that is not cooling down (among the oldest
+        ``EVICTION_SEARCH``; else the oldest): thousands of addresses sending one oversized
+        request each do not flush a cooling one out of the table."""
+        for searched, (address, entry) in enumerate(self._addresses.items()):
+            if searched >= EVICTION_SEARCH:
+                break
+            if entry.cooling_until <= now and not entry.held:
+                del self._addresses[address]
+                return
+        self._addresses.popitem(last=False)
 
     def cooling(self, address: str) -> float:
         """Seconds left of ``address``'s cool-down; 0 when it is not cooling down."""

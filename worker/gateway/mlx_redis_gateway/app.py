@@ -27,14 +27,14 @@ from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlx_redis_gateway.browser_guard import BrowserGuard
 from mlx_redis_gateway.errors import ApiError
 from mlx_redis_gateway.gateway import Gateway, unavailable
-from mlx_redis_gateway.http_limits import RequestLimits
+from mlx_redis_gateway.http_limits import RequestLimits, note_refusal
 from mlx_redis_gateway.routes.completions import CompletionRoutes
 from mlx_redis_gateway.routes.embeddings import EmbeddingRoutes
 from mlx_redis_gateway.routes.messages import MessageRoutes
@@ -87,6 +87,7 @@ def build_app(settings: GatewaySettings) -> Starlette:
         HTTPException: _http_error,
         RedisUnavailable: _unavailable,
         RedisError: _redis_error,
+        ClientDisconnect: _client_left,
     }
     app = Starlette(
         routes=routes,
@@ -135,6 +136,14 @@ def _answer(
         status_code=error.status_for(path),
         headers={**(headers or {}), **error.headers()},
     )
+
+
+async def _client_left(request: Request, exc: Exception) -> Response:
+    """A client that closed its connection before its body arrived whole: counted in the
+    refusals' log (one line a second at most, with a count), not a traceback each; the answer
+    goes nowhere."""
+    note_refusal("client_left_mid_upload")
+    return Response(status_code=400)
 
 
 async def _unavailable(request: Request, exc: Exception) -> Response:

@@ -192,6 +192,13 @@ class _RefusalLog:
 
 
 _refusals = _RefusalLog()
+
+
+def note_refusal(code: str) -> None:
+    """Count a refusal of ``code`` in the refusals' log (at most a line a second a kind)."""
+    _refusals.note(code)
+
+
 # What a refused connection is closed with: SO_LINGER on with a zero timeout makes close()
 # send a reset and drop what is queued, with no FIN_WAIT or TIME_WAIT left behind.
 _RESET_ON_CLOSE: Final = struct.pack("ii", 1, 0)
@@ -259,9 +266,10 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
                 )
                 return
             if self.client is not None:
-                cooling = cooldowns.cooling(self.client[0])
+                address = address_group(self.client[0])
+                cooling = cooldowns.cooling(address)
                 if cooling > 0:
-                    self._turn_away(self.client[0], cooling)
+                    self._turn_away(address, cooling)
                     return
             self._arm_head_timer()
 
@@ -436,7 +444,7 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
         def on_response_complete(self) -> None:
             scope = getattr(self, "scope", None)
             if scope is not None and scope.get(SIZE_REFUSED) and self.client is not None:
-                cooldowns.refused(self.client[0])
+                cooldowns.refused(address_group(self.client[0]))
             self._keyed = bool(scope and scope.get(KEYED))
             super().on_response_complete()
             if self.timeout_keep_alive_task is not None and not self._keyed:
@@ -450,7 +458,7 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
         def _refuse(self, status: int, message: str, kind: str, code: str, path: str = "") -> None:
             _refusals.note(code)
             if code in _SIZE_REFUSALS and self.client is not None:
-                cooldowns.refused(self.client[0])
+                cooldowns.refused(address_group(self.client[0]))
             body = error_body(message, kind, code, status, path)
             head = (
                 f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"

@@ -354,6 +354,8 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
             return await _measure(bench, prompts, args.repeat)
 
         results = asyncio.run(run())
+        # Before the teardown: a worker still busy with an attacker's long prompts may not
+        # stop in time, and the table must not be lost with it.
+        print(format_isolation(results), flush=True)
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    print(format_isolation(results))
     return 0

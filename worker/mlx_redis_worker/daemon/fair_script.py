@@ -41,8 +41,11 @@ NEWCOMER_ALLOWANCE: Final = 2 * DEFAULT_COST
 FORGET_AFTER: Final = 2.0**22
 MAX_IDLE: Final = 10_000
 IDLE_TTL_SECONDS: Final = 3600
-# Entries of the pending list one sweep visits at most (a call's bounded work).
-SWEEP_COUNT: Final = 1024
+# Entries of the pending list one sweep call visits at most (as many as one intake decodes:
+# a call's bounded work), and the calls one sweep makes at most while they find entries to
+# file again (damage is usually a deleted key: many entries at once).
+SWEEP_COUNT: Final = 256
+SWEEP_CALLS: Final = 8
 # Repairs one call reports at most (the rest are repaired as well, and counted).
 MAX_REPAIRS_REPORTED: Final = 32
 
@@ -57,7 +60,8 @@ MAX_REPAIRS_REPORTED: Final = 32
 # intake count, 5 picks wanted, 6 now in ms (0: Redis' clock), 7 age bound in ms, 8 default
 # tenant, 9 max job bytes, 10 default cost, 11 queue key base, 12 served TTL, 13 sweep cursor
 # ('-' or '(' .. an entry id), 14 sweep count, 15 number of settlements, then (tenant, tag
-# delta, service) for each. Returns {picked, the stream's last id, repairs, sweep cursor}.
+# delta, service) for each. Returns {picked, the stream's last id, repairs, sweep cursor,
+# entries the sweep filed again}.
 class _LuaTemplate(Template):
     delimiter = "@"  # Lua's patterns use "$"
 
@@ -274,10 +278,9 @@ end
 
 -- Sweep: entries waiting for a pick that no queue holds (a deleted key, a call that stopped
 -- half way) are filed again; entries deleted from the stream are acknowledged.
-local sweep_next = sweep_from
+local sweep_next, refiled = sweep_from, 0
 if sweep_count > 0 then
   local rows = redis.call('XPENDING', stream, group, sweep_from, '+', sweep_count, fair)
-  local refiled = 0
   for _, row in ipairs(rows) do
     local id = row[1]
     local entry = redis.call('XRANGE', stream, id, id)
@@ -360,7 +363,7 @@ redis.call('ZREMRANGEBYRANK', idle, 0, -(@MAX_IDLE + 1))
 redis.call('EXPIRE', idle, @IDLE_TTL)
 if unreported > 0 then repaired(base, unreported .. ' more repairs') end
 local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
-return {picked, last[1] and last[1][1] or '0-0', repairs, sweep_next}
+return {picked, last[1] and last[1][1] or '0-0', repairs, sweep_next, refiled}
 """)
 
 PICK: Final = _PICK.substitute(

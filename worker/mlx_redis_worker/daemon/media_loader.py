@@ -6,8 +6,10 @@
 2. The bytes: a blob read with ``GETRANGE`` up to its limit (a value swapped for a bigger one
    meanwhile is still cut at the limit, and refused), a URL fetched only from an allowed host
    (``media_fetch``), on a thread.
-3. Decoding (``mlx_redis_worker.media``) in the worker's ``MediaPool``, off the event loop and
-   the engine thread, tenants taking turns.
+3. The image's header sniffed on the loop (``media.header``, no decoder): a format not
+   allowed, or a decompression bomb's stated size, is refused here, without a pool turn.
+4. Decoding (``mlx_redis_worker.media``) in the worker's ``MediaPool``, off the event loop and
+   the engine thread, tenants taking turns, its threads at the lowest CPU priority.
 
 Any refusal is a ``MediaError`` with the protocol's code; the job ends ``invalid_job``.
 """
@@ -27,6 +29,7 @@ from mlx_redis_protocol.media_fetch import FetchPolicy, fetch_media
 from mlx_redis_protocol.messages import ImageInput, Job, VideoInput
 from mlx_redis_worker.daemon.media_pool import MediaPool
 from mlx_redis_worker.media.errors import MediaError, missing_extra
+from mlx_redis_worker.media.header import check_image_header
 
 
 @dataclass
@@ -157,6 +160,7 @@ class MediaLoader:
             raise MediaError(exc.code, exc.message) from None
 
     async def _image(self, tenant: str, data: bytes, what: str, detail: str | None) -> Any:
+        check_image_header(data, self.limits, what=what)
         decode = _decoder("decode_image")
         image = await self.pool.run(
             tenant, lambda: decode(data, self.limits, what=what, detail=detail)

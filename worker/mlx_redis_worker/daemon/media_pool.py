@@ -5,7 +5,9 @@ Decoding and resizing run here, off the event loop and off the engine thread. Th
 per tenant, and a freed thread goes to the tenants in turn (round robin), so one tenant's
 flood of 50 MB images delays another tenant's image by one decode at most, not by the whole
 flood. The queue is bounded by the worker's slots: each waiting piece is a job's.
-Pillow and FFmpeg release the GIL while they decode, so the engine thread keeps stepping.
+Pillow and FFmpeg release the GIL while they decode, so the engine thread keeps stepping;
+the threads run at the lowest CPU priority, so on a machine short of cores the engine
+thread's steps (every tenant's tokens) and the event loop come before one tenant's images.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
+
+from mlx_redis_worker.thread_priority import lower_this_thread
 
 T = TypeVar("T")
 
@@ -36,7 +40,9 @@ class MediaPool:
     def __init__(self, threads: int) -> None:
         if threads < 1:
             raise ValueError("the media pool needs at least one thread")
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="media")
+        self._executor = ThreadPoolExecutor(
+            threads, thread_name_prefix="media", initializer=lower_this_thread
+        )
         self._threads = threads
         self._running = 0
         self._queues: dict[str, deque[asyncio.Future[None]]] = {}

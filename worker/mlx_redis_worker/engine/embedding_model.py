@@ -39,19 +39,27 @@ class EmbeddingModel:
 
     # -- inputs (the caller's thread) --------------------------------------------------------
 
-    def inputs_ids(self, items: list[str | list[int]]) -> list[list[int]]:
-        """The model's input for each text or list of token ids, the texts tokenized in one
-        batch (``ValueError`` naming the first input the model cannot take)."""
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """The token ids of each text (no special tokens), in one tokenizer call."""
+        if not texts:
+            return []
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    def inputs_ids(
+        self, items: list[str | list[int]], tokenized: list[list[int]] | None = None
+    ) -> list[list[int]]:
+        """The model's input for each text or list of token ids (``ValueError`` naming the first
+        input the model cannot take). ``tokenized``: the ``tokenize`` of the items' texts, in
+        order, where the caller tokenized them in a larger batch; else they are tokenized here,
+        together."""
         texts = [item for item in items if isinstance(item, str)]
         if any(not text for text in texts):
             empty = next(i for i, item in enumerate(items) if item == "")
             raise ValueError(f"input[{empty}] is an empty string")
-        encoded = iter(
-            self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        )
+        encoded = iter(self.tokenize(texts) if tokenized is None else tokenized)
         result = []
         for index, item in enumerate(items):
-            body = list(next(encoded)) if isinstance(item, str) else self._token_ids(item, index)
+            body = next(encoded) if isinstance(item, str) else self._token_ids(item, index)
             ids = [*self.special_prefix, *body, *self.special_suffix]
             if len(ids) > self.max_input_tokens:
                 raise ValueError(

@@ -125,11 +125,19 @@ class EngineBase(Generic[S]):
             raise ValueError(f"request_id {request_id!r} is already in flight")
         if not self._running:
             await self.start()
+        self._register(request, collect=collect)
+        self._submit([request])
+        return request_id
+
+    def _register(self, request: Any, *, collect: bool) -> None:
+        """Event loop: make a checked request's way out (its loop, its collector when
+        ``collect``); ``_submit`` then hands it to the engine thread."""
+        request_id: str = request.request_id
+        if request_id in self._request_loops:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
         if collect:
             self._output_collectors[request_id] = RequestOutputCollector(aggregate=True)
         self._request_loops[request_id] = asyncio.get_running_loop()
-        self._submit([request])
-        return request_id
 
     def _submit(self, requests: list[Any]) -> None:
         """Hand requests to the scheduler on the engine thread; one it refuses (a full queue)

@@ -27,10 +27,7 @@ run in ``grammar_rows``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -43,6 +40,7 @@ import numpy as np
 
 from mlx_redis_worker.engine.config import GrammarLimits
 from mlx_redis_worker.engine.request import ResponseFormat
+from mlx_redis_worker.thread_priority import lower_this_thread
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions, LLParserLimits
@@ -58,9 +56,6 @@ _CACHED_GRAMMARS: Final = 256
 _TIMES_KEPT: Final = 4096
 # How often a request waiting for its compile looks at the clock.
 _POLL_SECONDS: Final = 0.02
-# Compile threads run at the lowest niceness (Linux: per thread), so on a machine short of
-# cores the engine thread's decode steps come before another tenant's compile.
-_COMPILE_NICENESS: Final = 19
 # llguidance's errors, by the words that name the limit a format went over.
 _LIMIT_WORDS: Final = (
     ("Too many items", "max_mask_items"),
@@ -205,7 +200,7 @@ class GrammarCompiler:
                     self._pool = ThreadPoolExecutor(
                         max_workers=1,
                         thread_name_prefix="mlxw-grammar",
-                        initializer=_lower_priority,
+                        initializer=lower_this_thread,  # before other tenants' steps
                     )
         limit_ms = self.limits.max_grammar_compile_ms
         limit = limit_ms / 1000
@@ -330,12 +325,3 @@ def _observe(future: asyncio.Future[CompiledGrammar]) -> None:
     """Retrieve an abandoned compile's outcome, so asyncio does not log it as never read."""
     if not future.cancelled():
         future.exception()
-
-
-def _lower_priority() -> None:
-    """Compile threads yield the CPU to the engine thread. Linux only, where niceness is per
-    thread and a thread id names the thread (elsewhere it could name another process)."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _COMPILE_NICENESS)

@@ -16,11 +16,10 @@ import warnings
 from PIL import Image, ImageOps
 
 from mlx_redis_protocol.limits import Limits
-from mlx_redis_protocol.media_formats import IMAGE_FORMATS, image_format
 from mlx_redis_protocol.messages import LOW_DETAIL_SIDE
 from mlx_redis_worker.media.errors import MediaError
+from mlx_redis_worker.media.header import check_image_header, check_pixels
 
-_ALLOWED = ", ".join(name.lower() for name in IMAGE_FORMATS)
 # Pillow warns of an image past MAX_IMAGE_PIXELS (and raises past twice that); our own
 # max_image_pixels check decides (a warning filter per call would not be thread-safe).
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
@@ -54,12 +53,9 @@ def decode_image(
 
 def open_image(data: bytes, limits: Limits, *, what: str = "image") -> Image.Image:
     """The image's header read (no pixel decoded): its format is allowed and its size
-    within ``max_image_pixels``. The image is lazy until ``load``."""
-    found = image_format(data)
-    if found is None:
-        raise MediaError(
-            "invalid_field", f"{what} is not an image of an allowed format ({_ALLOWED})"
-        )
+    within ``max_image_pixels`` (first as ``check_image_header`` sniffs it, then as Pillow
+    reads it). The image is lazy until ``load``."""
+    found = check_image_header(data, limits, what=what)
     try:
         image = Image.open(io.BytesIO(data), formats=[found])
     except Image.DecompressionBombError:
@@ -71,14 +67,7 @@ def open_image(data: bytes, limits: Limits, *, what: str = "image") -> Image.Ima
         raise MediaError(
             "invalid_field", f"{what} is not a readable {found.lower()} ({_why(exc)})"
         ) from None
-    width, height = image.size
-    if width < 1 or height < 1:
-        raise MediaError("invalid_field", f"{what} is {width}x{height} pixels")
-    if width * height > limits.max_image_pixels:
-        raise MediaError(
-            "limit_exceeded",
-            f"{what} is {width}x{height} pixels, over max_image_pixels ({limits.max_image_pixels})",
-        )
+    check_pixels(image.size, limits, what=what)
     return image
 
 
