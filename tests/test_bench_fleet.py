@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mlx_redis_worker.bench.fleet_bench import FleetLoad, measure_fleet
-from mlx_redis_worker.bench.fleet_engine import expected_text
+from mlx_redis_worker.bench.fleet_spec import expected_text
 
 WORKERS = 50
 REQUESTS = 150

@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Final
 
+from redis.exceptions import NoPermissionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from mlx_redis_protocol.catalogue import live_heartbeats, live_worker_ids
@@ -140,6 +141,10 @@ async def _collect(
     replies: dict[str, ControlReply] = {}
     deadline = time.monotonic() + timeout
     block_limit = longest_block(redis)
+    # Whether LPOP with a count may take what else is queued after each BLPOP: a broadcast
+    # to a thousand workers then costs a few round trips, not one per reply. An ACL without
+    # +lpop (granted before it was needed) falls back to one BLPOP per reply.
+    batched = True
     while len(replies) < expected and (remaining := deadline - time.monotonic()) > 0:
         raise_if_cancelled()
         block = max(min(remaining, block_limit), MIN_BLPOP_TIMEOUT)
@@ -152,10 +157,21 @@ async def _collect(
             continue
         if popped is None:
             continue
-        reply = decode_reply(popped[1], limits)
-        # The list name is unique to this command, but a confused worker could still answer
-        # another id; such a reply is not an answer to this command. One reply per worker: a
-        # second one (a reply pushed twice) must not stand in for a worker still to answer.
-        if reply.id == command.id:
-            replies.setdefault(reply.worker_id, reply)
+        raw = [popped[1]]
+        wanted = expected - len(replies) - 1
+        if batched and wanted > 0:
+            try:
+                more = await redis.lpop(command.reply_to, wanted)
+            except NoPermissionError:
+                batched = False
+            else:
+                raw += more if isinstance(more, list) else []
+        for value in raw:
+            reply = decode_reply(value, limits)
+            # The list name is unique to this command, but a confused worker could still
+            # answer another id; such a reply is not an answer to this command. One reply per
+            # worker: a second one (a reply pushed twice) must not stand in for a worker
+            # still to answer.
+            if reply.id == command.id:
+                replies.setdefault(reply.worker_id, reply)
     return list(replies.values())

@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable
 
+import pytest
+import redis
+
 from mlx_redis_protocol.activity import Activity, RequestActivity, decode_activity
 from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.messages import DoneEvent
 from mlx_redis_worker.daemon.activity import TokenHistory
 from tests.support.processes import WorkerFactory
@@ -101,3 +105,27 @@ async def _without(client: Client, key: str, request_id: str) -> Activity | None
     if activity is None or any(r.request_id == request_id for r in activity.requests):
         return None
     return activity
+
+
+@pytest.mark.timeout(120)
+def test_an_idle_worker_writes_its_activity_once_per_heartbeat(
+    workers: WorkerFactory, redis_url: str, prefix: str
+) -> None:
+    """Unchanged activity is rewritten with the heartbeat's rhythm, not every
+    activity_interval: over ten heartbeats of an idle worker (every 0.5 s in tests, activity
+    every 0.2 s), at most one activity write per heartbeat, where there were two or three."""
+    worker = workers.start("idle")
+    keys = Keys(prefix)
+    beat, active = keys.worker(worker.worker_id), keys.activity(worker.worker_id)
+    # No socket timeout: a read that times out drops the connection, and MONITOR with it.
+    client = redis.Redis.from_url(redis_url, socket_timeout=None)
+    writes = {beat: 0, active: 0}
+    with client.monitor() as monitor:
+        while writes[beat] < 11:
+            words = str(monitor.next_command()["command"]).split()
+            if len(words) > 1 and words[0].upper() == "SET" and words[1] in writes:
+                writes[words[1]] += 1
+    client.close()
+    # From the first heartbeat seen to the eleventh: ten intervals, at most one write each
+    # (and one for a change, such as a token bucket leaving the window).
+    assert 1 <= writes[active] <= 12, writes

@@ -254,3 +254,32 @@ async def _test_a_backlog_longer_than_one_intake_is_filed_while_slots_are_busy(
     # entries while its slots are busy (pick 0, a larger intake), so the next pick is b0.
     await fair.pick(0, now_ms=fleet.clock_ms, intake=INTAKE_WHILE_BUSY)
     assert request_ids(await fair.pick(1, now_ms=fleet.clock_ms)) == ["b0"]
+
+
+def test_refused_jobs_are_not_free(redis_url: str, prefix: str) -> None:
+    run(redis_url, prefix, _test_refused_jobs_are_not_free)
+
+
+async def _test_refused_jobs_are_not_free(fleet: Fleet) -> None:
+    """One slot; an attacker's 40 jobs that each end with no token computed (image bombs,
+    refused), queued before a victim's 4 jobs of 12 tokens: the victim's jobs take turns with
+    the refusals instead of waiting for all 40 (a refusal free of charge would put the
+    victim's 2nd job 41st)."""
+    fair = fleet.fair("w1")
+    for i in range(40):
+        await fleet.add(f"bomb{i}", "attacker", max_tokens=8)
+    for i in range(4):
+        await fleet.add(f"victim{i}", "victim", max_tokens=8)
+    order: list[str] = []
+    while len(order) < 44:
+        picked = await fair.pick(1, now_ms=fleet.clock_ms)
+        (delivery,) = picked.deliveries
+        fair.started(delivery, picked.charges[delivery.entry_id])
+        (request_id,) = request_ids(picked)
+        order.append(request_id)
+        if request_id.startswith("victim"):
+            fair.closed(request_id, 12)  # a refused bomb computes nothing: no closed()
+        fair.ended(delivery.entry_id)
+    starts = [n for n, request_id in enumerate(order) if request_id.startswith("victim")]
+    assert starts[-1] < 8, order  # every victim job within the first 8 starts
+    assert order.index("bomb39") == 43  # all of them ran, the attacker's last

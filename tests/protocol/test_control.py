@@ -5,13 +5,19 @@ from __future__ import annotations
 import time
 
 import pytest
+import redis
 from redis.asyncio import Redis
 
 from mlx_redis_protocol.client import Client
-from mlx_redis_protocol.control import longest_block
+from mlx_redis_protocol.codec_control import encode_reply
+from mlx_redis_protocol.connection import connect
+from mlx_redis_protocol.control import _collect, longest_block
 from mlx_redis_protocol.errors import ControlTimeout
-from mlx_redis_protocol.messages import ControlReply
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.limits import DEFAULT_LIMITS
+from mlx_redis_protocol.messages import ControlCommand, ControlReply
 from tests.protocol.fake_responder import FakeResponder
+from tests.support.acl import PASSWORD, MakeUser
 from tests.support.fleet import write_heartbeat
 from tests.support.waiting import run
 
@@ -146,3 +152,36 @@ def test_blpop_blocks_stay_inside_the_socket_timeout(redis_url: str) -> None:
         return blocks
 
     assert run(scenario()) == [2.5, float("inf"), 0.5]
+
+
+@pytest.mark.parametrize("lpop_granted", [True, False])
+def test_replies_already_queued_are_taken_in_one_pop_not_one_round_trip_each(
+    redis_url: str, prefix: str, acl_user: MakeUser, admin: redis.Redis, lpop_granted: bool
+) -> None:
+    """A broadcast to a large fleet: 300 replies waiting in the list are collected with one
+    BLPOP and one LPOP of the rest (before, 300 BLPOPs). A user whose ACL lacks LPOP (granted
+    before it was needed) still gets every reply, one BLPOP each."""
+    keys = Keys(prefix)
+    command = ControlCommand(kind="ping", id="c-1", reply_to=keys.reply("c-1"))
+    rules = ["on", f">{PASSWORD}", f"~{prefix}:*", "+@all", *([] if lpop_granted else ["-lpop"])]
+    _, url = acl_user(rules)
+    for index in range(300):
+        admin.rpush(
+            command.reply_to, encode_reply(ControlReply(id="c-1", ok=True, worker_id=f"w-{index}"))
+        )
+    before = _blpops(admin)
+
+    async def scenario() -> list[ControlReply]:
+        client = await connect(url)
+        try:
+            return await _collect(client, command, 300, 10.0, DEFAULT_LIMITS)
+        finally:
+            await client.aclose()
+
+    replies = run(scenario())
+    assert sorted(reply.worker_id for reply in replies) == sorted(f"w-{i}" for i in range(300))
+    assert _blpops(admin) - before == (1 if lpop_granted else 300)
+
+
+def _blpops(admin: redis.Redis) -> int:
+    return int(admin.info("commandstats").get("cmdstat_blpop", {}).get("calls", 0))

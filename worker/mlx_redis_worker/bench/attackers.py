@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -317,7 +318,8 @@ async def keep_alive_sockets(target: Target) -> None:
                     "127.0.0.1", target.port, local_addr=address
                 )
             except OSError as exc:
-                target.statuses[f"connect failed: {type(exc).__name__}"] += 1
+                reason = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+                target.statuses[f"connect failed: {reason}"] += 1
                 await asyncio.sleep(0.5)
                 continue
             try:

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -35,14 +36,14 @@ import redis
 from mlx_redis_protocol.catalogue import fleet_models
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.messages import DeltaEvent, DoneEvent, Event, ResetEvent
-from mlx_redis_worker.bench.fleet_engine import TICKS_PER_SECOND, expected_text, ticks
-from mlx_redis_worker.bench.fleet_host import HostSpec
+from mlx_redis_worker.bench.fleet_spec import TICKS_PER_SECOND, HostSpec, expected_text, ticks
 from mlx_redis_worker.local_redis import LocalCluster, RedisServer, free_port
 
 T = TypeVar("T")
 MODEL = "sim"
 READY_TIMEOUT = 600.0
 CONTROL_TIMEOUT = 30.0
+WORKERS_PER_HOST = 250
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,7 @@ class FleetLoad:
     rate: float = 50.0  # submits per second; 0: all at once
     idle_seconds: float = 5.0
     gateway: bool = True
+    read_block_ms: int = 1000  # the workers' XREADGROUP BLOCK (their --read-block-ms)
 
 
 @dataclass(slots=True)
@@ -101,7 +103,10 @@ class FleetResult:
 @contextlib.contextmanager
 def topology(kind: str, masters: int) -> Iterator[tuple[str, str, list[str]]]:
     """(URL, the workers' topology setting, every node's URL) of a private Redis."""
-    args = ["--maxclients", "20000"]
+    # Some 7 connections per worker: past Redis' default 10,000 clients at 1,500 workers.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    args = ["--maxclients", str(max(hard - 32, 1000))]
     if kind == "server":
         server = RedisServer(extra_args=args)
         server.start()
@@ -136,7 +141,9 @@ def redis_cpu_seconds(nodes: Sequence[str]) -> float:
 def start_hosts(
     url: str, kind: str, prefix: str, load: FleetLoad, epoch: float, logs: Path
 ) -> list[subprocess.Popen[str]]:
-    hosts = max(1, min(load.hosts, load.workers))
+    # At least one process per WORKERS_PER_HOST: each worker holds some 7 connections, and a
+    # process that imported mlx-lm may open at most 4096 files.
+    hosts = max(1, min(max(load.hosts, -(-load.workers // WORKERS_PER_HOST)), load.workers))
     per_host = [
         load.workers // hosts + (1 if i < load.workers % hosts else 0) for i in range(hosts)
     ]
@@ -153,17 +160,18 @@ def start_hosts(
             max_concurrency=load.max_concurrency,
             step_seconds=load.step_ms / 1000,
             epoch=epoch,
+            read_block_ms=load.read_block_ms,
         )
         first += count
-        stderr = (logs / f"host-{index}.log").open("w")
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "mlx_redis_worker.bench.fleet_host", spec.encode()],
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
+        with (logs / f"host-{index}.log").open("w") as stderr:  # the child keeps its copy
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "mlx_redis_worker.bench.fleet_host", spec.encode()],
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    text=True,
+                )
             )
-        )
     for index, process in enumerate(processes):
         assert process.stdout is not None
         line = process.stdout.readline().strip()  # "ready N" or "failed ..."
@@ -192,7 +200,6 @@ def stop_hosts(processes: Sequence[subprocess.Popen[str]]) -> list[str]:
 def gateway(url: str, prefix: str, logs: Path) -> Iterator[str]:
     """A gateway process on a free port; its base URL."""
     port = free_port()
-    log = (logs / "gateway.log").open("w")
     command = [
         sys.executable,
         "-m",
@@ -207,7 +214,8 @@ def gateway(url: str, prefix: str, logs: Path) -> Iterator[str]:
         "--prefix",
         prefix,
     ]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    with (logs / "gateway.log").open("w") as log:  # the child keeps its copy
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -463,6 +471,7 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
             rate=args.rate,
             idle_seconds=args.idle_seconds,
             gateway=not args.no_gateway,
+            read_block_ms=args.read_block_ms,
         )
         for kind in str(args.topology).split(","):
             for masters in (
@@ -471,7 +480,8 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
                 results.append(measure_fleet(kind, masters, load, logs))
                 print(table(results[-1:]).splitlines()[-1], flush=True)
     print(
-        f"\nsimulated fleet: {args.hosts} host processes, "
+        f"\nsimulated fleet: at least {args.hosts} host processes, one per "
+        f"{WORKERS_PER_HOST} workers, "
         f"--max-concurrency {args.max_concurrency}, "
         f"step {args.step_ms:g} ms, {args.requests} requests of {args.max_tokens} tokens at "
         f"{args.rate:g}/s, stream interval 1; load average {os.getloadavg()[0]:.2f} "

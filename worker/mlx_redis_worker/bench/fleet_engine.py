@@ -3,12 +3,13 @@
 ``SimulatedEngine`` steps on the worker's event loop instead of an engine thread: every
 ``step_seconds`` while it has work, it admits waiting requests into a batch of up to
 ``max_num_seqs``, gives each running sequence one token and hands the step's outputs to the
-step listener, as the real engine does (one call per step, every running request in it). Its
-text is made of known words (``expected_text``), so a subscriber checks a stream whole; each
-token's id is the time of the step that made it, in ticks of 100 µs since ``epoch`` (one clock
-for the whole machine), so a subscriber measures step-to-subscriber latency from the events
-alone. It subclasses ``EngineCore`` only so the daemon takes it where it takes an engine; it
-runs none of its machinery (``__init__`` takes no model and starts no thread).
+step listener, as the real engine does (one call per step, every running request in it).
+Its text is made of known words (``fleet_spec.expected_text``), so a subscriber checks a
+stream whole; each token's id is the time of the step that made it, in ticks of 100 µs
+since ``epoch`` (one clock for the whole machine), so a subscriber measures step-to-subscriber
+latency from the events alone. It subclasses ``EngineCore`` only so the daemon takes it where
+it takes an engine; it runs none of its machinery (``__init__`` takes no model, starts no
+thread).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
+from mlx_redis_worker.bench.fleet_spec import ticks, word
 from mlx_redis_worker.engine import EngineConfig, EngineCore, SamplingParams, SchedulerConfig
 from mlx_redis_worker.engine.request import RequestOutput, Transcript
 from mlx_redis_worker.engine.scheduler import QueueFullError
@@ -32,24 +34,6 @@ from mlx_redis_worker.engine.stats import (
     SchedulerStats,
     SpeculationStats,
 )
-
-WORDS: Final = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
-TICKS_PER_SECOND: Final = 10_000
-
-
-def word(index: int) -> str:
-    """The text of a simulated sequence's token ``index``."""
-    return WORDS[index % len(WORDS)] + " "
-
-
-def expected_text(tokens: int) -> str:
-    """The whole text of a simulated request that generated ``tokens`` tokens."""
-    return "".join(word(i) for i in range(tokens))
-
-
-def ticks(epoch: float, now: float | None = None) -> int:
-    """A step's time as a token id: 100 µs ticks since ``epoch``."""
-    return int(((time.time() if now is None else now) - epoch) * TICKS_PER_SECOND)
 
 
 class WordTokenizer:

@@ -14,36 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 import signal
 import sys
-from dataclasses import asdict, dataclass
 
 from mlx_redis_protocol.limits import DEFAULT_LIMITS
 from mlx_redis_protocol.logs import configure_logging
 from mlx_redis_worker.bench.fleet_engine import SimulatedEngine
+from mlx_redis_worker.bench.fleet_spec import HostSpec
 from mlx_redis_worker.daemon.settings import WorkerSettings
 from mlx_redis_worker.daemon.worker import Worker, scheduler_config
 
-
-@dataclass(frozen=True, slots=True)
-class HostSpec:
-    redis_url: str
-    topology: str  # "standalone" | "cluster"
-    prefix: str
-    model: str
-    id_prefix: str
-    first: int
-    count: int
-    max_concurrency: int
-    step_seconds: float
-    epoch: float
-    heartbeat_interval: float = 5.0
-    activity_interval: float = 1.0
-    reclaim_interval: float = 10.0
-    lease_seconds: float = 60.0
-
-    def encode(self) -> str:
-        return json.dumps(asdict(self))
+START_WAVE = 50
 
 
 def worker_settings(spec: HostSpec, index: int) -> WorkerSettings:
@@ -59,6 +41,7 @@ def worker_settings(spec: HostSpec, index: int) -> WorkerSettings:
         activity_interval=spec.activity_interval,
         reclaim_interval=spec.reclaim_interval,
         lease_seconds=spec.lease_seconds,
+        read_block_ms=spec.read_block_ms,
         drain_timeout=5.0,
         log_format="json",
         log_level="WARNING",
@@ -84,30 +67,47 @@ async def run_host(spec: HostSpec) -> int:
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    runs = [asyncio.create_task(worker.run()) for worker in workers]
-    ready = asyncio.gather(*(worker.ready.wait() for worker in workers))
-    first_end = asyncio.ensure_future(asyncio.wait(runs, return_when=asyncio.FIRST_COMPLETED))
-    await asyncio.wait((ready, first_end), return_when=asyncio.FIRST_COMPLETED)
-    if ready.done():
-        print(f"ready {len(workers)}", flush=True)
+    runs: list[asyncio.Task[int]] = []
+    # In waves, as a fleet comes up: a thousand workers checking their permissions at once
+    # (each some 70 commands) would time each other out on a small machine.
+    for first in range(0, len(workers), START_WAVE):
+        wave = workers[first : first + START_WAVE]
+        runs += [asyncio.create_task(worker.run()) for worker in wave]
+        failure = await _first_failure(wave, runs)
+        if failure is not None:
+            print(f"failed {failure}", flush=True)
+            stop.set()
+            break
     else:
-        ended = [task for task in runs if task.done()]
-        failure = ended[0].exception() if ended and not ended[0].cancelled() else None
-        print(f"failed {type(failure).__name__}: {failure}", flush=True)
-        stop.set()
+        print(f"ready {len(workers)}", flush=True)
     await stop.wait()
     for worker in workers:
         worker.request_stop()
     results = await asyncio.gather(*runs, return_exceptions=True)
-    ready.cancel()
-    first_end.cancel()
     failed = [r for r in results if isinstance(r, BaseException) or r != 0]
     print(f"stopped {len(results) - len(failed)} failed {len(failed)}", flush=True)
     return 0 if not failed else 1
 
 
+async def _first_failure(wave: list[Worker], runs: list[asyncio.Task[int]]) -> str | None:
+    """None once every worker of the wave serves; else why one of the runs ended."""
+    ready = asyncio.gather(*(worker.ready.wait() for worker in wave))
+    ended = asyncio.ensure_future(asyncio.wait(runs, return_when=asyncio.FIRST_COMPLETED))
+    await asyncio.wait((ready, ended), return_when=asyncio.FIRST_COMPLETED)
+    ready.cancel()
+    ended.cancel()
+    if all(worker.ready.is_set() for worker in wave):
+        return None
+    run = next(task for task in runs if task.done())
+    failure = run.exception() if not run.cancelled() else None
+    return f"{type(failure).__name__}: {failure}" if failure else f"a worker stopped ({run})"
+
+
 def main() -> int:
     spec = HostSpec(**json.loads(sys.argv[1]))
+    # Each worker holds some 7 connections; mlx-lm's import left the soft limit at 2048.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     configure_logging("json", "WARNING")
     return asyncio.run(run_host(spec))
 

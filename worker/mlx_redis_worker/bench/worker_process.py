@@ -66,7 +66,13 @@ def start_worker(
 
 def stop_worker(process: subprocess.Popen[bytes]) -> None:
     process.terminate()
-    process.wait(timeout=60)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        # Still draining (a prompt of 30k tokens in prefill, say): killed, so that the
+        # bench's own error, if any, is what it reports, not this teardown's.
+        process.kill()
+        process.wait(timeout=60)
 
 
 async def wait_ready(client: Client, workers: Sequence[Worker]) -> None:

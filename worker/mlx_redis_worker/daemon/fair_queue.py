@@ -7,16 +7,18 @@ id in its tenant's queue, then chooses the waiting job to start by start-time fa
 (SFQ) and hands that entry over to the worker with ``XCLAIM``. The entry never leaves the
 stream, so leases, reclaim, dead letters, attempt fences and acknowledgement stay as they are.
 
-Why start-time fair queuing, not deficit round robin: a job's cost (its tokens) is known
-only when it ends, and DRR needs it to decide whether a job fits a tenant's deficit. SFQ
-charges an estimate at the start (``max_tokens``) and settles the difference at the end
-(``FairQueue.settle``), and its bound holds for any cost: while two tenants are backlogged,
+Why start-time fair queuing, not deficit round robin: a job's cost (the prompt tokens it
+computes and the tokens it generates) is known only when it ends, and DRR needs it to decide
+whether a job fits a tenant's deficit. SFQ charges an estimate at the start (``max_tokens``
+and the prompt's bytes / 4) and settles the difference at the end (``FairQueue.ended``, sent
+with the next pick), and its bound holds for any cost: while two tenants are backlogged,
 their service divided by their weights never differs by more than one largest job each. A
 tenant that was idle comes back at the current virtual time (``max(V, F)``): idling banks no
 credit, so the window of service that counts is the time a tenant has jobs waiting.
 
 The Redis layout (all keys tagged with the model's name, so on a Cluster they share the
-stream's slot and one script sees them all) is spelled out in protocol/README.md.
+stream's slot and one script sees them all) is spelled out in protocol/README.md; the script,
+and how it survives others' writes to these keys, in ``fair_script``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ from mlx_redis_worker.daemon.job_queue import Delivery
 
 log = structlog.get_logger(__name__)
 
+# The least service a job's tenant is charged (its tag moves by at least this): a job that
+# ends having computed no token (its media refused, expired, aborted before it started)
+# still held a slot for its Redis round trips and event-loop time. Were it free, a tenant's
+# burst of refused jobs (image bombs) would all start before another tenant's next job.
+MIN_JOB_SERVICE: Final = 16
 # The consumer that holds jobs waiting for a fair pick. Not a valid worker id (parentheses),
 # so no worker can be it, and ``group prune`` never removes it (it holds pending entries).
 FAIR_CONSUMER: Final = "(fair-queue)"
@@ -218,7 +225,8 @@ class FairQueue:
 
     def ended(self, entry_id: str) -> None:
         """The job's task ended: its tenant's tag moves by the difference between its charge
-        and its tokens, sent with the next pick. A job nobody can follow (no readable request
+        and its tokens (at least ``MIN_JOB_SERVICE``), sent with the next pick; the served
+        window counts its tokens as they were. A job nobody can follow (no readable request
         id) keeps its charge."""
         running = self.running.pop(entry_id, None)
         if running is None:
@@ -226,7 +234,8 @@ class FairQueue:
         if running.request_id is not None:
             self._entry_of.pop(running.request_id, None)
             tenant, charged = running.charge.tenant, running.charge.tokens
-            self._settlements.append((tenant, running.tokens - charged, running.tokens))
+            service = max(running.tokens, MIN_JOB_SERVICE)
+            self._settlements.append((tenant, service - charged, running.tokens))
 
     def running_by_tenant(self) -> dict[str, int]:
         counts: dict[str, int] = {}

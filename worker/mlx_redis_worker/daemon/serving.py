@@ -91,6 +91,9 @@ class Serving:
         # Set when another worker took this one's id (its claim expired during an outage):
         # the heartbeat, registry member and consumers under the id are that worker's now.
         self.id_lost_to: str | None = None
+        # What the activity key last said (its buckets and requests) and when (monotonic).
+        self._activity_written: tuple[object, ...] | None = None
+        self._activity_written_at = -float("inf")
         # Supervised tasks down now (failed, waiting to restart): see ``supervise``.
         self.down: set[str] = set()
 
@@ -330,11 +333,23 @@ class Serving:
         )
 
     async def _activity(self) -> None:
-        """Best effort: a full Redis (noeviction) refuses it, and dashboards do without."""
+        """Written when it changed, else once per heartbeat interval (its TTL is the
+        heartbeat's): an idle worker costs Redis one write per heartbeat, not one per
+        ``activity_interval`` (with a thousand workers, most of the idle fleet's writes).
+        Best effort: a full Redis (noeviction) refuses it, and dashboards do without."""
+        activity = self.activity()
+        shown = (activity.buckets, activity.requests)
+        now = time.monotonic()
+        fresh = now - self._activity_written_at < self.settings.heartbeat_interval
+        if shown == self._activity_written and fresh:
+            return
         key = self.keys.activity(self.settings.worker_id)
         ttl_ms = int(self.settings.heartbeat_ttl * 1000)
-        with contextlib.suppress(OutOfMemoryError):
-            await self.redis.set(key, self.activity().encode(), px=ttl_ms)
+        try:
+            await self.redis.set(key, activity.encode(), px=ttl_ms)
+        except OutOfMemoryError:
+            return
+        self._activity_written, self._activity_written_at = shown, now
 
     async def stats(self, model: str | None) -> dict[str, Any]:
         """The worker's figures for the ``stats`` reply: per model (only ``model``'s when
