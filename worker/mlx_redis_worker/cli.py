@@ -102,7 +102,31 @@ def _add_bench_commands(commands: Any) -> None:
         metavar="MIN-MAX",
         help="mixed prompt lengths drawn from MIN..MAX (seeded) instead of --prompt-tokens each",
     )
+    engine.add_argument(
+        "--max-prefill-stall",
+        type=float,
+        default=None,
+        help="the engine's SchedulerConfig.max_prefill_stall (default: its own; inf: whole "
+        "prefill chunks beside each decode step)",
+    )
     engine.set_defaults(func=_lazy("mlx_redis_worker.bench.engine_bench", "run_bench"))
+
+    stall = benches.add_parser(
+        "stall",
+        help="running streams' inter-token gaps while a long prompt arrives, per prefill bound",
+    )
+    stall.add_argument("--model", default="tiny", help="tiny | smollm2 | a path or hub id")
+    stall.add_argument("--streams", type=int, default=4, help="running streams")
+    stall.add_argument(
+        "--long", default="2048,26000", help="comma-separated lengths of the long prompt"
+    )
+    stall.add_argument(
+        "--stalls",
+        default="inf,1.0",
+        help="comma-separated max_prefill_stall values (inf: whole chunks, the old bound)",
+    )
+    stall.add_argument("--repeat", type=int, default=1, help="rotations of all policies")
+    stall.set_defaults(func=_lazy("mlx_redis_worker.bench.stall_bench", "run_stall_bench"))
 
     e2e = benches.add_parser("e2e", help="Redis + worker + client vs engine alone")
     _add_load_flags(e2e)

@@ -321,6 +321,9 @@ def run_bench(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     levels = [int(c) for c in str(args.concurrency).split(",")]
     config = SchedulerConfig(max_num_seqs=max(levels), enable_prefix_cache=False)
+    if args.max_prefill_stall is not None:
+        config.max_prefill_stall = args.max_prefill_stall
+        config.__post_init__()  # checked as a built one is
     engine = EngineCore(
         model, tokenizer, EngineConfig(model_name=args.model, scheduler_config=config)
     )
@@ -453,6 +456,7 @@ def _describe(args: argparse.Namespace, model: Any) -> str:
     from importlib.metadata import version
 
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    stall = "default" if args.max_prefill_stall is None else args.max_prefill_stall
     prompt = (
         "prompts of {}-{} tokens (uniform, seeded)".format(*args.prompt_lengths)
         if args.prompt_lengths
@@ -462,5 +466,6 @@ def _describe(args: argparse.Namespace, model: Any) -> str:
         f"{args.repeat} rotations; model {args.model} ({params / 1e6:.1f}M params), "
         f"device {mx.default_device()}, "
         f"{platform.machine()} {platform.system()}, {prompt}, "
-        f"max_tokens {args.max_tokens}, mlx {version('mlx')}, mlx-lm {version('mlx-lm')}"
+        f"max_tokens {args.max_tokens}, max_prefill_stall {stall}, "
+        f"mlx {version('mlx')}, mlx-lm {version('mlx-lm')}"
     )
