@@ -480,7 +480,8 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
                 results.append(measure_fleet(kind, masters, load, logs))
                 print(table(results[-1:]).splitlines()[-1], flush=True)
     print(
-        f"\nsimulated fleet: {args.hosts} host processes, "
+        f"\nsimulated fleet: at least {args.hosts} host processes, one per "
+        f"{WORKERS_PER_HOST} workers, "
         f"--max-concurrency {args.max_concurrency}, "
         f"step {args.step_ms:g} ms, {args.requests} requests of {args.max_tokens} tokens at "
         f"{args.rate:g}/s, stream interval 1; load average {os.getloadavg()[0]:.2f} "
