@@ -205,3 +205,24 @@ def test_a_draft_model_default_needs_a_draft_model() -> None:
     assert (settings.speculative, settings.draft_model) == ("draft_model:3", "smollm2-draft")
     parsed = build_parser().parse_args(["run", "--draft-model", "smollm2-draft"])
     assert parsed.draft_model == "smollm2-draft"
+
+
+def test_the_prefill_stall_bound_reaches_the_engine_from_every_source(tmp_path: Path) -> None:
+    from mlx_redis_protocol.limits import DEFAULT_LIMITS
+    from mlx_redis_worker.daemon.worker import scheduler_config
+    from mlx_redis_worker.engine.config import SchedulerConfig
+
+    assert WorkerSettings().max_prefill_stall == SchedulerConfig().max_prefill_stall
+    config = tmp_path / "worker.toml"
+    config.write_text("max-prefill-stall = 3.5\n")
+    assert load_settings({}, {}, str(config)).max_prefill_stall == 3.5
+    from_env = load_settings({}, {"MLXW_MAX_PREFILL_STALL": "inf"})
+    assert from_env.max_prefill_stall == float("inf")
+    args = build_parser().parse_args(["run", "--max-prefill-stall", "0.5"])
+    from_flag = load_settings({"max_prefill_stall": args.max_prefill_stall}, {})
+    engine_config = scheduler_config(
+        max_concurrency=4, limits=DEFAULT_LIMITS, max_prefill_stall=from_flag.max_prefill_stall
+    )
+    assert engine_config.max_prefill_stall == 0.5
+    with pytest.raises(ValueError, match="max_prefill_stall must be >= 0"):
+        load_settings({}, {"MLXW_MAX_PREFILL_STALL": "nan"})

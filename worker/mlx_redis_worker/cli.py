@@ -470,6 +470,11 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
         "the draft model of speculative draft_model: a folder, hub id or fixture name "
         "(smollm2-draft); it must share the served models' tokenizer",
     ),
+    "max_prefill_stall": (
+        float,
+        "while sequences decode, a step's prefill may take about this many decode steps "
+        "(default 1.0; inf: a whole chunk each step, best burst throughput)",
+    ),
     "media_threads": (int, "threads decoding jobs' images and videos (default 2)"),
     "max_images": (int, "images in one job (default 16)"),
     "max_image_bytes": (int, "one image file (default 20 MiB)"),

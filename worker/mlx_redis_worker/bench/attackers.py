@@ -56,7 +56,8 @@ from mlx_redis_worker.bench.hostile_images import data_url, huge_image, picture,
 from mlx_redis_worker.bench.hostile_schemas import Schema, deep_anyof, nested_anyof
 
 FLOOD_CONNECTIONS = 200
-SCHEMA_CONNECTIONS = 4  # the attacker key's concurrency cap
+ATTACKER_MAX_CONCURRENT = 4  # the attacker key's concurrency cap (bench isolation's key)
+SCHEMA_CONNECTIONS = ATTACKER_MAX_CONCURRENT
 # 8 branches, 3 levels: 512 leaves, about 124 KiB (the default max_schema_bytes is 128 KiB).
 SCHEMA_WIDTH = 8
 HUGE_HEADER = 16 * 1024 * 1024
@@ -82,7 +83,7 @@ BIG_BODY_CONNECTIONS = 4  # the attacker key's concurrency cap
 # The many-tools attacker: a coding agent's tool list, each tool's description and parameters
 # a few hundred tokens, salted so that no prompt is a prefix-cache hit.
 MANY_TOOLS = 48
-TOOL_CONNECTIONS = 4  # the attacker key's concurrency cap
+TOOL_CONNECTIONS = ATTACKER_MAX_CONCURRENT
 
 
 class Target:

@@ -2,7 +2,8 @@
 
 One Redis (a private redis-server unless ``--redis-url``), one worker and one gateway with
 API keys: a **victim** key without limits and an **attacker** key (30 requests a minute, 4
-at once). Each phase runs the victim's load (``--concurrency`` greedy streams of
+at once); the worker has a slot for each victim stream and each of the attacker's requests.
+Each phase runs the victim's load (``--concurrency`` greedy streams of
 ``--max-tokens`` through ``POST /v1/completions``, one rotation's prompts) while one attacker
 runs beside it, or none (the baseline); a prober asks ``/health`` every 0.1 s throughout.
 Phases alternate with baselines (base, A, base, B, …, base), so each attacker's ratio is
@@ -43,7 +44,13 @@ import redis
 
 from mlx_redis_gateway.api_keys import add_key
 from mlx_redis_protocol.client import Client
-from mlx_redis_worker.bench.attackers import attacks, bindable, get, source
+from mlx_redis_worker.bench.attackers import (
+    ATTACKER_MAX_CONCURRENT,
+    attacks,
+    bindable,
+    get,
+    source,
+)
 from mlx_redis_worker.bench.e2e_bench import pct
 from mlx_redis_worker.bench.engine_bench import make_prompts
 from mlx_redis_worker.bench.gateway_bench import MODEL_NAME, Stream, _Connections, _gateway
@@ -316,10 +323,16 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
         prefix = f"bench{uuid.uuid4().hex[:8]}"
         keys = Path(directory) / "keys.toml"
         victim = add_key(keys, "victim", requests_per_minute=None, max_concurrent=None)
-        attacker = add_key(keys, "attacker", requests_per_minute=30, max_concurrent=4)
+        attacker = add_key(
+            keys, "attacker", requests_per_minute=30, max_concurrent=ATTACKER_MAX_CONCURRENT
+        )
         fair = ("--fair-share",) if args.fair_share else ()
+        # Slots for the victim's streams and the attacker's cap: what is measured is what one
+        # tenant's work costs another's steps (prefill, grammar, media, HTTP), not a queue the
+        # attacker's long requests fill first (fair share's question: --fair-share).
+        slots = args.concurrency + ATTACKER_MAX_CONCURRENT
         worker = start_worker(
-            url, prefix, f"{prefix}-worker", [f"{MODEL_NAME}={args.model}"], args.concurrency, *fair
+            url, prefix, f"{prefix}-worker", [f"{MODEL_NAME}={args.model}"], slots, *fair
         )
         stack.callback(stop_worker, worker.process)
         port = free_port()

@@ -109,6 +109,10 @@ class WorkerSettings:
     prefix: str = DEFAULT_PREFIX
     worker_id: str = field(default_factory=default_worker_id)
     max_concurrency: int = 32
+    # Stall-free scheduling: while sequences decode, one engine step's prefill may take about
+    # this many measured decode steps (inf: a whole prefill chunk beside every decode step,
+    # the best burst throughput; smaller: steadier streams beside long prompts).
+    max_prefill_stall: float = 1.0
     # What one job's format (response_format, or its tools' grammar) may cost (over any:
     # invalid_job naming it), in llguidance's units of work, then two wall-clock safety nets:
     # see GrammarLimits. Its defaults, written here so that reading settings does not import
@@ -203,6 +207,8 @@ class WorkerSettings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.max_prefill_stall >= 0:  # NaN too; inf allowed
+            raise ValueError(f"max_prefill_stall must be >= 0, got {self.max_prefill_stall}")
         if self.drain_timeout < 0:
             raise ValueError("drain_timeout must be >= 0")
         if not self.redis_start_timeout >= 0:  # NaN too

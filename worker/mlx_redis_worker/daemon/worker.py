@@ -47,7 +47,7 @@ from mlx_redis_worker.engine import (
     EngineCore,
     SchedulerConfig,
 )
-from mlx_redis_worker.engine.config import DraftModel, GrammarLimits
+from mlx_redis_worker.engine.config import DEFAULT_MAX_PREFILL_STALL, DraftModel, GrammarLimits
 from mlx_redis_worker.engine.embedding_model import EmbeddingModel
 from mlx_redis_worker.engine.embedding_scheduler import EmbeddingLimits
 from mlx_redis_worker.engine.speculative_batch import check_draft_model
@@ -78,7 +78,11 @@ class LoadedModel:
 
 
 def scheduler_config(
-    *, max_concurrency: int, limits: Limits, grammar_limits: GrammarLimits | None = None
+    *,
+    max_concurrency: int,
+    limits: Limits,
+    grammar_limits: GrammarLimits | None = None,
+    max_prefill_stall: float = DEFAULT_MAX_PREFILL_STALL,
 ) -> SchedulerConfig:
     """The engine's batch for a worker. The caps a job meets twice (the decoder, then the
     engine) are the wire's, so the engine never refuses for another number what the decoder
@@ -89,6 +93,7 @@ def scheduler_config(
         max_prompt_tokens=limits.max_prompt_tokens,
         max_logprobs=limits.max_logprobs,
         grammar_limits=grammar_limits or GrammarLimits(),
+        max_prefill_stall=max_prefill_stall,
     )
 
 
@@ -183,6 +188,7 @@ class Worker:
             max_concurrency=settings.max_concurrency,
             limits=DEFAULT_LIMITS,
             grammar_limits=settings.grammar_limits,
+            max_prefill_stall=settings.max_prefill_stall,
         )
         draft = self._draft_model()
         for served in self._loaded_models():

@@ -49,6 +49,10 @@ class GrammarLimits:
 GRAMMAR_LIMITS = tuple(limit.name for limit in fields(GrammarLimits))
 
 
+# How many measured decode steps one step's prefill may take beside decoding streams.
+DEFAULT_MAX_PREFILL_STALL = 1.0
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     """How the scheduler batches work over mlx-lm's BatchGenerator.
@@ -77,7 +81,7 @@ class SchedulerConfig:
     prefill_step_size: int = 2048
     max_waiting_requests: int = 1024
     max_prefill_wait: float = 1.0
-    max_prefill_stall: float = 1.0
+    max_prefill_stall: float = DEFAULT_MAX_PREFILL_STALL
     min_prefill_tokens: int = 32
     max_prompt_tokens: int = 32768
     max_logprobs: int = SamplingParams.MAX_LOGPROBS
