@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -40,6 +41,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,9 @@ ATTACK_LEAD_SECONDS = 1.0  # the attack under way before the victim starts
 # that holds the victim off for minutes (a prefill of 4 x 30k tokens on a CPU) gives its
 # verdict, and the run goes on to the next attacker instead of failing at the gateway's 600 s.
 VICTIM_PHASE_TIMEOUT = 300.0
+# After an attack phase, the bench waits (up to this) until the worker holds no job: the next
+# baseline measures the victim alone, not beside the attacker's aborted work still running.
+SETTLE_TIMEOUT = 180.0
 
 
 @dataclass(slots=True)
@@ -91,6 +96,8 @@ class Phase:
     gap_p99: float = 0.0  # seconds between two of a victim stream's events with text, p99
     finished: int = 0  # the attacker's streams read to their end
     starved: bool = False  # the victim's streams were not done in VICTIM_PHASE_TIMEOUT
+    # Seconds the worker still held jobs after the attacker left (its aborts taking effect).
+    settle_seconds: float = 0.0
 
 
 class Attacker:
@@ -178,6 +185,8 @@ class Bench:
     # of the attacker key does not turn a tenant inside its quota into one refused (429).
     prompt_keys: list[str] = field(default_factory=list)
     prompt_files: dict[str, str] = field(default_factory=dict)  # long-prompt attack: its text
+    # Waits until the worker holds no job; returns the seconds it waited.
+    settle: Callable[[], Awaitable[float]] | None = None
 
 
 async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
@@ -217,6 +226,7 @@ async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
         await asyncio.gather(prober, return_exceptions=True)
         if attacker is not None:
             report = await asyncio.to_thread(attacker.stop)
+    settled = await bench.settle() if attacker is not None and bench.settle else 0.0
     gateway, redis, worker = (
         (after - before) / seconds if before is not None and after is not None else None
         for before, after in zip(cpu_before, cpu_after, strict=True)
@@ -236,6 +246,7 @@ async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
         gap_p99=_gap_p99(streams) if streams else seconds,
         finished=report.get("finished", 0),
         starved=not streams,
+        settle_seconds=settled,
     )
 
 
@@ -260,6 +271,19 @@ async def _measure(bench: Bench, prompts: list[list[str]], repeat: int) -> list[
         attacker.close()
 
 
+async def _settle(client: Client, worker_id: str) -> float:
+    """Wait until the worker holds no job (its ``stats``), at most ``SETTLE_TIMEOUT``; the
+    seconds waited."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < SETTLE_TIMEOUT:
+        replies = await client.stats(worker_id=worker_id, timeout=5.0)
+        result = replies[0].result if replies else None
+        if result is not None and not result["jobs"]["in_flight"]:
+            break
+        await asyncio.sleep(0.25)
+    return time.perf_counter() - start
+
+
 def _gap_p99(streams: list[Stream]) -> float:
     """The p99 of the gaps between the victim's events with text (0 where none had two)."""
     gaps = [gap for stream in streams for gap in stream.gaps]
@@ -279,7 +303,8 @@ def _progress(phase: Phase) -> None:
     print(
         f"{time.strftime('%H:%M:%S')} {phase.attacker or 'alone'}: "
         f"{phase.tokens_per_second:.0f} tok/s, TTFT p50 {phase.ttft_p50 * 1e3:.0f} ms, "
-        f"inter-token p99 {phase.gap_p99 * 1e3:.0f} ms",
+        f"inter-token p99 {phase.gap_p99 * 1e3:.0f} ms"
+        + (f", worker idle {phase.settle_seconds:.1f} s later" if phase.attacker else ""),
         file=sys.stderr,
         flush=True,
     )
@@ -331,6 +356,8 @@ def format_isolation(phases: list[Phase]) -> str:
         got += f"; finished ×{finished}" if finished else ""
         starved = sum(p.starved for p in attacked)
         got += f"; victim not done in {VICTIM_PHASE_TIMEOUT:.0f} s ×{starved}" if starved else ""
+        busy = max(p.settle_seconds for p in attacked)
+        got += f"; worker busy {busy:.0f} s after it left" if busy >= 1 else ""
         rate = statistics.median(p.exchanges_per_second for p in attacked)
         rows.append(
             f"| {name} | {statistics.median(tokens):.2f} | {statistics.median(ttft):.2f} | "
@@ -439,7 +466,10 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
         async def run() -> list[Phase]:
             async with Client(url, prefix=prefix) as client:
                 await wait_ready(client, [worker])
-            await gateway_ready(port, gateway)
+                await gateway_ready(port, gateway)
+                return await measure(client)
+
+        async def measure(client: Client) -> list[Phase]:
             victim_connections = _Connections(port, headers=f"Authorization: Bearer {victim}\r\n")
             bench = Bench(
                 port,
@@ -453,6 +483,7 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
                 attackers=chosen,
                 prompt_keys=prompt_keys,
                 prompt_files=prompt_files,
+                settle=functools.partial(_settle, client, worker.worker_id),
             )
             return await _measure(bench, prompts, args.repeat)
 
