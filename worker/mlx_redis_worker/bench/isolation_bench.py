@@ -351,13 +351,17 @@ def format_isolation(phases: list[Phase]) -> str:
         p99 = pct(health, 0.99)
         met = met and statistics.median(tokens) >= TOKENS_GOAL and p99 < HEALTH_GOAL_S
         met = met and statistics.median(gaps) <= GAP_GOAL
-        got = ", ".join(f"{status} ×{count}" for status, count in statuses.most_common(4))
+        answers = ", ".join(f"{status} ×{count}" for status, count in statuses.most_common(4))
         finished = sum(p.finished for p in attacked)
-        got += f"; finished ×{finished}" if finished else ""
         starved = sum(p.starved for p in attacked)
-        got += f"; victim not done in {VICTIM_PHASE_TIMEOUT:.0f} s ×{starved}" if starved else ""
         busy = max(p.settle_seconds for p in attacked)
-        got += f"; worker busy {busy:.0f} s after it left" if busy >= 1 else ""
+        notes = [
+            answers or "no answer",
+            f"finished ×{finished}" if finished else "",
+            f"victim not done in {VICTIM_PHASE_TIMEOUT:.0f} s ×{starved}" if starved else "",
+            f"worker busy {busy:.0f} s after it left" if busy >= 1 else "",
+        ]
+        got = "; ".join(note for note in notes if note)
         rate = statistics.median(p.exchanges_per_second for p in attacked)
         rows.append(
             f"| {name} | {statistics.median(tokens):.2f} | {statistics.median(ttft):.2f} | "
