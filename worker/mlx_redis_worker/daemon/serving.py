@@ -292,8 +292,16 @@ class Serving:
         )
 
     async def _heartbeat(self) -> None:
+        """Claim, heartbeat and activity in one command (one hash slot: the worker id's),
+        then the registry."""
+        worker_id = self.settings.worker_id
+        beat, activity = self.heartbeat(), self.activity()
+        writes = [
+            (self.keys.worker(worker_id), beat.encode()),
+            (self.keys.activity(worker_id), activity.encode()),
+        ]
         try:
-            await self.claim.renew()
+            renewed = await self.claim.renew(writes)
         except WorkerIdHeld as exc:
             # Two live workers under one id must not both serve: this one stops (its jobs
             # are left to their leases) and touches nothing of the id on its way out.
@@ -301,23 +309,21 @@ class Serving:
             self.id_lost_to = str(exc)
             self._stop.set()
             return
-        key, ttl_ms = (
-            self.keys.worker(self.settings.worker_id),
-            int(self.settings.heartbeat_ttl * 1000),
-        )
-        beat = self.heartbeat()
-        try:
-            await self.redis.set(key, beat.encode(), px=ttl_ms)
-        except OutOfMemoryError:
-            # A full Redis (noeviction) refuses the write but not a new TTL: keep the last beat
-            # alive, so a live worker does not look dead while memory is being freed.
-            if not await self.redis.pexpire(key, ttl_ms):
-                raise
-        # After the key, so a reader that finds the member finds the heartbeat. A full Redis
-        # refuses it too, and then prunes nobody: the member written last time stays.
+        if renewed.written:
+            self._activity_written = (activity.buckets, activity.requests)
+            self._activity_written_at = time.monotonic()
+        else:
+            # A full Redis (noeviction) kept the last beat alive; it refuses the registry
+            # too, and then prunes nobody: the member written last time stays.
+            return
+        # After the key, so a reader that finds the member finds the heartbeat.
         with contextlib.suppress(OutOfMemoryError):
             replaced = await register_worker(
-                self.redis, self.keys, self.settings.worker_id, ttl_ms, list(beat.models)
+                self.redis,
+                self.keys,
+                worker_id,
+                int(self.settings.heartbeat_ttl * 1000),
+                list(beat.models),
             )
             for key in replaced:
                 log.warning("registry_key_repaired", key=key, found="a key of another type")
@@ -333,14 +339,15 @@ class Serving:
         )
 
     async def _activity(self) -> None:
-        """Written when it changed, else once per heartbeat interval (its TTL is the
-        heartbeat's): an idle worker costs Redis one write per heartbeat, not one per
+        """Written when it changed, else with the heartbeat (in its command; its TTL is the
+        heartbeat's): an idle worker costs Redis no write of its own, not one per
         ``activity_interval`` (with a thousand workers, most of the idle fleet's writes).
         Best effort: a full Redis (noeviction) refuses it, and dashboards do without."""
         activity = self.activity()
         shown = (activity.buckets, activity.requests)
         now = time.monotonic()
-        fresh = now - self._activity_written_at < self.settings.heartbeat_interval
+        # The heartbeat rewrites it; this is a fallback should a heartbeat be late.
+        fresh = now - self._activity_written_at < self.settings.heartbeat_ttl / 2
         if shown == self._activity_written and fresh:
             return
         key = self.keys.activity(self.settings.worker_id)
