@@ -332,6 +332,7 @@ def _registry_probes(redis: RedisClient, keys: Keys, token: str) -> list[Probe]:
         Probe(
             "ZREM", "leave the registry when stopping", workers, lambda: redis.zrem(workers, token)
         ),
+        Probe("ZCARD", "count the fleet's workers", workers, lambda: redis.zcard(workers)),
     ]
 
 

@@ -47,6 +47,7 @@ from mlx_redis_worker.daemon.job_queue import JobQueue
 from mlx_redis_worker.daemon.lane import ModelLane
 from mlx_redis_worker.daemon.metrics import Metrics, MetricSources
 from mlx_redis_worker.daemon.publisher import EventPublisher
+from mlx_redis_worker.daemon.registration import RegistrySchedule
 from mlx_redis_worker.daemon.settings import WorkerSettings
 
 log = structlog.get_logger(__name__)
@@ -96,6 +97,7 @@ class Serving:
         self._activity_written_at = -float("inf")
         # Supervised tasks down now (failed, waiting to restart): see ``supervise``.
         self.down: set[str] = set()
+        self.registry = RegistrySchedule(settings.heartbeat_interval)
 
     @property
     def in_flight(self) -> int:
@@ -316,16 +318,20 @@ class Serving:
             # A full Redis (noeviction) kept the last beat alive; it refuses the registry
             # too, and then prunes nobody: the member written last time stays.
             return
+        models = tuple(beat.models)
+        if not self.registry.due(models, renewed.existed, time.monotonic()):
+            return
         # After the key, so a reader that finds the member finds the heartbeat.
         with contextlib.suppress(OutOfMemoryError):
-            replaced = await register_worker(
+            registration = await register_worker(
                 self.redis,
                 self.keys,
                 worker_id,
                 int(self.settings.heartbeat_ttl * 1000),
-                list(beat.models),
+                list(models),
             )
-            for key in replaced:
+            self.registry.registered(models, registration.workers, time.monotonic())
+            for key in registration.replaced:
                 log.warning("registry_key_repaired", key=key, found="a key of another type")
 
     def activity(self) -> Activity:
