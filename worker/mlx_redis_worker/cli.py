@@ -209,7 +209,7 @@ def _add_bench_commands(commands: Any) -> None:
     )
     fleet.add_argument("--no-gateway", action="store_true", help="skip /v1/models, /status.json")
     fleet.add_argument(
-        "--read-block-ms", type=int, default=1000, help="the workers' XREADGROUP BLOCK"
+        "--read-block-ms", type=int, default=0, help="the workers' XREADGROUP BLOCK (0: default)"
     )
     fleet.add_argument(
         "--duration", type=float, default=0.0, help="submit at --rate this long (not --requests)"

@@ -25,8 +25,9 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -57,7 +58,7 @@ class FleetLoad:
     rate: float = 50.0  # submits per second; 0: all at once
     idle_seconds: float = 5.0
     gateway: bool = True
-    read_block_ms: int = 1000  # the workers' XREADGROUP BLOCK (their --read-block-ms)
+    read_block_ms: int = 0  # the workers' XREADGROUP BLOCK (0: the worker's default)
     duration: float = 0.0  # > 0: submit at ``rate`` for this long instead of ``requests``
     saturate: bool = False  # measure saturation first, then load at ``load_fraction`` of it
     saturate_seconds: float = 20.0
@@ -107,6 +108,9 @@ class FleetResult:
     control_ms: dict[str, float]
     control_notes: dict[str, str]
     reclaim: ReclaimResult | None = None
+    # Commands per idle worker per second, by command (INFO commandstats; the bench's own
+    # INFO reads included, a few per sample).
+    idle_commands: dict[str, float] = field(default_factory=dict)
 
 
 # -- Redis -------------------------------------------------------------------------------------
@@ -133,6 +137,19 @@ def topology(kind: str, masters: int) -> Iterator[tuple[str, str, list[str], lis
         yield cluster.url, "cluster", cluster.urls, [node.pid or 0 for node in cluster.nodes]
     finally:
         cluster.close()
+
+
+def redis_command_calls(nodes: Sequence[str]) -> Counter[str]:
+    """``INFO commandstats`` calls by command, summed over every node."""
+    calls: Counter[str] = Counter()
+    for url in nodes:
+        client = redis.Redis.from_url(url, socket_timeout=30)
+        try:
+            for name, stats in client.info("commandstats").items():
+                calls[name.removeprefix("cmdstat_")] += int(stats["calls"])
+        finally:
+            client.close()
+    return calls
 
 
 def redis_cpu_seconds(nodes: Sequence[str]) -> float:
@@ -184,12 +201,17 @@ def start_hosts(
                     text=True,
                 )
             )
-    for index, process in enumerate(processes):
-        assert process.stdout is not None
-        line = process.stdout.readline().strip()  # "ready N" or "failed ..."
-        if not line.startswith("ready"):
-            tail = (logs / f"host-{index}.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"fleet host {index}: {line or 'exited'}\n{tail}")
+    try:
+        for index, process in enumerate(processes):
+            assert process.stdout is not None
+            line = process.stdout.readline().strip()  # "ready N" or "failed ..."
+            if not line.startswith("ready"):
+                tail = (logs / f"host-{index}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"fleet host {index}: {line or 'exited'}\n{tail}")
+    except BaseException:
+        # The others would serve on (retrying a Redis that is gone) after the bench exits.
+        stop_hosts(processes)
+        raise
     return processes
 
 
@@ -386,8 +408,10 @@ async def measure(
     try:
         async with Client(url, prefix=prefix, topology=kind, max_in_flight=256) as client:
             idle_before = await asyncio.to_thread(redis_cpu_seconds, nodes)
+            calls_before = await asyncio.to_thread(redis_command_calls, nodes)
             await asyncio.sleep(load.idle_seconds)
             idle_cpu = await asyncio.to_thread(redis_cpu_seconds, nodes) - idle_before
+            calls = await asyncio.to_thread(redis_command_calls, nodes) - calls_before
             with gateway(url, prefix, logs) if load.gateway else contextlib.nullcontext() as base:
                 control_ms, notes = await control_plane(client, load.workers, base)
             if load.reclaim_pending > 0:
@@ -416,6 +440,9 @@ async def measure(
         control_ms=control_ms,
         control_notes=notes,
         reclaim=reclaim,
+        idle_commands={
+            name: n / load.workers / load.idle_seconds for name, n in calls.most_common()
+        },
     )
 
 

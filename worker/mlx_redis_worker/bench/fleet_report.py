@@ -128,7 +128,8 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
                 [int(m) for m in str(args.masters).split(",")] if kind == "cluster" else [0]
             ):
                 results.append(measure_fleet(kind, masters, load, logs, redis_cpus))
-                print(load_table(results[-1:]), flush=True)
+                done = results[-1:]
+                print(load_table(done) if done[0].phases else fleet_table(done), flush=True)
     shape = (
         f"saturation ({args.saturate_seconds:g} s closed loop) then "
         f"{100 * args.load_fraction:g}% of it"
@@ -147,6 +148,10 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
     print(load_table(results))
     print()
     print(fleet_table(results))
+    for r in results:
+        total = sum(r.idle_commands.values())
+        each = ", ".join(f"{name} {n:.2f}" for name, n in r.idle_commands.items() if n >= 0.005)
+        print(f"\n{r.topology} x{r.workers} idle, commands/worker/s: {total:.2f} ({each})")
     failed = [r for r in results if r.problems or r.pending_after]
     for result in failed:
         print(

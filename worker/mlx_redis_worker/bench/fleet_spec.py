@@ -47,7 +47,7 @@ class HostSpec:
     activity_interval: float = 1.0
     reclaim_interval: float = 10.0
     lease_seconds: float = LEASE_SECONDS
-    read_block_ms: int = 1000
+    read_block_ms: int = 0  # 0: the worker's default
 
     def encode(self) -> str:
         return json.dumps(asdict(self))
