@@ -35,11 +35,47 @@ def test_fifty_simulated_workers_end_every_request_once_with_whole_streams(
     )
     result = measure_fleet(kind, masters, load, tmp_path)
     assert result.problems == ()
-    assert (result.ended_once, result.whole, result.pending_after) == (REQUESTS, REQUESTS, 0)
-    assert result.tokens == REQUESTS * TOKENS
+    (phase,) = result.phases
+    seen = phase.summary
+    assert (seen.submitted, seen.ended_once, seen.whole) == (REQUESTS, REQUESTS, REQUESTS)
+    assert (seen.duplicates, seen.lost, result.pending_after) == (0, 0, 0)
+    assert seen.tokens == REQUESTS * TOKENS
     assert result.control_notes["ctl stats"] == f"{WORKERS}/{WORKERS} replies"
     assert result.control_notes["ctl ping"] == f"{WORKERS}/{WORKERS} replies"
     assert result.control_notes["models"] == f"{WORKERS} workers of sim"
+
+
+@pytest.mark.timeout(300)
+def test_a_timed_load_and_a_reclaim_sweep_count_every_request_and_orphan(tmp_path: Path) -> None:
+    load = FleetLoad(
+        workers=10,
+        hosts=1,
+        max_concurrency=4,
+        step_ms=20,
+        max_tokens=TOKENS,
+        rate=20,
+        duration=2,  # some 40 requests, however long they take to end
+        idle_seconds=0.5,
+        gateway=False,
+        reclaim_pending=300,
+    )
+    result = measure_fleet("server", 0, load, tmp_path)
+    assert result.problems == ()
+    seen = result.phases[0].summary
+    assert 30 <= seen.submitted <= 41
+    assert (seen.ended_once, seen.whole, seen.duplicates, seen.lost) == (
+        seen.submitted,
+        seen.submitted,
+        0,
+        0,
+    )
+    assert seen.tokens == seen.submitted * TOKENS
+    assert result.pending_after == 0
+    sweep = result.reclaim
+    assert sweep is not None
+    # A lane's pass takes at most its max_concurrency; the cursor visits all 300.
+    assert (sweep.pending, sweep.first_taken, sweep.taken) == (300, 4, 300)
+    assert sweep.passes == 300 // 4
 
 
 def test_the_stand_in_text_is_known_words() -> None:

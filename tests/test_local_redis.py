@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
+import pytest
 import redis
+import redis.asyncio.cluster
 import redis.cluster
 import redis.sentinel
 
+from mlx_redis_worker.daemon.eviction import memory_policies
 from mlx_redis_worker.local_redis import LocalCluster, LocalSentinel, RedisServer, free_port_pair
 from mlx_redis_worker.local_redis.probe import connect
 
@@ -36,6 +40,30 @@ def test_cluster_covers_every_slot_and_serves_keys_on_every_node(
     for key, port in owners.items():
         with connect(port) as direct:
             assert direct.get(key) == key.upper()
+
+
+def test_a_one_master_cluster_serves_every_slot_and_tells_its_memory_policy(
+    redis_cluster: LocalCluster,
+) -> None:
+    """The baseline a Cluster's scaling is measured against; redis-py answers a question put
+    to its one master without the by-node dict it gives for several, and the worker's
+    eviction check (which starts every worker) reads both shapes."""
+
+    async def policies(url: str) -> dict[str, str]:
+        client = redis.asyncio.cluster.RedisCluster.from_url(url)
+        try:
+            return await memory_policies(client)
+        finally:
+            await client.aclose()
+
+    with LocalCluster(masters=1) as lone:
+        with connect(lone.nodes[0].port) as client:
+            info = client.cluster("INFO")
+        assert (info["cluster_state"], info["cluster_slots_ok"]) == ("ok", "16384")
+        assert list(asyncio.run(policies(lone.url)).values()) == ["noeviction"]
+    assert list(asyncio.run(policies(redis_cluster.url)).values()) == ["noeviction"] * 3
+    with pytest.raises(ValueError, match="1 master"):
+        LocalCluster(masters=2)
 
 
 def test_cluster_replica_takes_over_a_killed_master(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from typing import Any
 
@@ -225,7 +226,16 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", default=None)
     parser.add_argument("--copy-gib", type=float, default=4.0)
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval (s) for the whole run: how long the event loop's thread may"
+        " wait for the GIL the engine thread holds (CPython's default 0.005)",
+    )
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     print(f"device {mx.default_device()}, {json.dumps(mx.device_info())}", flush=True)
     bandwidth = copy_bandwidth(args.copy_gib)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)

@@ -53,7 +53,8 @@ _REPAIR_POLL_SECONDS: Final = 0.25
 # ms, served models... Redis' own clock, so every worker's expiries compare on one clock. ZADD
 # before the prune: a full Redis (noeviction) refuses the ZADD (its error is raised), and then
 # nobody's member is dropped either. A registry key of another type is replaced (a pcall, not
-# TYPE: no command beyond the ones the minimum ACL grants). Returns the keys replaced.
+# TYPE: no command beyond the ones the minimum ACL grants). Returns the keys replaced and how
+# many workers the registry lists (a worker in a large fleet registers less often).
 REGISTER_WORKER: Final = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -79,7 +80,7 @@ local ahead = '(' .. (now + tonumber(ARGV[4]))
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - tonumber(ARGV[3])))
 redis.call('ZREMRANGEBYSCORE', KEYS[1], ahead, '+inf')
 redis.call('ZREMRANGEBYSCORE', KEYS[2], ahead, '+inf')
-return replaced
+return {replaced, redis.call('ZCARD', KEYS[1])}
 """
 
 # KEYS: models. ARGV: model. Adds a model nobody advertised yet (a producer queueing for it
@@ -100,19 +101,31 @@ class Registered:
     unreadable: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """What a worker's registration found: the registry keys of another type it replaced,
+    and how many workers the registry lists now (the dead not yet pruned included)."""
+
+    replaced: list[str]
+    workers: int
+
+
 async def register_worker(
     redis: RedisClient, keys: Keys, worker_id: str, ttl_ms: int, models: Sequence[str]
-) -> list[str]:
+) -> Registration:
     """Register the worker (until ``ttl_ms`` from now) and the models it serves; drop the
-    members of workers that died and those that would never expire. The registry keys it
-    found of another type and replaced."""
-    replaced: Any = await run_script(
+    members of workers that died and those that would never expire."""
+    reply: Any = await run_script(
         redis,
         REGISTER_WORKER,
         [keys.workers, keys.models],
         [worker_id, ttl_ms, PRUNE_GRACE_MS, MAX_AHEAD_MS, *models],
     )
-    return [key.decode() if isinstance(key, bytes) else str(key) for key in replaced]
+    replaced, workers = reply
+    return Registration(
+        replaced=[key.decode() if isinstance(key, bytes) else str(key) for key in replaced],
+        workers=int(workers),
+    )
 
 
 async def unregister_worker(redis: RedisClient, keys: Keys, worker_id: str) -> None:

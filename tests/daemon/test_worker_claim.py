@@ -16,12 +16,14 @@ import socket
 
 import pytest
 import redis
+from redis.exceptions import OutOfMemoryError
 
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.connection import connect
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.messages import DoneEvent
-from mlx_redis_worker.daemon.claim import EXIT_ID_HELD, WorkerClaim, WorkerIdHeld
+from mlx_redis_worker.daemon.claim import EXIT_ID_HELD, Renewed, WorkerClaim, WorkerIdHeld
+from mlx_redis_worker.local_redis import RedisServer
 from tests.daemon.helpers import check_stream, collect
 from tests.support.processes import MODEL, WorkerFactory
 from tests.support.waiting import run
@@ -154,3 +156,66 @@ def test_a_claim_is_released_and_renewed_only_by_its_holder(redis_url: str, pref
             await client.aclose()
 
     run(main())
+
+
+def test_a_renewal_writes_the_workers_keys_only_while_the_claim_is_its_own(
+    redis_url: str, prefix: str
+) -> None:
+    """A heartbeat is one command: the claim renewed, the heartbeat and the activity written
+    with it (one slot, the id's). A worker whose id another took writes neither."""
+    keys = Keys(prefix)
+    beat, active = keys.worker("b"), keys.activity("b")
+
+    async def main() -> None:
+        client = await connect(redis_url)
+        try:
+            claim = WorkerClaim(redis=client, keys=keys, worker_id="b", ttl_ms=60_000)
+            await claim.acquire()
+            first = await claim.renew([(beat, b"beat 1"), (active, b"activity 1")])
+            assert first == Renewed(written=True, existed=False)
+            again = await claim.renew([(beat, b"beat 2"), (active, b"activity 2")])
+            assert again == Renewed(written=True, existed=True)
+            assert await client.mget(beat, active) == [b"beat 2", b"activity 2"]
+            assert 50_000 < await client.pttl(active) <= 60_000
+
+            elsewhere = {"token": "t", "host": "another-host", "pid": 1, "started_at": 0}
+            await client.set(keys.claim("b"), json.dumps(elsewhere), px=60_000)
+            with pytest.raises(WorkerIdHeld, match="another-host"):
+                await claim.renew([(beat, b"beat 3"), (active, b"activity 3")])
+            assert await client.mget(beat, active) == [b"beat 2", b"activity 2"]
+        finally:
+            await client.aclose()
+
+    run(main())
+
+
+def test_a_full_redis_keeps_the_last_heartbeat_alive() -> None:
+    """Under ``noeviction`` past ``maxmemory`` Redis refuses writes but not new TTLs: the
+    renewal keeps the claim, heartbeat and activity alive (a live worker does not look dead
+    while memory is freed), and says the heartbeat was not written; with no heartbeat to
+    keep, it is an OOM error."""
+    keys = Keys("oom")
+    beat, active = keys.worker("f"), keys.activity("f")
+
+    async def main(url: str) -> None:
+        client = await connect(url)
+        try:
+            claim = WorkerClaim(redis=client, keys=keys, worker_id="f", ttl_ms=60_000)
+            await claim.acquire()
+            await claim.renew([(beat, b"beat 1"), (active, b"activity 1")])
+            for key in (keys.claim("f"), beat, active):
+                await client.pexpire(key, 2_000)
+            await client.config_set("maxmemory-policy", "noeviction")
+            await client.config_set("maxmemory", 1)
+            kept = await claim.renew([(beat, b"beat 2"), (active, b"activity 2")])
+            assert kept == Renewed(written=False, existed=True)
+            assert await client.mget(beat, active) == [b"beat 1", b"activity 1"]
+            for key in (keys.claim("f"), beat, active):
+                assert await client.pttl(key) > 50_000
+            with pytest.raises(OutOfMemoryError):
+                await claim.renew([(keys.worker("g"), b"beat"), (keys.activity("g"), b"a")])
+        finally:
+            await client.aclose()
+
+    with RedisServer() as server:
+        run(main(server.url))

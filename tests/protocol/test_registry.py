@@ -106,8 +106,9 @@ def test_a_registry_key_of_another_type_is_replaced_by_the_next_registration(
             await asyncio.sleep(0.3)
             assert not waiting.done()
             await redis.set(keys.worker("alive"), heartbeat("alive", "a").encode(), px=60_000)
-            replaced = await register_worker(redis, keys, "alive", 60_000, ["a"])
-            assert replaced == [keys.workers, keys.models]
+            registration = await register_worker(redis, keys, "alive", 60_000, ["a"])
+            assert registration.replaced == [keys.workers, keys.models]
+            assert registration.workers == 1
             registered = await waiting
             assert (registered.workers, registered.models, registered.unreadable) == (
                 ("alive",),
@@ -115,7 +116,8 @@ def test_a_registry_key_of_another_type_is_replaced_by_the_next_registration(
                 (),
             )
             assert await served_models(redis, keys) == {"a"}
-            assert await register_worker(redis, keys, "alive", 60_000, ["a"]) == []
+            again = await register_worker(redis, keys, "alive", 60_000, ["a"])
+            assert (again.replaced, again.workers) == ([], 1)
         finally:
             await redis.aclose()
 
@@ -139,8 +141,8 @@ def test_members_that_never_expire_neither_hide_workers_nor_stay(
             await redis.zadd(keys.models, {"a": await redis_now_ms(redis)})
             assert await live_worker_ids(redis, keys) == ["alive"]
             assert (await read_registry(redis, keys)).models == ("a",)
-            await register_worker(redis, keys, "other", 15_000, ["b"])
-            assert await redis.zcard(keys.workers) == 2
+            registration = await register_worker(redis, keys, "other", 15_000, ["b"])
+            assert registration.workers == await redis.zcard(keys.workers) == 2
             assert sorted(await redis.zrange(keys.models, 0, -1)) == [b"a", b"b"]
         finally:
             await redis.aclose()

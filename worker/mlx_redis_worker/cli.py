@@ -209,9 +209,33 @@ def _add_bench_commands(commands: Any) -> None:
     )
     fleet.add_argument("--no-gateway", action="store_true", help="skip /v1/models, /status.json")
     fleet.add_argument(
-        "--read-block-ms", type=int, default=1000, help="the workers' XREADGROUP BLOCK"
+        "--read-block-ms", type=int, default=0, help="the workers' XREADGROUP BLOCK (0: default)"
     )
-    fleet.set_defaults(func=_lazy("mlx_redis_worker.bench.fleet_bench", "run_fleet_bench"))
+    fleet.add_argument(
+        "--duration", type=float, default=0.0, help="submit at --rate this long (not --requests)"
+    )
+    fleet.add_argument(
+        "--saturate",
+        action="store_true",
+        help="measure saturation first, then load at --load-fraction of it",
+    )
+    fleet.add_argument("--saturate-seconds", type=float, default=20.0)
+    fleet.add_argument(
+        "--saturate-in-flight", type=int, default=0, help="requests kept open (0: 1.5x slots)"
+    )
+    fleet.add_argument("--load-fraction", type=float, default=0.7)
+    fleet.add_argument(
+        "--reclaim-pending", type=int, default=0, help="time a reclaim sweep of N orphaned jobs"
+    )
+    fleet.add_argument(
+        "--clients", type=int, default=1, help="load generator processes (1: in the bench's)"
+    )
+    fleet.add_argument(
+        "--redis-cpus",
+        default="",
+        help="CPUs for the Redis nodes (e.g. 0-5, a node each); the rest run everything else",
+    )
+    fleet.set_defaults(func=_lazy("mlx_redis_worker.bench.fleet_report", "run_fleet_bench"))
 
     gateway = benches.add_parser(
         "gateway", help="OpenAI gateway vs the protocol client: tok/s and TTFT, same run"

@@ -2,18 +2,19 @@
 
 N workers run the real daemon (consumer group, reclaim, heartbeats, registry, publisher,
 control channel) over ``SimulatedEngine`` (bench/fleet_engine.py): lanes in ``--hosts``
-processes (bench/fleet_host.py says why). A producer submits ``--requests`` jobs at ``--rate``
-through the real client; a subscriber follows each through the real client and checks its
-stream whole and in order (seq gapless, one terminal event, the known words of its tokens).
-Then, with the fleet idle, the control plane at that size: ``ctl stats``, ``ctl ping``, the
-models catalogue (what ``mlx-worker models`` reads), a gateway's ``/v1/models`` and
-``/status.json``; and what the idle fleet's upkeep (heartbeats, activity, registry, reclaims,
-blocked reads) costs Redis. Redis CPU is ``INFO CPU`` (user + sys) of every node.
+processes (bench/fleet_host.py says why). First, with the fleet idle: what its upkeep
+(heartbeats, activity, registry, reclaims, blocked reads) costs Redis, the control plane at
+that size (``ctl stats``, ``ctl ping``, the models catalogue as ``mlx-worker models`` reads it,
+a gateway's ``/v1/models`` and ``/status.json``) and, when asked, a reclaim sweep
+(bench/fleet_reclaim.py). Then the load (bench/fleet_load.py, in ``--clients`` processes):
+``--requests`` jobs or ``--duration`` seconds at ``--rate``, or with ``--saturate`` the fleet's
+saturation (a closed loop with more requests in flight than it has slots) and then an open loop
+at ``--load-fraction`` of it; every stream checked whole and in order. Redis CPU is
+``INFO CPU`` (user + sys) of every node.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -21,13 +22,12 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -35,8 +35,9 @@ import redis
 
 from mlx_redis_protocol.catalogue import fleet_models
 from mlx_redis_protocol.client import Client
-from mlx_redis_protocol.messages import DeltaEvent, DoneEvent, Event, ResetEvent
-from mlx_redis_worker.bench.fleet_spec import TICKS_PER_SECOND, HostSpec, expected_text, ticks
+from mlx_redis_worker.bench.fleet_load import LoadSpec, LoadSummary, percentile, run_loads
+from mlx_redis_worker.bench.fleet_reclaim import ReclaimResult, reclaim_sweep
+from mlx_redis_worker.bench.fleet_spec import LEASE_SECONDS, HostSpec
 from mlx_redis_worker.local_redis import LocalCluster, RedisServer, free_port
 
 T = TypeVar("T")
@@ -57,52 +58,67 @@ class FleetLoad:
     rate: float = 50.0  # submits per second; 0: all at once
     idle_seconds: float = 5.0
     gateway: bool = True
-    read_block_ms: int = 1000  # the workers' XREADGROUP BLOCK (their --read-block-ms)
+    read_block_ms: int = 0  # the workers' XREADGROUP BLOCK (0: the worker's default)
+    duration: float = 0.0  # > 0: submit at ``rate`` for this long instead of ``requests``
+    saturate: bool = False  # measure saturation first, then load at ``load_fraction`` of it
+    saturate_seconds: float = 20.0
+    saturate_in_flight: int = 0  # 0: 1.5x the fleet's slots
+    load_fraction: float = 0.7
+    reclaim_pending: int = 0  # > 0: time a reclaim sweep of this many orphaned jobs
+    clients: int = 1  # load generator processes (1: in the bench's own process)
+
+    @property
+    def in_flight(self) -> int:
+        return self.saturate_in_flight or -(-3 * self.workers * self.max_concurrency // 2)
 
 
-@dataclass(slots=True)
-class Followed:
-    """What a subscriber saw of one request."""
+@dataclass(frozen=True, slots=True)
+class PhaseResult:
+    """One load on the fleet: what its subscribers saw."""
 
-    submitted: float
-    events: list[Event] = field(default_factory=list)
-    received: list[float] = field(default_factory=list)  # when each event arrived
-    failure: str | None = None
+    label: str
+    summary: LoadSummary
+    tokens_per_second: float
+    redis_cpu_seconds: float
+
+    @property
+    def redis_us_per_token(self) -> float:
+        tokens = self.summary.tokens
+        return 1e6 * self.redis_cpu_seconds / tokens if tokens else 0.0
+
+    @property
+    def step_to_subscriber_ms(self) -> tuple[float, float]:
+        steps = self.summary.step_to_subscriber
+        return percentile(steps, 0.5, 0.1), percentile(steps, 0.99, 0.1)
+
+    @property
+    def first_delta_p99_ms(self) -> float:
+        return percentile(self.summary.first_delta, 0.99, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
 class FleetResult:
     topology: str
+    masters: int  # 0: one server
     workers: int
-    requests: int
-    ended_once: int
-    whole: int
+    phases: tuple[PhaseResult, ...]
     problems: tuple[str, ...]
     pending_after: int  # jobs still pending in the model's group once every stream ended
-    tokens: int
-    seconds: float
-    redis_cpu_seconds: float
-    step_to_subscriber_ms: tuple[float, float]  # p50, p99
-    first_delta_p99_ms: float
     idle_redis_cpu_percent: float
     control_ms: dict[str, float]
     control_notes: dict[str, str]
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def redis_us_per_token(self) -> float:
-        return 1e6 * self.redis_cpu_seconds / self.tokens if self.tokens else 0.0
+    reclaim: ReclaimResult | None = None
+    # Commands per idle worker per second, by command (INFO commandstats; the bench's own
+    # INFO reads included, a few per sample).
+    idle_commands: dict[str, float] = field(default_factory=dict)
 
 
 # -- Redis -------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
-def topology(kind: str, masters: int) -> Iterator[tuple[str, str, list[str]]]:
-    """(URL, the workers' topology setting, every node's URL) of a private Redis."""
+def topology(kind: str, masters: int) -> Iterator[tuple[str, str, list[str], list[int]]]:
+    """(URL, the workers' topology setting, every node's URL, their pids) of a private Redis."""
     # Some 7 connections per worker: past Redis' default 10,000 clients at 1,500 workers.
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -111,16 +127,29 @@ def topology(kind: str, masters: int) -> Iterator[tuple[str, str, list[str]]]:
         server = RedisServer(extra_args=args)
         server.start()
         try:
-            yield server.url, "standalone", [server.url]
+            yield server.url, "standalone", [server.url], [server.pid or 0]
         finally:
             server.close()
         return
     cluster = LocalCluster(masters=masters, extra_args=args)
     cluster.start()
     try:
-        yield cluster.url, "cluster", cluster.urls
+        yield cluster.url, "cluster", cluster.urls, [node.pid or 0 for node in cluster.nodes]
     finally:
         cluster.close()
+
+
+def redis_command_calls(nodes: Sequence[str]) -> Counter[str]:
+    """``INFO commandstats`` calls by command, summed over every node."""
+    calls: Counter[str] = Counter()
+    for url in nodes:
+        client = redis.Redis.from_url(url, socket_timeout=30)
+        try:
+            for name, stats in client.info("commandstats").items():
+                calls[name.removeprefix("cmdstat_")] += int(stats["calls"])
+        finally:
+            client.close()
+    return calls
 
 
 def redis_cpu_seconds(nodes: Sequence[str]) -> float:
@@ -172,12 +201,17 @@ def start_hosts(
                     text=True,
                 )
             )
-    for index, process in enumerate(processes):
-        assert process.stdout is not None
-        line = process.stdout.readline().strip()  # "ready N" or "failed ..."
-        if not line.startswith("ready"):
-            tail = (logs / f"host-{index}.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"fleet host {index}: {line or 'exited'}\n{tail}")
+    try:
+        for index, process in enumerate(processes):
+            assert process.stdout is not None
+            line = process.stdout.readline().strip()  # "ready N" or "failed ..."
+            if not line.startswith("ready"):
+                tail = (logs / f"host-{index}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"fleet host {index}: {line or 'exited'}\n{tail}")
+    except BaseException:
+        # The others would serve on (retrying a Redis that is gone) after the bench exits.
+        stop_hosts(processes)
+        raise
     return processes
 
 
@@ -245,63 +279,65 @@ def gateway(url: str, prefix: str, logs: Path) -> Iterator[str]:
 # -- the load --------------------------------------------------------------------------------------
 
 
-async def follow(client: Client, load: FleetLoad, index: int) -> tuple[str, Followed]:
-    followed = Followed(submitted=time.time())
-    try:
-        request_id = await client.submit(
-            f"request {index} of the fleet",
-            model=MODEL,
-            max_tokens=load.max_tokens,
-            temperature=0.0,
-        )
-    except Exception as exc:  # counted, not raised: the table says how many failed
-        followed.failure = f"submit: {type(exc).__name__}: {exc}"
-        return f"unsubmitted-{index}", followed
-    try:
-        async with aclosing(client.stream(request_id, timeout=120)) as events:
-            async for event in events:
-                followed.received.append(time.time())
-                followed.events.append(event)
-    except Exception as exc:
-        followed.failure = f"stream: {type(exc).__name__}: {exc}"
-    return request_id, followed
+def load_spec(url: str, kind: str, prefix: str, epoch: float, load: FleetLoad) -> LoadSpec:
+    return LoadSpec(
+        redis_url=url,
+        topology=kind,
+        prefix=prefix,
+        model=MODEL,
+        epoch=epoch,
+        max_tokens=load.max_tokens,
+        rate=load.rate,
+        requests=0 if load.duration > 0 else load.requests,
+        duration=load.duration,
+    )
 
 
-def check_whole(request_id: str, followed: Followed, max_tokens: int) -> str | None:
-    """Why the stream is not whole and in order; None when it is."""
-    if followed.failure is not None:
-        return f"{request_id}: {followed.failure}"
-    body = [e for e in followed.events if e.seq > 0]
-    seqs = [e.seq for e in body]
-    if seqs != list(range(1, len(body) + 1)):
-        return f"{request_id}: seqs {seqs[:20]}"
-    terminals = [e for e in body if e.terminal]
-    if len(terminals) != 1 or body[-1] is not terminals[0]:
-        return f"{request_id}: {len(terminals)} terminal events"
-    done = terminals[0]
-    if not isinstance(done, DoneEvent) or done.finish_reason != "length":
-        return f"{request_id}: ended with {done}"
-    last_reset = max((i for i, e in enumerate(body) if isinstance(e, ResetEvent)), default=-1)
-    text = "".join(e.new_text for e in body[last_reset + 1 :] if isinstance(e, DeltaEvent))
-    if text != expected_text(max_tokens) or done.output_text != text:
-        return f"{request_id}: text {text[:60]!r}"
-    return None
+async def phase(
+    spec: LoadSpec, label: str, nodes: Sequence[str], clients: int, steady_from: float = 0.0
+) -> PhaseResult:
+    """``spec`` on the fleet. tokens/s: from the first submit to the last delta, or with
+    ``steady_from`` (a fraction of ``spec.duration``) over the rest of the submitting only,
+    leaving out the ramp up and the drain (a timed load, a saturation)."""
+    cpu_before = await asyncio.to_thread(redis_cpu_seconds, nodes)
+    began = time.time() - spec.epoch
+    summary = await run_loads(spec, clients)
+    cpu = await asyncio.to_thread(redis_cpu_seconds, nodes) - cpu_before
+    if steady_from > 0:
+        start = began + steady_from * spec.duration
+        tokens_per_second = summary.tokens_per_second(start, began + spec.duration)
+    else:
+        _, last = summary.delivery_span()
+        tokens_per_second = summary.tokens / (last - began) if last > began else 0.0
+    return PhaseResult(label, summary, tokens_per_second, cpu)
 
 
-def percentile(values: Sequence[float], fraction: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
-async def run_load(client: Client, load: FleetLoad) -> dict[str, Followed]:
-    tasks = []
-    for index in range(load.requests):
-        tasks.append(asyncio.create_task(follow(client, load, index)))
-        if load.rate > 0:
-            await asyncio.sleep(1 / load.rate)
-    return dict(await asyncio.gather(*tasks))
+async def loads(
+    url: str, kind: str, prefix: str, epoch: float, load: FleetLoad, nodes: Sequence[str]
+) -> list[PhaseResult]:
+    spec = load_spec(url, kind, prefix, epoch, load)
+    if not load.saturate:
+        if not spec.requests and not spec.duration:
+            return []
+        offered = f"{spec.rate:g}/s" + (f" for {spec.duration:g} s" if spec.duration else "")
+        steady = 0.25 if spec.duration else 0.0
+        return [await phase(spec, f"offered {offered}", nodes, load.clients, steady)]
+    # More in flight than the fleet has slots: jobs wait in the stream, every slot stays busy
+    # unless Redis or the machine caps what is delivered. Steady state: the last 3/4.
+    saturation = await phase(
+        replace(spec, name="saturate", in_flight=load.in_flight, duration=load.saturate_seconds),
+        f"saturation ({load.in_flight} in flight)",
+        nodes,
+        load.clients,
+        steady_from=0.25,
+    )
+    rate = load.load_fraction * saturation.tokens_per_second / load.max_tokens
+    if rate <= 0:
+        return [saturation]
+    at = replace(spec, name="at-fraction", rate=rate)
+    label = f"{100 * load.load_fraction:.0f}% of saturation ({rate:.1f}/s)"
+    steady = 0.25 if at.duration else 0.0
+    return [saturation, await phase(at, label, nodes, load.clients, steady)]
 
 
 async def settled_pending(client: Client, patience: float = 30.0) -> int:
@@ -368,129 +404,56 @@ async def measure(
     prefix = f"fleet{uuid.uuid4().hex[:6]}"
     epoch = time.time()
     hosts = await asyncio.to_thread(start_hosts, url, kind, prefix, load, epoch, logs)
+    reclaim = None
     try:
         async with Client(url, prefix=prefix, topology=kind, max_in_flight=256) as client:
             idle_before = await asyncio.to_thread(redis_cpu_seconds, nodes)
+            calls_before = await asyncio.to_thread(redis_command_calls, nodes)
             await asyncio.sleep(load.idle_seconds)
             idle_cpu = await asyncio.to_thread(redis_cpu_seconds, nodes) - idle_before
+            calls = await asyncio.to_thread(redis_command_calls, nodes) - calls_before
             with gateway(url, prefix, logs) if load.gateway else contextlib.nullcontext() as base:
                 control_ms, notes = await control_plane(client, load.workers, base)
-            cpu_before = await asyncio.to_thread(redis_cpu_seconds, nodes)
-            began = time.time()
-            followed = await run_load(client, load)
-            cpu = await asyncio.to_thread(redis_cpu_seconds, nodes) - cpu_before
+            if load.reclaim_pending > 0:
+                lease_ms = int(1000 * LEASE_SECONDS)
+                reclaim = await reclaim_sweep(
+                    client, nodes, load.reclaim_pending, load.max_concurrency, lease_ms
+                )
+            phases = await loads(url, kind, prefix, epoch, load, nodes)
             pending = await settled_pending(client)
     finally:
         host_lines = await asyncio.to_thread(stop_hosts, hosts)
-    problems = [p for rid, f in followed.items() if (p := check_whole(rid, f, load.max_tokens))]
+    problems = [p for ph in phases for p in ph.summary.problems]
     problems += [
         f"host: {line}"
         for line in host_lines
         if not line.startswith("stopped") or " failed 0" not in line
     ]
-    ended_once = sum(
-        1 for f in followed.values() if f.failure is None and sum(e.terminal for e in f.events) == 1
-    )
-    tokens, latencies, firsts, last = 0, [], [], began
-    for f in followed.values():
-        deltas = [
-            (e, at) for e, at in zip(f.events, f.received, strict=True) if isinstance(e, DeltaEvent)
-        ]
-        for event, at in deltas:
-            tokens += len(event.new_token_ids)
-            now = ticks(epoch, at)
-            latencies += [1000 * (now - tick) / TICKS_PER_SECOND for tick in event.new_token_ids]
-            last = max(last, at)
-        if deltas:
-            firsts.append(1000 * (deltas[0][1] - f.submitted))
     return FleetResult(
         topology=label,
+        masters=0 if kind == "standalone" else len(nodes),
         workers=load.workers,
-        requests=load.requests,
-        ended_once=ended_once,
-        whole=load.requests - len([p for p in problems if not p.startswith("host:")]),
+        phases=tuple(phases),
         problems=tuple(problems),
         pending_after=pending,
-        tokens=tokens,
-        seconds=last - began,
-        redis_cpu_seconds=cpu,
-        step_to_subscriber_ms=(percentile(latencies, 0.5), percentile(latencies, 0.99)),
-        first_delta_p99_ms=percentile(firsts, 0.99),
         idle_redis_cpu_percent=100 * idle_cpu / load.idle_seconds,
         control_ms=control_ms,
         control_notes=notes,
+        reclaim=reclaim,
+        idle_commands={
+            name: n / load.workers / load.idle_seconds for name, n in calls.most_common()
+        },
     )
 
 
-def measure_fleet(kind: str, masters: int, load: FleetLoad, logs: Path) -> FleetResult:
-    """One fleet on a fresh private Redis of ``kind`` ("server" or "cluster")."""
+def measure_fleet(
+    kind: str, masters: int, load: FleetLoad, logs: Path, redis_cpus: Sequence[int] = ()
+) -> FleetResult:
+    """One fleet on a fresh private Redis of ``kind`` ("server" or "cluster"); its nodes
+    pinned one to a CPU of ``redis_cpus`` (round robin) when given."""
     label = "server" if kind == "server" else f"cluster x{masters}"
-    with topology(kind, masters) as (url, setting, nodes):
+    with topology(kind, masters) as (url, setting, nodes, pids):
+        for index, pid in enumerate(pids):
+            if redis_cpus and pid:
+                os.sched_setaffinity(pid, {redis_cpus[index % len(redis_cpus)]})
         return asyncio.run(measure(url, setting, nodes, label, load, logs))
-
-
-# -- the command -----------------------------------------------------------------------------------
-
-
-CONTROL_COLUMNS = ("ctl stats", "ctl ping", "models", "/v1/models", "/status.json")
-
-
-def table(results: Sequence[FleetResult]) -> str:
-    head = (
-        "| topology | workers | requests ended once / whole | tokens/s | Redis CPU µs/token "
-        "| step→subscriber p50 / p99 ms | submit→first delta p99 ms | idle fleet Redis CPU % | "
-        + " | ".join(f"{c} ms" for c in CONTROL_COLUMNS)
-        + " |"
-    )
-    rows = [head, "|" + "---|" * (8 + len(CONTROL_COLUMNS))]
-    for r in results:
-        control = " | ".join(
-            f"{r.control_ms[c]:.0f} ({r.control_notes[c]})" if c in r.control_ms else "-"
-            for c in CONTROL_COLUMNS
-        )
-        rows.append(
-            f"| {r.topology} | {r.workers} | {r.ended_once}/{r.requests} / {r.whole} "
-            f"| {r.tokens_per_second:.0f} | {r.redis_us_per_token:.1f} "
-            f"| {r.step_to_subscriber_ms[0]:.1f} / {r.step_to_subscriber_ms[1]:.1f} "
-            f"| {r.first_delta_p99_ms:.0f} | {r.idle_redis_cpu_percent:.1f} | {control} |"
-        )
-    return "\n".join(rows)
-
-
-def run_fleet_bench(args: argparse.Namespace) -> int:
-    logs = Path(tempfile.mkdtemp(prefix="fleet-bench-"))
-    results = []
-    for workers in (int(n) for n in str(args.workers).split(",")):
-        load = FleetLoad(
-            workers=workers,
-            hosts=args.hosts,
-            max_concurrency=args.max_concurrency,
-            step_ms=args.step_ms,
-            requests=args.requests,
-            max_tokens=args.max_tokens,
-            rate=args.rate,
-            idle_seconds=args.idle_seconds,
-            gateway=not args.no_gateway,
-            read_block_ms=args.read_block_ms,
-        )
-        for kind in str(args.topology).split(","):
-            for masters in (
-                [int(m) for m in str(args.masters).split(",")] if kind == "cluster" else [0]
-            ):
-                results.append(measure_fleet(kind, masters, load, logs))
-                print(table(results[-1:]).splitlines()[-1], flush=True)
-    print(
-        f"\nsimulated fleet: at least {args.hosts} host processes, one per "
-        f"{WORKERS_PER_HOST} workers, "
-        f"--max-concurrency {args.max_concurrency}, "
-        f"step {args.step_ms:g} ms, {args.requests} requests of {args.max_tokens} tokens at "
-        f"{args.rate:g}/s, stream interval 1; load average {os.getloadavg()[0]:.2f} "
-        f"(on {os.cpu_count()} CPUs); logs in {logs}\n"
-    )
-    print(table(results))
-    failed = [r for r in results if r.problems]
-    for result in failed:
-        print(f"\n{result.topology} x{result.workers}: {len(result.problems)} problems")
-        for problem in result.problems[:10]:
-            print(f"  {problem}")
-    return 1 if failed else 0

@@ -11,6 +11,7 @@ from typing import Final
 
 WORDS: Final = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
 TICKS_PER_SECOND: Final = 10_000
+LEASE_SECONDS: Final = 60.0  # the simulated workers' job lease
 
 
 def word(index: int) -> str:
@@ -45,8 +46,8 @@ class HostSpec:
     heartbeat_interval: float = 5.0
     activity_interval: float = 1.0
     reclaim_interval: float = 10.0
-    lease_seconds: float = 60.0
-    read_block_ms: int = 1000
+    lease_seconds: float = LEASE_SECONDS
+    read_block_ms: int = 0  # 0: the worker's default
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

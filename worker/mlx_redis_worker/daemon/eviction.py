@@ -33,9 +33,13 @@ async def memory_policies(redis: RedisClient) -> dict[str, str]:
     Redis will not say (INFO refused by an ACL, or a server without INFO)."""
     try:
         if isinstance(redis, RedisCluster):
-            replies: dict[str, Any] = await redis.info(
-                "memory", target_nodes=RedisCluster.PRIMARIES
-            )
+            # Node by node: asked of several nodes at once, redis-py answers a dict by node,
+            # but of a one-master Cluster that master's reply alone.
+            await redis.initialize()  # the node list (a no-op once the client knows it)
+            replies: dict[str, Any] = {
+                node.name: await redis.info("memory", target_nodes=node)
+                for node in redis.get_primaries()
+            }
         else:
             replies = {"": await redis.info("memory")}
     except ResponseError as exc:

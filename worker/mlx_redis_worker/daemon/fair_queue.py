@@ -69,10 +69,12 @@ MIN_JOB_SERVICE: Final = 16
 FAIR_CONSUMER: Final = "(fair-queue)"
 # New entries one pick call files at most: bounds the script's run time; a larger backlog is
 # filed over the next calls. While every slot is busy, a worker files new entries every
-# read_block_ms (more per call: nothing waits for a slot meanwhile), so a job queued behind a
-# long backlog is seen by the next pick, not after backlog / INTAKE picks.
+# INTAKE_EVERY_MS (or read_block_ms, if shorter; more per call: nothing waits for a slot
+# meanwhile), so a job queued behind a long backlog is seen by the next pick, not after
+# backlog / INTAKE picks.
 INTAKE: Final = 256
 INTAKE_WHILE_BUSY: Final = 1024
+INTAKE_EVERY_MS: Final = 1000
 MAX_WEIGHTS: Final = 1000
 # The fleet's weights hash is read only up to this many entries (a larger one is ignored,
 # logged): a hash someone filled cannot make every reclaim interval read megabytes.

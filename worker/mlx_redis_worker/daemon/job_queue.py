@@ -163,6 +163,11 @@ class JobQueue:
         self._reclaim_cursor = as_text(cursor)
         return await self._with_delivery_counts(entries)
 
+    @property
+    def swept(self) -> bool:
+        """Whether the reclaim cursor is back at the start: the pending list was visited."""
+        return self._reclaim_cursor == "0-0"
+
     async def reclaim_except(self, waiting_consumer: str, count: int) -> list[Delivery]:
         """``reclaim``, leaving alone the entries of ``waiting_consumer`` (jobs waiting in the
         fair queue, which are idle by design, not orphaned)."""

@@ -21,6 +21,7 @@ from mlx_redis_protocol.heartbeat import ServedModel
 from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe, retry_until_done
 from mlx_redis_worker.daemon.fair_queue import (
     FAIR_CONSUMER,
+    INTAKE_EVERY_MS,
     INTAKE_WHILE_BUSY,
     Charge,
     FairQueue,
@@ -90,15 +91,18 @@ class ModelLane:
 
     async def _wait_for_a_slot(self) -> None:
         """Until a slot frees. With fair share, new jobs are filed in their tenants' queues
-        meanwhile (every read_block_ms), and finished jobs' tokens settled, so the next pick
-        sees every tenant that waits."""
+        meanwhile (every INTAKE_EVERY_MS, or read_block_ms if shorter), and finished jobs'
+        tokens settled, so the next pick sees every tenant that waits."""
         if self.fair is None:
             await self._slot_freed.wait()
             return
         fair = self.fair
+        # Not read_block_ms itself: that is an idle worker's re-read, made long so an idle
+        # fleet costs Redis little; a busy worker's intake is what keeps the fair queue current.
+        every = min(self.read_block_ms, INTAKE_EVERY_MS) / 1000
         while not self._slot_freed.is_set() and not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._slot_freed.wait(), self.read_block_ms / 1000)
+                await asyncio.wait_for(self._slot_freed.wait(), every)
                 return
             await retry_until_done(
                 functools.partial(fair.pick, 0, intake=INTAKE_WHILE_BUSY),

@@ -187,6 +187,12 @@ def probes(
             lambda: redis.pexpire(beat, 1000),
         ),
         Probe(
+            "EXISTS",
+            "see whether the heartbeat lived (the claim's script, with each heartbeat)",
+            beat,
+            lambda: redis.exists(beat),
+        ),
+        Probe(
             "DEL",
             "remove the heartbeat when stopping",
             beat,
@@ -195,7 +201,7 @@ def probes(
         *_registry_probes(redis, keys, token),
         Probe(
             "SET",
-            "claim the worker id (its script: GET, SET, DEL)",
+            "claim the worker id (its scripts: GET, SET, DEL, EXISTS, PEXPIRE)",
             claim,
             lambda: redis.set(claim, b"", xx=True, px=1000),
         ),
@@ -326,6 +332,7 @@ def _registry_probes(redis: RedisClient, keys: Keys, token: str) -> list[Probe]:
         Probe(
             "ZREM", "leave the registry when stopping", workers, lambda: redis.zrem(workers, token)
         ),
+        Probe("ZCARD", "count the fleet's workers", workers, lambda: redis.zcard(workers)),
     ]
 
 

@@ -47,6 +47,7 @@ from mlx_redis_worker.daemon.job_queue import JobQueue
 from mlx_redis_worker.daemon.lane import ModelLane
 from mlx_redis_worker.daemon.metrics import Metrics, MetricSources
 from mlx_redis_worker.daemon.publisher import EventPublisher
+from mlx_redis_worker.daemon.registration import RegistrySchedule
 from mlx_redis_worker.daemon.settings import WorkerSettings
 
 log = structlog.get_logger(__name__)
@@ -96,6 +97,7 @@ class Serving:
         self._activity_written_at = -float("inf")
         # Supervised tasks down now (failed, waiting to restart): see ``supervise``.
         self.down: set[str] = set()
+        self.registry = RegistrySchedule(settings.heartbeat_interval)
 
     @property
     def in_flight(self) -> int:
@@ -292,8 +294,16 @@ class Serving:
         )
 
     async def _heartbeat(self) -> None:
+        """Claim, heartbeat and activity in one command (one hash slot: the worker id's),
+        then the registry."""
+        worker_id = self.settings.worker_id
+        beat, activity = self.heartbeat(), self.activity()
+        writes = [
+            (self.keys.worker(worker_id), beat.encode()),
+            (self.keys.activity(worker_id), activity.encode()),
+        ]
         try:
-            await self.claim.renew()
+            renewed = await self.claim.renew(writes)
         except WorkerIdHeld as exc:
             # Two live workers under one id must not both serve: this one stops (its jobs
             # are left to their leases) and touches nothing of the id on its way out.
@@ -301,25 +311,27 @@ class Serving:
             self.id_lost_to = str(exc)
             self._stop.set()
             return
-        key, ttl_ms = (
-            self.keys.worker(self.settings.worker_id),
-            int(self.settings.heartbeat_ttl * 1000),
-        )
-        beat = self.heartbeat()
-        try:
-            await self.redis.set(key, beat.encode(), px=ttl_ms)
-        except OutOfMemoryError:
-            # A full Redis (noeviction) refuses the write but not a new TTL: keep the last beat
-            # alive, so a live worker does not look dead while memory is being freed.
-            if not await self.redis.pexpire(key, ttl_ms):
-                raise
-        # After the key, so a reader that finds the member finds the heartbeat. A full Redis
-        # refuses it too, and then prunes nobody: the member written last time stays.
+        if renewed.written:
+            self._activity_written = (activity.buckets, activity.requests)
+            self._activity_written_at = time.monotonic()
+        else:
+            # A full Redis (noeviction) kept the last beat alive; it refuses the registry
+            # too, and then prunes nobody: the member written last time stays.
+            return
+        models = tuple(beat.models)
+        if not self.registry.due(models, renewed.existed, time.monotonic()):
+            return
+        # After the key, so a reader that finds the member finds the heartbeat.
         with contextlib.suppress(OutOfMemoryError):
-            replaced = await register_worker(
-                self.redis, self.keys, self.settings.worker_id, ttl_ms, list(beat.models)
+            registration = await register_worker(
+                self.redis,
+                self.keys,
+                worker_id,
+                int(self.settings.heartbeat_ttl * 1000),
+                list(models),
             )
-            for key in replaced:
+            self.registry.registered(models, registration.workers, time.monotonic())
+            for key in registration.replaced:
                 log.warning("registry_key_repaired", key=key, found="a key of another type")
 
     def activity(self) -> Activity:
@@ -333,14 +345,15 @@ class Serving:
         )
 
     async def _activity(self) -> None:
-        """Written when it changed, else once per heartbeat interval (its TTL is the
-        heartbeat's): an idle worker costs Redis one write per heartbeat, not one per
+        """Written when it changed, else with the heartbeat (in its command; its TTL is the
+        heartbeat's): an idle worker costs Redis no write of its own, not one per
         ``activity_interval`` (with a thousand workers, most of the idle fleet's writes).
         Best effort: a full Redis (noeviction) refuses it, and dashboards do without."""
         activity = self.activity()
         shown = (activity.buckets, activity.requests)
         now = time.monotonic()
-        fresh = now - self._activity_written_at < self.settings.heartbeat_interval
+        # The heartbeat rewrites it; this is a fallback should a heartbeat be late.
+        fresh = now - self._activity_written_at < self.settings.heartbeat_ttl / 2
         if shown == self._activity_written and fresh:
             return
         key = self.keys.activity(self.settings.worker_id)

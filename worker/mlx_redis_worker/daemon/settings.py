@@ -144,8 +144,12 @@ class WorkerSettings:
     # exits with EXIT_REDIS_NEVER_ANSWERED for its service manager to start it again; 0 waits
     # forever. Outages after the start are ridden through, however long.
     redis_start_timeout: float = 60.0
-    # XREADGROUP BLOCK; must stay well below the socket timeout.
-    read_block_ms: int = 1000
+    # XREADGROUP BLOCK: how often an idle worker re-issues its blocked reads (a new job wakes
+    # a read at once, a stop cancels it, and fair share files new jobs every second while
+    # busy whatever this is), so it is what idle reads cost Redis: at 1 s, two reads per
+    # worker per second, half of an idle fleet's commands. Must stay well below the socket
+    # timeout, which a blocked read must never reach.
+    read_block_ms: int = 5000
     socket_timeout: float = 10.0
     heartbeat_interval: float = 5.0
     heartbeat_ttl: float = 15.0

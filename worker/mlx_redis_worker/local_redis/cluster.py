@@ -41,8 +41,9 @@ class LocalCluster:
         directory: Path | None = None,
         replicas: int = 0,
     ) -> None:
-        if masters < 3:
-            raise ValueError("redis-cli --cluster create needs at least 3 masters")
+        if masters < 1 or (masters < 3 and (masters != 1 or replicas)):
+            # redis-cli --cluster create needs 3; a lone master takes every slot itself
+            raise ValueError("a cluster has 1 master (no replicas) or at least 3 masters")
         if replicas < 0:
             raise ValueError("replicas (per master) must be 0 or more")
         if shutil.which("redis-cli") is None:
@@ -100,6 +101,12 @@ class LocalCluster:
         raise RuntimeError("a cluster node found no free port pair in 3 attempts")
 
     def _create(self, timeout: float) -> None:
+        if self.masters == 1:
+            # The baseline a Cluster's scaling is measured against: one node that serves all
+            # 16384 slots, reached through the same cluster client as a larger one.
+            with connect(self.nodes[0].port) as client:
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)  # type: ignore[no-untyped-call]
+            return
         command = [
             "redis-cli",
             "--cluster",

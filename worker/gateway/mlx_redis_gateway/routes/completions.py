@@ -136,11 +136,19 @@ class CompletionRoutes:
                     t for t in following if t.done() and not t.cancelled() and not t.exception()
                 ]
                 finished = {t.result().request_id for t in ended if t.result().done is not None}
-                left([c.request_id for c in choices if c.request_id not in finished])
+                unfinished = [c.request_id for c in choices if c.request_id not in finished]
+                if unfinished or _cancelled():
+                    left(unfinished)
 
         shapers = await gateway.until_disconnected(request, answers())
         if shapers is None:
             return client_left()
+        # Every choice ended: their leases go back before the answer leaves, as a request of
+        # one job's do, so the client's next request finds its key's slots free (released in
+        # the background, they were still held when a quick client came back: a 429).
+        if all(shaper.done is not None for shaper in shapers):
+            queuing.cancel()
+            await self._release_all([c.request_id for c in choices])
         body = merged_completion(request_id, choices, shapers)
         return JSONResponse(body, headers={"x-request-id": request_id})
 
@@ -176,6 +184,12 @@ class CompletionRoutes:
         quotas = self.gateway.quotas
         for request_id in request_ids:
             await (quotas.withdraw if withdraw else quotas.release)(request_id)
+
+
+def _cancelled() -> bool:
+    """Whether the running task is being cancelled (its client left)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _log_queuing_failure(task: asyncio.Future[None]) -> None:
