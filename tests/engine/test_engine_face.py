@@ -55,6 +55,7 @@ PREFILL_PACE_KEYS = [
     "prefill_tokens_per_second",
     "max_prefill_stall",
     "min_prefill_tokens",
+    "burst_steps",
 ]
 SPECULATION_KEYS = [
     "steps",

@@ -140,8 +140,9 @@ def test_groups_are_prefilled_shortest_first_and_each_first_token_leaves_with_it
     tiny_model: Any, on_a_stream: Any
 ) -> None:
     prompts = prompts_of_lengths(tiny_model[1], LENGTHS)
-    # Whole chunks beside each decode step whatever the timings (the budget's subject is
-    # test_stall_free): every step decodes the running batch.
+    # Whole chunks whatever the timings (the budget's subject is test_stall_free). All eight
+    # arrive together: the first group's streams started in this burst, so the next group's
+    # prefill runs with no decode step beside it (test_stall_free: bursts).
     steps, _ = run_scheduler(
         tiny_model,
         on_a_stream,
@@ -157,9 +158,9 @@ def test_groups_are_prefilled_shortest_first_and_each_first_token_leaves_with_it
         **{r: 1 for r in ("r3", "r7", "r1", "r6")},
         **{r: 2 for r in ("r4", "r2", "r5", "r0")},
     }
-    # The decode step after a group's prefill runs its first tokens (handed out already)
-    # through the model, so second tokens leave from the step after it.
-    assert steps["r3"] == [1, 3, 4, 5]
+    # The first decode step, after the burst's last prefill (step 3), runs both groups' first
+    # tokens (handed out already) through the model, so second tokens leave from step 4.
+    assert steps["r3"] == [1, 4, 5, 6]
     assert steps["r0"] == [2, 4, 5, 6]
 
 
@@ -178,7 +179,8 @@ def test_smaller_groups_are_prefilled_one_a_step_beside_the_decode(
     )
     firsts = [steps[r][0] for r in ("r3", "r7", "r1", "r6", "r4", "r2", "r5", "r0")]
     assert firsts == [1, 1, 2, 2, 3, 3, 4, 4]
-    assert steps["r3"] == [1, 3, 4, 5]
+    # No decode step until the burst's last group is prefilled (step 4).
+    assert steps["r3"] == [1, 6, 7, 8]
 
 
 def test_greedy_tokens_are_those_of_mlx_lm_whatever_the_grouping(

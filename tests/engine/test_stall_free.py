@@ -209,6 +209,144 @@ def test_a_short_prompt_is_not_held_behind_a_long_one_in_prefill(
     scheduler.close()
 
 
+# -- bursts -----------------------------------------------------------------------------------
+
+
+def burst_firsts(
+    scheduler: Scheduler, names: list[str], streams: tuple[str, ...] = (), limit: int = 60
+) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Step until every request of ``names`` has its first token: the step of each one's
+    first token, and the steps in which each of ``streams`` (and of ``names``) got tokens."""
+    firsts: dict[str, int] = {}
+    tokens_at: dict[str, list[int]] = {name: [] for name in (*names, *streams)}
+    step = 0
+    while len(firsts) < len(names):
+        step += 1
+        assert step <= limit
+        for output in scheduler.step().outputs:
+            if output.new_token_ids:
+                if output.request_id in names:
+                    firsts.setdefault(output.request_id, step)
+                tokens_at[output.request_id].append(step)
+    return firsts, tokens_at
+
+
+def add_burst(scheduler: Scheduler, tokenizer: Any, lengths: list[int]) -> list[str]:
+    names = [f"b{i}" for i in range(len(lengths))]
+    for i, (name, length) in enumerate(zip(names, lengths, strict=True)):
+        scheduler.add_request(Request(name, tokens_of_length(tokenizer, length, i + 3), greedy(8)))
+    return names
+
+
+def test_a_burst_s_prefill_runs_without_decode_steps_between_its_groups(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """Twelve prompts arriving together, no stream running before them: each step prefills a
+    group of four and no step decodes until the last group has its first tokens (the first
+    groups' streams started in this burst: the stall bound does not hold the burst back for
+    them, while ``max_prefill_wait`` allows; here an hour)."""
+    scheduler = scheduler_over(tiny_model, on_a_stream, max_num_seqs=16, prefill_batch_size=4)
+    names = add_burst(scheduler, tiny_model[1], [30] * 12)
+    firsts, tokens_at = burst_firsts(scheduler, names)
+    assert sorted(firsts.values()) == [1] * 4 + [2] * 4 + [3] * 4
+    # Steps 2 and 3 decoded nothing: the first group's only token is its first.
+    first_group = [name for name in names if firsts[name] == 1]
+    assert all(tokens_at[name] == [1] for name in first_group)
+    assert scheduler.pace.burst_steps == 2
+    scheduler.abort_all()
+    scheduler.close()
+
+
+def test_a_stream_running_before_a_burst_gets_a_token_every_step_of_it(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """The same burst behind a stream that was decoding when it arrived: every step decodes,
+    the burst's prompts take the bounded budget beside it (a fixed 64 tokens here: min = max),
+    and the budget goes to the prompts with the fewest tokens left, so that one first token
+    leaves each step (equal shares of 16 would end all four of a group in step 2)."""
+    scheduler = scheduler_over(
+        tiny_model,
+        on_a_stream,
+        max_num_seqs=16,
+        prefill_batch_size=4,
+        prefill_step_size=64,
+        min_prefill_tokens=64,
+    )
+    tokenizer = tiny_model[1]
+    start_stream(scheduler, tokenizer)
+    names = add_burst(scheduler, tokenizer, [40] * 8)
+    firsts, tokens_at = burst_firsts(scheduler, names, streams=("stream",))
+    steps = max(firsts.values())
+    assert tokens_at["stream"] == list(range(1, steps + 1))
+    assert sorted(firsts.values()) == list(range(1, 9))
+    assert scheduler.pace.burst_steps == 0
+    scheduler.abort_all()
+    scheduler.close()
+
+
+def test_a_long_prompt_arriving_with_a_short_one_does_not_freeze_its_stream(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """A short and a long prompt arrive together: the short one's stream started in the same
+    burst, but a burst step must end a prompt, so while no pass can end the long one each
+    step decodes beside a bounded chunk of it (a long prompt gets the stall bound's chunks
+    whoever came first). Only its last chunk, which ends it, runs as a burst step."""
+    chunk = 256
+    scheduler = scheduler_over(
+        tiny_model, on_a_stream, prefill_step_size=chunk, min_prefill_tokens=chunk
+    )
+    tokenizer = tiny_model[1]
+    long = tokens_of_length(tokenizer, 8 * chunk, 1)
+    scheduler.add_request(Request("long", long, endless(tokenizer)))
+    scheduler.add_request(Request("short", tokens_of_length(tokenizer, 20, 2), endless(tokenizer)))
+    firsts, tokens_at = burst_firsts(scheduler, ["short", "long"], limit=20)
+    # Step 1 (nothing decoding) shares the chunk: the short prompt's 20 tokens and 128 of the
+    # long one's; then 256 a step beside the stream's decode (its first token fed back in
+    # step 2), until the last 128, which end the long prompt in a step of their own (step 9).
+    assert firsts == {"short": 1, "long": 9}
+    assert tokens_at["short"] == [1, *range(3, 9)]
+    assert scheduler.pace.burst_steps == 1
+    scheduler.abort_all()
+    scheduler.close()
+
+
+def test_a_prompt_left_out_of_a_pass_keeps_mlx_lm_s_greedy_tokens(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """Shortest remaining prefill first leaves rows out of a pass (their caches untouched) and
+    puts them back: every request's greedy tokens are still mlx-lm's."""
+    scheduler = scheduler_over(tiny_model, on_a_stream, prefill_step_size=48, min_prefill_tokens=48)
+    tokenizer = tiny_model[1]
+    start_stream(scheduler, tokenizer)
+    lengths = [45, 30, 70, 12]
+    prompts = [tokens_of_length(tokenizer, n, i + 5) for i, n in enumerate(lengths)]
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(Request(f"p{i}", prompt, greedy(6)))
+    tokens: dict[str, list[int]] = {f"p{i}": [] for i in range(len(prompts))}
+    done: set[str] = set()
+    for _ in range(40):
+        for output in scheduler.step().outputs:
+            if output.request_id in tokens:
+                tokens[output.request_id] += output.new_token_ids
+                if output.finished:
+                    done.add(output.request_id)
+        if len(done) == len(prompts):
+            break
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"p{i}"] == reference_tokens(tiny_model, prompt, 6), i
+    scheduler.abort_all()
+    scheduler.close()
+
+
+def test_the_burst_budget_is_the_tokens_that_fit_the_slack() -> None:
+    pace = PrefillPace(max_stall=1.0, min_tokens=32, max_tokens=2048)
+    assert pace.burst_budget(10.0) == 0  # prefill speed not measured yet
+    pace.observe_prefill(1000, 1.0)
+    assert pace.burst_budget(0.5) == 500
+    assert pace.burst_budget(100.0) == 2048
+    assert pace.burst_budget(-0.1) == 0 and pace.burst_budget(math.nan) == 0
+
+
 # -- the pace's budget ---------------------------------------------------------------------
 
 

@@ -559,6 +559,17 @@ def test_submit_with_a_json_schema_prints_matching_json_from_a_real_worker(
     )
 
 
+# Runs the command after it with SIGINT at its default disposition. A suite started in the
+# background by a non-interactive shell (``make test &``) inherits SIGINT ignored, and so does
+# every child: ``submit`` then rightly ignores Ctrl-C, exits 0 and its job runs to its end.
+SIGINT_AT_DEFAULT = (
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])",
+)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("detach", [False, True], ids=["aborts", "detaches"])
 def test_ctrl_c_on_submit_aborts_its_job_unless_detached(
@@ -570,9 +581,9 @@ def test_ctrl_c_on_submit_aborts_its_job_unless_detached(
     request_id = f"ctrl-c-{detach}"
     tokens = 400
     command = [
-        *WORKER_COMMAND, "submit", "a long story", "--raw", "--max-tokens", str(tokens),
-        "--temperature", "0", "--request-id", request_id, "--redis-url", redis_url,
-        "--prefix", keys.prefix, *(["--detach"] if detach else []),
+        *SIGINT_AT_DEFAULT, *WORKER_COMMAND, "submit", "a long story", "--raw",
+        "--max-tokens", str(tokens), "--temperature", "0", "--request-id", request_id,
+        "--redis-url", redis_url, "--prefix", keys.prefix, *(["--detach"] if detach else []),
     ]  # fmt: skip
     submit = subprocess.Popen(
         command,

@@ -27,7 +27,10 @@ key's cap) asking ``--model`` for chat completions with images: ``image-bomb`` (
 ``keep-alive-sockets`` (21 sockets from each of 500 addresses, 127.64.x.y: 10,500, each asking
 once without a key and kept open, reopened when closed), ``big-bodies`` (4 connections sending
 chat bodies just under 4 MiB with the attacker's key) and ``many-tools`` (4 connections asking
-for chat completions with 48 salted agent tools, 30.5k prompt tokens each on tiny).
+for chat completions with 48 salted agent tools, 30.5k prompt tokens each on tiny), and the
+long-prompt attackers of ``long_prompts`` inside the key's quota: ``long-prompts`` (about
+2,300-token prompts that never hit the prefix cache, 4 at once) and ``long-prompt-26k`` (one
+prompt of about 26k tokens at a time), whose text the bench hands over in ``--prompt-file``.
 
 Each attacker connects from ``--source`` (Linux routes all of 127.0.0.0/8 to the loopback
 interface), so that the gateway sees it as a client of its own, as a client on another host
@@ -50,10 +53,18 @@ import socket
 import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from mlx_redis_worker.bench.hostile_images import data_url, huge_image, picture, png_bomb
 from mlx_redis_worker.bench.hostile_schemas import Schema, deep_anyof, nested_anyof
+from mlx_redis_worker.bench.long_prompts import (
+    ATTACK_MAX_TOKENS,
+    LONG_PROMPT_ATTACKS,
+    QUOTA_PER_MINUTE,
+    QuotaBucket,
+    streamed_completion,
+)
 
 FLOOD_CONNECTIONS = 200
 ATTACKER_MAX_CONCURRENT = 4  # the attacker key's concurrency cap (bench isolation's key)
@@ -96,6 +107,7 @@ class Target:
         own_request: str = "",
         model: str = "",
         source: str | None = None,
+        filler: str = "",
     ) -> None:
         self.port = port
         self.local_addr = (source, 0) if source else None  # None: the OS's choice
@@ -103,6 +115,8 @@ class Target:
         self.statuses: Counter[str] = Counter()
         self.own_request = own_request  # the attacker's finished request, for the resume flood
         self.model = model  # the model the hostile schemas are sent to
+        self.filler = filler  # the long-prompt attackers' text (after a salt of their own)
+        self.finished = 0  # streams the attacker read to their end ([DONE])
 
     async def connect(
         self, pause: float
@@ -130,12 +144,13 @@ class Target:
         )
         await self.exchange(head, body=body)
 
-    async def exchange(self, head: str, body_pieces: int = 0, body: bytes = b"") -> None:
+    async def exchange(self, head: str, body_pieces: int = 0, body: bytes = b"") -> bytes:
         """One request on a connection of its own (its ``body``, or ``body_pieces`` of
-        ``PIECE``); its status (or failure) is counted."""
+        ``PIECE``); its status (or failure) is counted. Returns the answer after its status
+        line (b"" where none came)."""
         connection = await self.connect(pause=0.05)
         if connection is None:
-            return
+            return b""
         reader, writer = connection
         try:
             # The gateway may refuse (and close) before it all arrived: then the answer is
@@ -146,9 +161,10 @@ class Target:
                     writer.write(PIECE)
                     await writer.drain()
             self.answered(await reader.readline())
-            await reader.read()
+            return await reader.read()
         except (OSError, IndexError) as exc:
             self.statuses[type(exc).__name__] += 1
+            return b""
         finally:
             writer.close()
 
@@ -405,6 +421,27 @@ async def many_tools(target: Target) -> None:
     await asyncio.gather(*(sender() for _ in range(TOOL_CONNECTIONS)))
 
 
+def long_prompts(concurrency: int) -> Attack:
+    """``concurrency`` senders of streamed completions of ``target.filler`` after a fresh
+    salt each, spending the key's quota no faster than the gateway refills it."""
+
+    async def attack(target: Target) -> None:
+        bucket = QuotaBucket(QUOTA_PER_MINUTE)
+
+        async def sender() -> None:
+            while True:
+                await bucket.take()
+                head, body = streamed_completion(
+                    target.model, target.auth, target.filler, ATTACK_MAX_TOKENS
+                )
+                if b"data: [DONE]" in await target.exchange(head, body=body):
+                    target.finished += 1
+
+        await asyncio.gather(*(sender() for _ in range(concurrency)))
+
+    return attack
+
+
 def get(path: str, auth: str) -> str:
     """A GET request's head that closes its connection."""
     return f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Connection: close\r\n\r\n"
@@ -424,6 +461,7 @@ def attacks(idle: int) -> dict[str, Attack]:
         "big-bodies": big_bodies,
         "many-tools": many_tools,
         **image_attacks(),
+        **{name: long_prompts(at_once) for name, (_, at_once) in LONG_PROMPT_ATTACKS.items()},
     }
 
 
@@ -475,18 +513,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="", help="the hostile schemas' model")
     parser.add_argument("--idle-sockets", type=int, default=1000)
     parser.add_argument("--source", default=source(0), help="the address to connect from")
+    parser.add_argument("--prompt-file", default="", help="the long-prompt attackers' text")
     args = parser.parse_args(argv)
     _lowest_priority()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # the idle sockets need room
     address = bindable(args.source)
-    target = Target(args.port, args.key, args.own_request, args.model, address)
+    filler = Path(args.prompt_file).read_text() if args.prompt_file else ""
+    target = Target(args.port, args.key, args.own_request, args.model, address, filler)
     asyncio.run(_run(attacks(args.idle_sockets)[args.attack], target))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     report = {
         "statuses": dict(target.statuses),
         "exchanges": sum(target.statuses.values()),
         "cpu_seconds": usage.ru_utime + usage.ru_stime,
+        "finished": target.finished,
         "source": address or "127.0.0.1",
     }
     print(json.dumps(report), flush=True)

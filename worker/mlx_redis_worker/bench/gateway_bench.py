@@ -65,6 +65,7 @@ class Stream:
     tokens: int
     ttft: float  # to the first text (to the end where none came)
     latency: float
+    gaps: list[float] = field(default_factory=list)  # between its events with text, in order
 
 
 @dataclass(slots=True)
@@ -172,6 +173,8 @@ async def _gateway(connections: _Connections, prompt: str, max_tokens: int) -> S
     }
     start = time.perf_counter()
     request_id, tokens, ttft, latency, pending = "", 0, None, None, b""
+    gaps: list[float] = []
+    last_text = 0.0
     async with connections.request("POST /v1/completions", json.dumps(body).encode()) as reader:
         async for chunk in _chunks(reader):
             *lines, pending = (pending + chunk).split(b"\n")
@@ -185,13 +188,18 @@ async def _gateway(connections: _Connections, prompt: str, max_tokens: int) -> S
                 if "error" in data:
                     raise RuntimeError(f"gateway request failed: {data['error']}")
                 request_id = data["id"]
-                if ttft is None and data["choices"] and data["choices"][0]["text"]:
-                    ttft = time.perf_counter() - start
+                if data["choices"] and data["choices"][0]["text"]:
+                    now = time.perf_counter()
+                    if ttft is None:
+                        ttft = now - start
+                    else:
+                        gaps.append(now - last_text)
+                    last_text = now
                 if data.get("usage"):
                     tokens = data["usage"]["completion_tokens"]
     if latency is None:
         raise RuntimeError("a gateway stream ended without [DONE]")
-    return Stream(request_id, tokens, latency if ttft is None else ttft, latency)
+    return Stream(request_id, tokens, latency if ttft is None else ttft, latency, gaps)
 
 
 async def _worker_share(client: Client, request_id: str) -> float:

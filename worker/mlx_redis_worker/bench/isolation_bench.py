@@ -11,14 +11,18 @@ against the baselines on either side of it, in the same run.
 
 Each attacker (``attackers``: huge header, huge body, read flood, resume flood, hostile
 schema, idle sockets, keep-alive sockets from 500 addresses, bodies just under 4 MiB with a
-key, 48 agent tools, and the image attackers: image bombs, 50 MB images, image floods;
-``--attackers`` picks some) is a process of its own at the lowest CPU priority, connecting from an
-address of its own (127.0.0.2, 127.0.0.3, …: one per attack phase), standing for a client on
-another host: the bench measures what its requests cost the gateway, Redis and the
-worker, not what sending them costs the attacker. Reported per attacker: the victim's tok/s
-and TTFT p50 as ratios to the baselines (goal ≥ 0.8 for tok/s), ``/health`` p99 (goal < 1 s),
-the cores the gateway, Redis (when the bench started it), the worker and the attacker used
-(Linux), how many exchanges a second the attacker made, and what it got back (statuses).
+key, 48 agent tools, the image attackers: image bombs, 50 MB images, image floods, and long
+uncached prompts inside the key's quota: about 2,300 tokens 4 at once, about 26k one at a
+time, each such phase under a fresh key of the same quota; ``--attackers`` picks some) is a
+process of its own at the lowest CPU priority, connecting from an address of its own
+(127.0.0.2, 127.0.0.3, …: one per attack phase), standing for a client on another host: the
+bench measures what its requests cost the gateway, Redis and the worker, not what sending
+them costs the attacker. Reported per attacker: the victim's tok/s, TTFT p50 and inter-token
+p99 (the gap between two of a stream's events with text, over all its streams) as ratios to
+the baselines (goals: tok/s ≥ 0.8, inter-token p99 ≤ 2.5), ``/health`` p99 (goal < 1 s), the
+cores the gateway, Redis (when the bench started it), the worker and the attacker used
+(Linux), how many exchanges a second the attacker made, and what it got back (statuses, and
+how many of its streams it read to the end).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import resource
@@ -36,6 +41,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,14 +61,23 @@ from mlx_redis_worker.bench.e2e_bench import pct
 from mlx_redis_worker.bench.engine_bench import make_prompts
 from mlx_redis_worker.bench.gateway_bench import MODEL_NAME, Stream, _Connections, _gateway
 from mlx_redis_worker.bench.gateway_bench import _gateway_ready as gateway_ready
+from mlx_redis_worker.bench.long_prompts import LONG_PROMPT_ATTACKS, QUOTA_PER_MINUTE, filler_text
 from mlx_redis_worker.bench.worker_process import start_worker, stop_worker, wait_ready
 from mlx_redis_worker.local_redis import free_port, local_redis
 from mlx_redis_worker.models import load_model
 
 TOKENS_GOAL = 0.8  # victim tok/s under attack / alone
+GAP_GOAL = 2.5  # victim inter-token p99 under attack / alone
 HEALTH_GOAL_S = 1.0  # /health p99
 HEALTH_TIMEOUT = 5.0  # a /health that takes longer counts as this
 ATTACK_LEAD_SECONDS = 1.0  # the attack under way before the victim starts
+# A victim phase not done by then is stopped and counted as starved (0 tok/s): one attacker
+# that holds the victim off for minutes (a prefill of 4 x 30k tokens on a CPU) gives its
+# verdict, and the run goes on to the next attacker instead of failing at the gateway's 600 s.
+VICTIM_PHASE_TIMEOUT = 300.0
+# After an attack phase, the bench waits (up to this) until the worker holds no job: the next
+# baseline measures the victim alone, not beside the attacker's aborted work still running.
+SETTLE_TIMEOUT = 180.0
 
 
 @dataclass(slots=True)
@@ -78,17 +93,29 @@ class Phase:
     worker_cores: float | None = None
     attacker_cores: float | None = None
     exchanges_per_second: float = 0.0  # the attacker's requests (or connections) answered
+    gap_p99: float = 0.0  # seconds between two of a victim stream's events with text, p99
+    finished: int = 0  # the attacker's streams read to their end
+    starved: bool = False  # the victim's streams were not done in VICTIM_PHASE_TIMEOUT
+    # Seconds the worker still held jobs after the attacker left (its aborts taking effect).
+    settle_seconds: float = 0.0
 
 
 class Attacker:
     """One attacker process (``attackers``), started for a phase and stopped at its end."""
 
     def __init__(
-        self, name: str, port: int, key: str, own_request: str, idle: int, address: str
+        self,
+        name: str,
+        port: int,
+        key: str,
+        own_request: str,
+        idle: int,
+        address: str,
+        prompt_file: str = "",
     ) -> None:
         command = [sys.executable, "-m", "mlx_redis_worker.bench.attackers", name]
         command += ["--port", str(port), "--key", key, "--own-request", own_request]
-        command += ["--source", address]
+        command += ["--source", address, "--prompt-file", prompt_file]
         command += ["--idle-sockets", str(idle), "--model", MODEL_NAME]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE)
 
@@ -154,6 +181,12 @@ class Bench:
     own_request: str = ""
     attacks_run: int = 0  # numbers each attack phase's source address
     attackers: tuple[str, ...] = ()  # the attacks to run, in order (``attacks``' names)
+    # A fresh key (the attacker's quota) for each long-prompt phase, so that the floods' use
+    # of the attacker key does not turn a tenant inside its quota into one refused (429).
+    prompt_keys: list[str] = field(default_factory=list)
+    prompt_files: dict[str, str] = field(default_factory=dict)  # long-prompt attack: its text
+    # Waits until the worker holds no job; returns the seconds it waited.
+    settle: Callable[[], Awaitable[float]] | None = None
 
 
 async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
@@ -162,13 +195,15 @@ async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
     prober = asyncio.create_task(_probe_health(bench.port, health))
     attacker = None
     if attack:
+        long_prompt = attack in LONG_PROMPT_ATTACKS
         attacker = Attacker(
             attack,
             bench.port,
-            bench.attacker_key,
+            bench.prompt_keys.pop() if long_prompt else bench.attacker_key,
             bench.own_request,
             bench.idle_sockets,
             source(bench.attacks_run),
+            bench.prompt_files.get(attack, ""),
         )
         bench.attacks_run += 1
         await asyncio.to_thread(attacker.wait_ready)
@@ -178,9 +213,12 @@ async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
     report: dict[str, Any] = {}
     try:
         start = time.perf_counter()
-        streams: list[Stream] = await asyncio.gather(
-            *(_gateway(bench.victim, p, bench.max_tokens) for p in prompts)
-        )
+        streams: list[Stream] = []
+        with contextlib.suppress(TimeoutError):  # starved: no streams
+            streams = await asyncio.wait_for(
+                asyncio.gather(*(_gateway(bench.victim, p, bench.max_tokens) for p in prompts)),
+                VICTIM_PHASE_TIMEOUT,
+            )
         seconds = time.perf_counter() - start
         cpu_after = [_cpu_seconds(pid) for pid in pids]
     finally:
@@ -188,6 +226,7 @@ async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
         await asyncio.gather(prober, return_exceptions=True)
         if attacker is not None:
             report = await asyncio.to_thread(attacker.stop)
+    settled = await bench.settle() if attacker is not None and bench.settle else 0.0
     gateway, redis, worker = (
         (after - before) / seconds if before is not None and after is not None else None
         for before, after in zip(cpu_before, cpu_after, strict=True)
@@ -196,7 +235,7 @@ async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
     return Phase(
         _display(attack, bench.idle_sockets),
         sum(s.tokens for s in streams) / seconds,
-        statistics.median(s.ttft for s in streams),
+        statistics.median(s.ttft for s in streams) if streams else seconds,
         health,
         Counter(report.get("statuses", {})),
         gateway_cores=gateway,
@@ -204,6 +243,10 @@ async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
         worker_cores=worker,
         attacker_cores=report["cpu_seconds"] / attacked if report else None,
         exchanges_per_second=report.get("exchanges", 0) / attacked,
+        gap_p99=_gap_p99(streams) if streams else seconds,
+        finished=report.get("finished", 0),
+        starved=not streams,
+        settle_seconds=settled,
     )
 
 
@@ -217,12 +260,54 @@ async def _measure(bench: Bench, prompts: list[list[str]], repeat: int) -> list[
         for _ in range(repeat):
             for name in bench.attackers:
                 phases.append(await _phase(bench, "", next(batch)))
+                _progress(phases[-1])
                 phases.append(await _phase(bench, name, next(batch)))
+                _progress(phases[-1])
         phases.append(await _phase(bench, "", next(batch)))
+        _progress(phases[-1])
         return phases
     finally:
         bench.victim.close()
         attacker.close()
+
+
+async def _settle(client: Client, worker_id: str) -> float:
+    """Wait until the worker holds no job (its ``stats``), at most ``SETTLE_TIMEOUT``; the
+    seconds waited."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < SETTLE_TIMEOUT:
+        replies = await client.stats(worker_id=worker_id, timeout=5.0)
+        result = replies[0].result if replies else None
+        if result is not None and not result["jobs"]["in_flight"]:
+            break
+        await asyncio.sleep(0.25)
+    return time.perf_counter() - start
+
+
+def _gap_p99(streams: list[Stream]) -> float:
+    """The p99 of the gaps between the victim's events with text (0 where none had two)."""
+    gaps = [gap for stream in streams for gap in stream.gaps]
+    return pct(gaps, 0.99) if gaps else 0.0
+
+
+def _ratio(value: float, alone: float) -> float:
+    """``value`` over ``alone``; where alone is 0 (no gaps to measure), 1 for 0, else inf."""
+    if alone > 0:
+        return value / alone
+    return 1.0 if value == 0 else float("inf")
+
+
+def _progress(phase: Phase) -> None:
+    """One line on stderr per phase: a long run shows where it is, and a phase that went
+    wrong can be told from its neighbours."""
+    print(
+        f"{time.strftime('%H:%M:%S')} {phase.attacker or 'alone'}: "
+        f"{phase.tokens_per_second:.0f} tok/s, TTFT p50 {phase.ttft_p50 * 1e3:.0f} ms, "
+        f"inter-token p99 {phase.gap_p99 * 1e3:.0f} ms"
+        + (f", worker idle {phase.settle_seconds:.1f} s later" if phase.attacker else ""),
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _display(attack: str, idle_sockets: int) -> str:
@@ -243,12 +328,12 @@ def format_isolation(phases: list[Phase]) -> str:
     bases = [p for p in phases if not p.attacker]
     base_health = [s for p in bases for s in p.health]
     rows.append(
-        f"| alone (baselines) | 1.00 | 1.00 | {pct(base_health, 0.99) * 1e3:.0f} | "
+        f"| alone (baselines) | 1.00 | 1.00 | 1.00 | {pct(base_health, 0.99) * 1e3:.0f} | "
         f"{_cores([p.gateway_cores for p in bases])} | {_cores([p.redis_cores for p in bases])} | "
         f"{_cores([p.worker_cores for p in bases])} | | | |"
     )
     for name in names:
-        tokens, ttft, health, statuses = [], [], [], Counter[str]()
+        tokens, ttft, gaps, health, statuses = [], [], [], [], Counter[str]()
         attacked: list[Phase] = []
         for i, phase in enumerate(phases):
             if phase.attacker != name:
@@ -260,32 +345,49 @@ def format_isolation(phases: list[Phase]) -> str:
                 / statistics.mean([before.tokens_per_second, after.tokens_per_second])
             )
             ttft.append(phase.ttft_p50 / statistics.mean([before.ttft_p50, after.ttft_p50]))
+            gaps.append(_ratio(phase.gap_p99, statistics.mean([before.gap_p99, after.gap_p99])))
             health += phase.health
             statuses.update(phase.statuses)
         p99 = pct(health, 0.99)
         met = met and statistics.median(tokens) >= TOKENS_GOAL and p99 < HEALTH_GOAL_S
-        got = ", ".join(f"{status} ×{count}" for status, count in statuses.most_common(4))
+        met = met and statistics.median(gaps) <= GAP_GOAL
+        answers = ", ".join(f"{status} ×{count}" for status, count in statuses.most_common(4))
+        finished = sum(p.finished for p in attacked)
+        starved = sum(p.starved for p in attacked)
+        busy = max(p.settle_seconds for p in attacked)
+        notes = [
+            answers or "no answer",
+            f"finished ×{finished}" if finished else "",
+            f"victim not done in {VICTIM_PHASE_TIMEOUT:.0f} s ×{starved}" if starved else "",
+            f"worker busy {busy:.0f} s after it left" if busy >= 1 else "",
+        ]
+        got = "; ".join(note for note in notes if note)
         rate = statistics.median(p.exchanges_per_second for p in attacked)
         rows.append(
             f"| {name} | {statistics.median(tokens):.2f} | {statistics.median(ttft):.2f} | "
+            f"{statistics.median(gaps):.2f} | "
             f"{p99 * 1e3:.0f} | {_cores([p.gateway_cores for p in attacked])} | "
             f"{_cores([p.redis_cores for p in attacked])} | "
             f"{_cores([p.worker_cores for p in attacked])} | "
             f"{_cores([p.attacker_cores for p in attacked])} | {rate:.0f} | {got} |"
         )
     alone = statistics.median(p.tokens_per_second for p in bases)
+    gap_alone = statistics.median(p.gap_p99 for p in bases)
     return "\n".join(
         [
-            f"victim alone: {alone:.0f} tok/s (median of baselines)",
+            f"victim alone: {alone:.0f} tok/s, inter-token p99 {gap_alone * 1e3:.0f} ms "
+            "(medians of baselines)",
             "",
-            "| attacker | victim tok/s ratio | victim TTFT p50 ratio | /health p99 ms | "
+            "| attacker | victim tok/s ratio | victim TTFT p50 ratio | "
+            "victim inter-token p99 ratio | /health p99 ms | "
             "gateway cores | Redis cores | worker cores | attacker cores | "
             "attacker exchanges/s | attacker got |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
             *rows,
             "",
-            f"goals: victim tok/s ≥ {TOKENS_GOAL} × alone and /health p99 < "
-            f"{HEALTH_GOAL_S * 1e3:.0f} ms under every attacker: {'met' if met else 'NOT met'}",
+            f"goals: victim tok/s ≥ {TOKENS_GOAL} × alone, inter-token p99 ≤ {GAP_GOAL} × "
+            f"alone and /health p99 < {HEALTH_GOAL_S * 1e3:.0f} ms under every attacker: "
+            f"{'met' if met else 'NOT met'}",
         ]
     )
 
@@ -326,6 +428,23 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
         attacker = add_key(
             keys, "attacker", requests_per_minute=30, max_concurrent=ATTACKER_MAX_CONCURRENT
         )
+        long_phases = args.repeat * sum(name in LONG_PROMPT_ATTACKS for name in chosen)
+        prompt_keys = [
+            add_key(
+                keys,
+                f"prompts{index}",
+                requests_per_minute=QUOTA_PER_MINUTE,
+                max_concurrent=ATTACKER_MAX_CONCURRENT,
+            )
+            for index in range(long_phases)
+        ]
+        prompt_files = {}
+        for name in set(chosen) & set(LONG_PROMPT_ATTACKS):
+            path = Path(directory) / f"{name}.txt"
+            text = filler_text(tokenizer, LONG_PROMPT_ATTACKS[name][0])
+            path.write_text(text)
+            prompt_files[name] = str(path)
+            print(f"{name}: prompts of {len(tokenizer.encode(text))} tokens and a salt")
         fair = ("--fair-share",) if args.fair_share else ()
         # Slots for the victim's streams and the attacker's cap: what is measured is what one
         # tenant's work costs another's steps (prefill, grammar, media, HTTP), not a queue the
@@ -351,7 +470,10 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
         async def run() -> list[Phase]:
             async with Client(url, prefix=prefix) as client:
                 await wait_ready(client, [worker])
-            await gateway_ready(port, gateway)
+                await gateway_ready(port, gateway)
+                return await measure(client)
+
+        async def measure(client: Client) -> list[Phase]:
             victim_connections = _Connections(port, headers=f"Authorization: Bearer {victim}\r\n")
             bench = Bench(
                 port,
@@ -363,6 +485,9 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
                 args.max_tokens,
                 args.idle_sockets,
                 attackers=chosen,
+                prompt_keys=prompt_keys,
+                prompt_files=prompt_files,
+                settle=functools.partial(_settle, client, worker.worker_id),
             )
             return await _measure(bench, prompts, args.repeat)
 

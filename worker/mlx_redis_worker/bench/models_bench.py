@@ -22,14 +22,14 @@ import os
 import statistics
 import tempfile
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.connection import RedisClient
 from mlx_redis_protocol.identifiers import is_valid_id
-from mlx_redis_protocol.messages import Job
+from mlx_redis_protocol.messages import ErrorEvent, Event, Job
 from mlx_redis_worker.bench.e2e_bench import Run, pct, process_cpu, ratio, through_redis
 from mlx_redis_worker.bench.engine_bench import make_prompts
 from mlx_redis_worker.bench.worker_process import Worker, stop_worker, wait_ready
@@ -126,8 +126,22 @@ class _ModelClient(Client):
         super().__init__(prefix=prefix, redis=redis)
         self.model = model
 
+        self.errors: list[ErrorEvent] = []  # what ended the jobs that failed, for the report
+
     async def submit_job(self, job: Job, *, blobs: Mapping[str, bytes] | None = None) -> str:
         return await super().submit_job(replace(job, model=self.model), blobs=blobs)
+
+    def stream(
+        self, request_id: str, *, timeout: float | None = None
+    ) -> AsyncGenerator[Event, None]:
+        return self._recording(super().stream(request_id, timeout=timeout))
+
+    async def _recording(self, events: AsyncGenerator[Event, None]) -> AsyncGenerator[Event, None]:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if isinstance(event, ErrorEvent):
+                    self.errors.append(event)
+                yield event
 
 
 async def _load(
@@ -137,12 +151,9 @@ async def _load(
     (its wall time ends at its last done) and the total."""
     prompts = {m.name: m.warmup if warmup else m.prompts for m in models}
     async with contextlib.AsyncExitStack() as stack:
-        clients = {
-            name: await stack.enter_async_context(
-                _ModelClient(name, client.redis, client.keys.prefix)
-            )
-            for name in prompts
-        }
+        clients = {name: _ModelClient(name, client.redis, client.keys.prefix) for name in prompts}
+        for model_client in clients.values():
+            await stack.enter_async_context(model_client)
         loads = await asyncio.gather(
             *(through_redis(c, prompts[name], max_tokens) for name, c in clients.items())
         )
@@ -151,8 +162,9 @@ async def _load(
         prompts.items(), loads, strict=True
     ):
         if len(latencies) != len(batch):  # an error event ends a stream without a done
+            said = "; ".join(f"{e.code}: {e.message}" for e in clients[name].errors[:3])
             raise RuntimeError(
-                f"{name}: {len(batch) - len(latencies)} of {len(batch)} jobs failed; "
+                f"{name}: {len(batch) - len(latencies)} of {len(batch)} jobs failed ({said}); "
                 "see the worker logs"
             )
         runs[name] = Run(name, len(batch), tokens, seconds, ttfts, latencies)

@@ -69,8 +69,13 @@ class SchedulerConfig:
     step's prefill may take about ``max_prefill_stall`` times the measured decode step
     (prefill speed and decode step time are measured as the engine runs), turned into a
     token budget of at least ``min_prefill_tokens`` (long prompts always progress) and at
-    most ``prefill_step_size``. With nothing decoding, prefill runs in whole chunks. A larger
-    stall fills first tokens of a burst sooner; ``inf`` prefills a whole chunk each step.
+    most ``prefill_step_size``, given first to the prompts with the fewest tokens left. With
+    nothing decoding, prefill runs in whole chunks. A larger stall gives prompts arriving
+    beside running streams their first tokens sooner; ``inf`` prefills a whole chunk each
+    step. The bound protects a stream from work that came after it: while every decoding
+    stream queued together with the prompts in prefill (one burst), a step may skip its
+    decode and prefill what fits in ``max_prefill_wait`` from those streams' last tokens,
+    when that ends a prompt (``Scheduler._burst_slack``).
     A request over ``max_prompt_tokens`` or asking
     for more than ``max_logprobs`` top log-probabilities per token is refused (``ValueError``),
     and so is a response_format over one of ``grammar_limits``.

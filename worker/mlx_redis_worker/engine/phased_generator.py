@@ -82,6 +82,21 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         return bool(self._unprocessed_sequences) or len(self._prompt_batch) > 0
 
     @property
+    def shortest_prompt_left(self) -> int | None:
+        """The fewest prompt tokens any sequence the next ``prefill()`` would take has left
+        (its rows, and the queued sequences that would fill free rows); None without any."""
+        left = [_tokens_left(p[0]) for p in self._currently_processing if _has_prompt_left(p[0])]
+        room = min(
+            self.prefill_batch_size - len(self._prompt_batch),
+            self.completion_batch_size - len(self._generation_batch),
+        )
+        for index, queued in enumerate(self._unprocessed_sequences):
+            if index >= room:
+                break
+            left.append(_tokens_left(queued[1]))
+        return min(left, default=None)
+
+    @property
     def num_decoding(self) -> int:
         """Sequences in the decode batch."""
         return len(self._generation_batch)
@@ -132,8 +147,13 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         """Take queued sequences into the prompt batch (up to ``prefill_batch_size``, while the
         decode batch has room) and process the next chunk of each prompt: ``prefill_step_size``
         tokens each, or with a ``budget``, that many tokens in all (the pass is as wide as its
-        longest chunk: each prompt gets an equal share, at least one token). Each response says
-        how far its prompt got and whether a segment (e.g. a shared prefix) ended here."""
+        longest chunk). A budget is shared equally when each share finishes at least the prompt
+        with the fewest tokens left; otherwise it goes to the prompts with the fewest left,
+        shortest first, each as wide as the shortest's remainder (or the whole budget to the
+        shortest alone): shortest remaining prefill first, so that some first tokens come
+        now rather than all of them later (the rows left out of a pass wait, their caches
+        untouched). Each response says how far its prompt got and whether a segment (e.g. a
+        shared prefix) ended here."""
         self.last_prefill_tokens = 0
         self.last_prefill_seconds = 0.0
         with mx.stream(self._stream):
@@ -144,10 +164,7 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
             )
             if room > 0:
                 self._prompt_batch.extend(self._make_batch(room))
-            width = self.prefill_step_size
-            if budget is not None:
-                rows = sum(1 for p in self._currently_processing if _has_prompt_left(p[0]))
-                width = max(1, min(width, budget // max(rows, 1)))
+            width, taking = self._shape_pass(budget)
             responses: list[PromptProcessingBatch.Response] = []
             chunks: list[list[int]] = []
             finishing: list[int] = []  # rows whose chunk takes the prompt's last token
@@ -155,8 +172,8 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
                 zip(self._prompt_batch.uids, self._currently_processing, strict=True)
             ):
                 segments = progress[0]
-                if not _has_prompt_left(segments):
-                    chunks.append([])  # prompt done: waits for start_generation
+                if row not in taking:
+                    chunks.append([])  # prompt done (waits for start_generation), or not now
                     continue
                 chunk = segments[0][:width]
                 segments[0] = segments[0][len(chunk) :]
@@ -181,6 +198,20 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
             if any(chunks):
                 self._prompt(chunks, finishing)
         return responses
+
+    def _shape_pass(self, budget: int | None) -> tuple[int, set[int]]:
+        """The chunk width of this pass and the prompt-batch rows it takes (see ``prefill``)."""
+        left = sorted(
+            (_tokens_left(p[0]), row)
+            for row, p in enumerate(self._currently_processing)
+            if _has_prompt_left(p[0])
+        )
+        width = self.prefill_step_size
+        if budget is None or not left:
+            return width, {row for _, row in left}
+        share = budget // len(left)
+        width = max(1, min(width, max(share, min(left[0][0], budget))))
+        return width, {row for _, row in left[: max(1, budget // width)]}
 
     def start_generation(self) -> list[GenerationBatch.Response]:
         """Move every sequence whose prompt is processed (all but its last token) into the
@@ -446,6 +477,11 @@ class _Logits:
 def _has_prompt_left(segments: list[list[int]]) -> bool:
     """More than the last token is left (the last one goes with the final chunk or apart)."""
     return bool(segments) and not _only_last_token(segments)
+
+
+def _tokens_left(segments: list[list[int]]) -> int:
+    """The prompt tokens a sequence has yet to prefill (its last one included)."""
+    return sum(len(segment) for segment in segments)
 
 
 def _only_last_token(segments: list[list[int]]) -> bool:

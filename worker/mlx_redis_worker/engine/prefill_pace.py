@@ -12,6 +12,13 @@ and ``max_tokens`` (the prefill chunk).
 The speed of a small chunk is lower than a large one's (a pass has fixed costs), so the budget
 found from it is conservative; the next step's budget grows toward the size whose pass takes
 the stall: the fixed point of ``tokens = speed(tokens) * stall``.
+
+The bound protects a stream from work that came after it started streaming. In a burst
+(requests arriving together, none of them streaming yet), the first of them to get their first
+tokens have no such claim on the rest of the burst: the scheduler then asks ``burst_budget``
+for the tokens that fit in the seconds those streams may still wait (``max_prefill_wait``
+from their last token), and runs that prefill with no decode beside it, so the burst's first
+tokens come as fast as without the bound. See ``Scheduler._burst_slack``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ class PrefillPace:
         self.min_tokens = min(min_tokens, max_tokens)
         self.decode_seconds = 0.0
         self.prefill_rate = 0.0
+        # Steps that prefilled a burst's prompts with no decode beside them (burst_budget).
+        self.burst_steps = 0
 
     def budget(self, decoding: bool) -> int:
         """The prompt tokens this step may prefill: a whole chunk with nothing decoding, else
@@ -46,6 +55,13 @@ class PrefillPace:
             return self.min_tokens
         tokens = min(self.max_tokens, self.prefill_rate * self.decode_seconds * self.max_stall)
         return max(self.min_tokens, int(tokens))
+
+    def burst_budget(self, slack: float) -> int:
+        """The prompt tokens whose pass takes at most ``slack`` seconds at the measured speed
+        (0 before it is measured), at most a whole chunk."""
+        if not slack > 0.0 or self.prefill_rate <= 0.0:
+            return 0
+        return int(min(self.max_tokens, self.prefill_rate * slack))
 
     def observe_decode(self, seconds: float) -> None:
         if seconds > 0.0 and math.isfinite(seconds):
@@ -62,6 +78,7 @@ class PrefillPace:
             prefill_tokens_per_second=self.prefill_rate,
             max_prefill_stall=self.max_stall,
             min_prefill_tokens=self.min_tokens,
+            burst_steps=self.burst_steps,
         )
 
 

@@ -3,9 +3,11 @@
 Engine thread only. Each ``step`` admits waiting requests into the free rows of the prefill
 batch (shortest prompt first, with an age bound: ``admission``), reusing prefix-cache hits;
 then runs the generator's phases (``phased_generator``): a decode step for running sequences,
-every step (stall-free: no prompt freezes running streams), a prefill chunk within the step's
-token budget (``prefill_pace``: about ``max_prefill_stall`` decode steps' time, a whole chunk
-with nothing decoding), and the first token of every sequence whose prefill just ended. It turns
+every step (stall-free: no prompt freezes streams that were running before it), a prefill
+chunk within the step's token budget (``prefill_pace``: about ``max_prefill_stall`` decode
+steps' time, a whole chunk with nothing decoding; a burst's prefill alone while every decoding
+stream is of that burst: ``_burst_slack``), and the first token of every sequence whose
+prefill just ended. It turns
 each sequence's token into text and, every ``stream_interval`` tokens, a ``RequestOutput``. A
 failure in one sequence's processing finishes that sequence with ``finish_reason="error"``; a
 failure of the batch step itself fails the sequences in the batch and starts a fresh generator,
@@ -19,6 +21,7 @@ unless its shared prefix is an entry of its own: that one entry serves every req
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -124,6 +127,8 @@ class Scheduler:
             self.config.min_prefill_tokens,
             self.config.prefill_step_size,
         )
+        # When the last decode step's tokens left (monotonic): see _burst_slack.
+        self._last_decode = -math.inf
         # Wall time inside the generator's phases (model, sampling, waiting on the device): the
         # rest of a step's time is the engine's own host work.
         self.model_seconds = 0.0
@@ -209,6 +214,13 @@ class Scheduler:
             try:
                 generated = []
                 decoding = generator.num_decoding > 0
+                budget = self.pace.budget(decoding)
+                if decoding and generator.has_prefill_work:
+                    burst = self.pace.burst_budget(self._burst_slack())
+                    shortest = generator.shortest_prompt_left
+                    if shortest is not None and burst >= max(budget, shortest):
+                        decoding, budget = False, burst  # this step: the burst's prefill only
+                        self.pace.burst_steps += 1
                 if decoding:
                     with self.grammar_rows.decoding():
                         generated = generator.decode()
@@ -216,7 +228,7 @@ class Scheduler:
                         generator.wait_for_decode()
                     self.pace.observe_decode(time.perf_counter() - started)
                 if generator.has_prefill_work:
-                    prefill = generator.prefill(self.pace.budget(decoding))
+                    prefill = generator.prefill(budget)
                     self.pace.observe_prefill(
                         generator.last_prefill_tokens, generator.last_prefill_seconds
                     )
@@ -231,9 +243,45 @@ class Scheduler:
                 sequence = self.running.get(response.uid)
                 if sequence is not None:
                     self._on_token(sequence, response)
+            if decoding:
+                self._last_decode = time.monotonic()
             for sequence in [s for s in self.running.values() if s.failure is not None]:
                 self._finish(sequence, "error", error=_describe(sequence.failure))
         return self._take_finished()
+
+    def _burst_slack(self) -> float:
+        """Seconds this step's prefill may take with no decode beside it.
+
+        A burst: requests that queued together. A decoding stream and a prompt now in prefill
+        are of one burst when the prompt was still waiting to start its prefill while the
+        stream was still waiting for its first token (it arrived before that first token, and
+        the stream arrived before its prefill started): the stream is ahead only by the order
+        in which the burst's prompts were taken, and may wait up to ``max_prefill_wait`` from
+        its last token for the rest of the burst. A stream that was already streaming when a
+        prompt arrived, or arrived while that prompt was already in prefill, is protected by
+        the stall bound: then the slack is negative, and the step decodes.
+
+        Which rows the pass takes is the generator's choice: the scheduler asks for a burst
+        step only when the pass can end a prompt (``shortest_prompt_left``), so a long prompt
+        that no pass finishes gets the stall bound's chunks, whoever arrived first."""
+        newest_arrival = -math.inf
+        first_start = math.inf
+        for sequence in self.running.values():
+            if sequence.request.first_token_time is None:
+                newest_arrival = max(newest_arrival, sequence.request.arrival_time)
+                first_start = min(first_start, sequence.prefill_started)
+        last_token = math.inf  # the longest-waiting decoding stream's last token
+        for sequence in self.running.values():
+            request = sequence.request
+            first = request.first_token_time
+            if first is None:
+                continue
+            if first < newest_arrival or request.arrival_time > first_start:
+                return -1.0
+            # A stream that decoded since its first token got a token in the last decode (the
+            # decode right after a join feeds the first token back: one step early, at most).
+            last_token = min(last_token, max(first, self._last_decode))
+        return self.config.max_prefill_wait - (time.monotonic() - last_token)
 
     def _admit(self) -> None:
         """Fill the prefill batch's free rows (``prefill_batch_size``) from the waiting queue,
@@ -343,6 +391,7 @@ class Scheduler:
                 ),
             )
         request.status = RequestStatus.RUNNING
+        sequence.prefill_started = time.monotonic()
         self.running[uid] = sequence
 
     def _store_prefixes(self, generator: PhasedBatchGenerator, prefill: list[Any]) -> None:

@@ -34,6 +34,9 @@ class Sequence:
     prefix_pending: bool = False
     # The response_format's matcher, once admitted: whether the output is complete.
     grammar: GrammarProcessor | None = None
+    # When its prefill started (monotonic; inserted into the generator): see
+    # Scheduler._burst_slack.
+    prefill_started: float = 0.0
 
     def fail(self, exc: BaseException) -> None:
         if self.failure is None:

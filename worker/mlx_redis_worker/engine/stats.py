@@ -68,6 +68,9 @@ class PrefillPaceStats:
     prefill_tokens_per_second: float
     max_prefill_stall: float
     min_prefill_tokens: int
+    # Steps that prefilled a burst's prompts with no decode beside them: every stream then
+    # decoding had started in that burst (``PrefillPace.burst_budget``).
+    burst_steps: int = 0
 
 
 @dataclass(frozen=True, slots=True)
