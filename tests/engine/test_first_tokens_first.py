@@ -44,6 +44,36 @@ queues = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
+@given(queues, st.integers(0, 12), st.integers(0, 12), st.floats(0.0, 12.0), st.floats(0.0, 5.0))
+def test_long_prompts_take_no_more_than_their_room(
+    waiting: list[Waiting], size: int, long_room: int, now: float, max_wait: float
+) -> None:
+    """At most ``long_room`` prompts over ``long_tokens``; a shorter one is never left out for
+    a long one, and the group is full unless only long ones are left."""
+    long_tokens = 1024
+    group = pick_prefill_group(
+        waiting,
+        size,
+        now,
+        max_wait,
+        length=lambda w: w.length,
+        arrival=lambda w: w.arrival,
+        long_room=long_room,
+        long_tokens=long_tokens,
+    )
+    longs = [w for w in group if w.length > long_tokens]
+    assert len(longs) <= long_room
+    assert len({w.name for w in group}) == len(group) <= size
+    left = [w for w in waiting if w not in group]
+    if len(group) < size:
+        assert all(w.length > long_tokens for w in left)
+        assert not left or len(longs) == long_room
+    shorts = [w for w in waiting if w.length <= long_tokens]
+    taken = pick(shorts, size - len(longs), now, max_wait)
+    assert [w for w in group if w.length <= long_tokens] == taken
+
+
+@settings(max_examples=300, deadline=None)
 @given(queues, st.integers(0, 12), st.floats(0.0, 12.0), st.floats(0.0, 5.0))
 def test_overdue_requests_go_first_then_the_shortest(
     waiting: list[Waiting], size: int, now: float, max_wait: float

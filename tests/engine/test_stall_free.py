@@ -209,6 +209,54 @@ def test_a_short_prompt_is_not_held_behind_a_long_one_in_prefill(
     scheduler.close()
 
 
+def test_long_prompts_leave_a_prefill_row_to_a_short_one(tiny_model: Any, on_a_stream: Any) -> None:
+    """Four prompts of more than a chunk each (one tenant's cap) take three of the four rows;
+    a short prompt arriving behind them takes the fourth and has its first token in the next
+    step, before any of them (before: all four rows held, the short one waited for a long one
+    to prefill whole)."""
+    chunk = 64
+    scheduler = scheduler_over(
+        tiny_model, on_a_stream, prefill_step_size=chunk, prefill_batch_size=4
+    )
+    tokenizer = tiny_model[1]
+    longs = [f"long{i}" for i in range(4)]
+    for i, name in enumerate(longs):
+        prompt = tokens_of_length(tokenizer, 5 * chunk, i + 10)
+        scheduler.add_request(Request(name, prompt, greedy(2)))
+    scheduler.step()
+    assert scheduler._generator is not None and scheduler._generator.num_prefilling == 3
+    scheduler.add_request(Request("short", tokens_of_length(tokenizer, 30, 2), greedy(2)))
+    firsts, _ = burst_firsts(scheduler, ["short", *longs], limit=80)
+    assert firsts["short"] == 1  # the step after it arrived
+    assert firsts["short"] < min(firsts[name] for name in longs)
+    scheduler.abort_all()
+    scheduler.close()
+
+
+def test_with_nothing_decoding_a_pass_takes_about_max_prefill_wait(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """A new request is admitted and an abort applied only between passes: with nothing
+    decoding, a pass prefills what the measured speed does in ``max_prefill_wait``, not a whole
+    chunk (here a wait so short that the floor binds once the speed is measured)."""
+    scheduler = scheduler_over(
+        tiny_model,
+        on_a_stream,
+        prefill_step_size=256,
+        min_prefill_tokens=16,
+        max_prefill_wait=1e-9,
+    )
+    tokenizer = tiny_model[1]
+    scheduler.add_request(Request("long", tokens_of_length(tokenizer, 1000, 1), greedy(2)))
+    passes = []
+    for _ in range(4):
+        scheduler.step()
+        passes.append(prefilled_tokens(scheduler))
+    assert passes == [256, 16, 16, 16]  # the first, unmeasured: a whole chunk
+    scheduler.abort_all()
+    scheduler.close()
+
+
 # -- bursts -----------------------------------------------------------------------------------
 
 
@@ -290,7 +338,9 @@ def test_a_long_prompt_arriving_with_a_short_one_does_not_freeze_its_stream(
     """A short and a long prompt arrive together: the short one's stream started in the same
     burst, but a burst step must end a prompt, so while no pass can end the long one each
     step decodes beside a bounded chunk of it (a long prompt gets the stall bound's chunks
-    whoever came first). Only its last chunk, which ends it, runs as a burst step."""
+    whoever came first). Its last chunk, which ends it, runs beside a decode too: the stream
+    has streamed (more than its first token), and a stream is held by a burst at most once,
+    before its second token."""
     chunk = 256
     scheduler = scheduler_over(
         tiny_model, on_a_stream, prefill_step_size=chunk, min_prefill_tokens=chunk
@@ -302,10 +352,10 @@ def test_a_long_prompt_arriving_with_a_short_one_does_not_freeze_its_stream(
     firsts, tokens_at = burst_firsts(scheduler, ["short", "long"], limit=20)
     # Step 1 (nothing decoding) shares the chunk: the short prompt's 20 tokens and 128 of the
     # long one's; then 256 a step beside the stream's decode (its first token fed back in
-    # step 2), until the last 128, which end the long prompt in a step of their own (step 9).
+    # step 2), until the last 128, which end the long prompt beside a decode (step 9).
     assert firsts == {"short": 1, "long": 9}
-    assert tokens_at["short"] == [1, *range(3, 9)]
-    assert scheduler.pace.burst_steps == 1
+    assert tokens_at["short"] == [1, *range(3, 10)]
+    assert scheduler.pace.burst_steps == 0
     scheduler.abort_all()
     scheduler.close()
 
@@ -355,6 +405,17 @@ def test_with_nothing_decoding_or_no_bound_prefill_runs_whole_chunks() -> None:
     assert pace.budget(decoding=False) == 2048
     assert pace.budget(decoding=True) == 32  # nothing measured yet: the floor
     assert PrefillPace(math.inf, 32, 2048).budget(decoding=True) == 2048
+
+
+def test_with_nothing_decoding_a_pass_is_bounded_by_time() -> None:
+    pace = PrefillPace(max_stall=1.0, min_tokens=32, max_tokens=2048, max_pass_seconds=1.0)
+    assert pace.budget(decoding=False) == 2048  # speed not measured yet
+    pace.observe_prefill(500, 1.0)
+    assert pace.budget(decoding=False) == 500
+    pace.observe_prefill(10, 1.0)
+    pace.observe_prefill(10, 1.0)
+    assert pace.budget(decoding=False) >= 32  # never below the floor
+    assert PrefillPace(math.inf, 32, 2048, max_pass_seconds=1.0).budget(decoding=False) == 2048
 
 
 def test_the_budget_settles_where_a_step_s_prefill_takes_the_stall() -> None:

@@ -8,7 +8,6 @@ starve a long prompt behind a stream of short ones, so a request that has waited
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -22,9 +21,13 @@ def pick_prefill_group(
     max_wait: float,
     length: Callable[[T], int],
     arrival: Callable[[T], float],
+    long_room: int | None = None,
+    long_tokens: int = 0,
 ) -> list[T]:
     """Up to ``size`` of ``waiting`` (in arrival order): the overdue ones, oldest first, then
-    the shortest of the rest (ties: the earlier arrival)."""
+    the shortest of the rest (ties: the earlier arrival). With ``long_room``, at most that
+    many of them longer than ``long_tokens`` (a long one past that stays waiting, overdue or
+    not, while shorter ones are taken)."""
     if size <= 0:
         return []
     overdue: list[T] = []
@@ -34,7 +37,19 @@ def pick_prefill_group(
             overdue.append(item)
         else:
             rest.append((length(item), index, item))
-    if len(overdue) >= size:
-        return sorted(overdue, key=arrival)[:size]
-    shortest = heapq.nsmallest(size - len(overdue), rest, key=lambda entry: entry[:2])
-    return sorted(overdue, key=arrival) + [item for _, _, item in shortest]
+    group: list[T] = []
+    long_room = size if long_room is None else long_room
+    ordered = sorted(overdue, key=arrival) + [item for _, _, item in sorted(rest, key=_rank)]
+    for item in ordered:
+        if length(item) > long_tokens:
+            if long_room <= 0:
+                continue
+            long_room -= 1
+        group.append(item)
+        if len(group) == size:
+            break
+    return group
+
+
+def _rank(entry: tuple[int, int, object]) -> tuple[int, int]:
+    return entry[0], entry[1]

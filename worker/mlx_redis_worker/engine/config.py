@@ -70,7 +70,10 @@ class SchedulerConfig:
     (prefill speed and decode step time are measured as the engine runs), turned into a
     token budget of at least ``min_prefill_tokens`` (long prompts always progress) and at
     most ``prefill_step_size``, given first to the prompts with the fewest tokens left. With
-    nothing decoding, prefill runs in whole chunks. A larger stall gives prompts arriving
+    nothing decoding, a pass prefills what the measured speed does in ``max_prefill_wait``
+    (at most a whole chunk), so a request arriving meanwhile is admitted soon. Prompts of
+    more than ``prefill_step_size`` tokens to prefill hold at most ``prefill_batch_size - 1``
+    rows of the prefill batch: one row stays for shorter prompts. A larger stall gives prompts arriving
     beside running streams their first tokens sooner; ``inf`` prefills a whole chunk each
     step. The bound protects a stream from work that came after it: while every decoding
     stream queued together with the prompts in prefill (one burst), a step may skip its

@@ -36,25 +36,40 @@ class PrefillPace:
     """Engine thread only: fed with the timings of decode and prefill passes, asked for the
     next step's prefill budget."""
 
-    def __init__(self, max_stall: float, min_tokens: int, max_tokens: int) -> None:
+    def __init__(
+        self, max_stall: float, min_tokens: int, max_tokens: int, max_pass_seconds: float = 0.0
+    ) -> None:
         self.max_stall = max_stall
         self.max_tokens = max_tokens
         self.min_tokens = min(min_tokens, max_tokens)
+        # With nothing decoding, a pass may take about this long (0: a whole chunk): new
+        # requests are admitted and aborts applied only between passes.
+        self.max_pass_seconds = max_pass_seconds
         self.decode_seconds = 0.0
         self.prefill_rate = 0.0
         # Steps that prefilled a burst's prompts with no decode beside them (burst_budget).
         self.burst_steps = 0
 
     def budget(self, decoding: bool) -> int:
-        """The prompt tokens this step may prefill: a whole chunk with nothing decoding, else
-        the tokens that take about ``max_stall`` decode steps (the minimum until both speeds
-        are measured)."""
-        if not decoding or math.isinf(self.max_stall):
+        """The prompt tokens this step may prefill. Beside decoding streams: the tokens that
+        take about ``max_stall`` decode steps (the minimum until both speeds are measured).
+        With nothing decoding: the tokens that take about ``max_pass_seconds`` at the measured
+        speed, at most a whole chunk: on a slow machine, or deep into a long prompt (attention
+        over its whole context), a whole chunk can take many seconds, and a request arriving
+        meanwhile (another tenant's) waits for the pass to end. ``inf`` stall: whole chunks."""
+        if math.isinf(self.max_stall):
             return self.max_tokens
+        if not decoding:
+            return self._pass_budget(self.max_pass_seconds)
         if self.decode_seconds <= 0.0 or self.prefill_rate <= 0.0:
             return self.min_tokens
         tokens = min(self.max_tokens, self.prefill_rate * self.decode_seconds * self.max_stall)
         return max(self.min_tokens, int(tokens))
+
+    def _pass_budget(self, seconds: float) -> int:
+        if not seconds > 0.0 or self.prefill_rate <= 0.0:
+            return self.max_tokens
+        return max(self.min_tokens, int(min(self.max_tokens, self.prefill_rate * seconds)))
 
     def burst_budget(self, slack: float) -> int:
         """The prompt tokens whose pass takes at most ``slack`` seconds at the measured speed

@@ -126,6 +126,7 @@ class Scheduler:
             self.config.max_prefill_stall,
             self.config.min_prefill_tokens,
             self.config.prefill_step_size,
+            max_pass_seconds=self.config.max_prefill_wait,
         )
         # When the last decode step's tokens left (monotonic): see _burst_slack.
         self._last_decode = -math.inf
@@ -278,6 +279,11 @@ class Scheduler:
                 continue
             if first < newest_arrival or request.arrival_time > first_start:
                 return -1.0
+            if len(request.transcript.token_ids) > 1:
+                # It has streamed: from its second token on the stall bound protects it, so a
+                # prompt that queued beside it (another tenant's, say) cannot hold it a second
+                # time.
+                return -1.0
             # A stream that decoded since its first token got a token in the last decode (the
             # decode right after a join feeds the first token back: one step early, at most).
             last_token = min(last_token, max(first, self._last_decode))
@@ -293,6 +299,16 @@ class Scheduler:
             self.config.max_num_seqs - self.num_running,
             self.config.prefill_batch_size - prefilling,
         )
+        # Long prompts (more than a chunk to prefill) never hold every row: a short prompt
+        # arriving behind four 30k-token prompts of one tenant would wait for one of them to
+        # prefill whole (minutes on a CPU). The last row is kept for prompts of a chunk or less.
+        long_tokens = self.config.prefill_step_size
+        long_prefilling = sum(
+            1
+            for s in self.running.values()
+            if s.request.first_token_time is None
+            and s.request.num_prompt_tokens - s.request.cached_tokens > long_tokens
+        )
         group = pick_prefill_group(
             self.waiting,
             room,
@@ -300,6 +316,8 @@ class Scheduler:
             self.config.max_prefill_wait,
             length=lambda s: s.request.num_prompt_tokens,
             arrival=lambda s: s.request.arrival_time,
+            long_room=max(1, self.config.prefill_batch_size - 1) - long_prefilling,
+            long_tokens=long_tokens,
         )
         for sequence in group:
             self.waiting.remove(sequence)
