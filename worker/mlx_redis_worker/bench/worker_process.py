@@ -14,8 +14,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mlx_redis_protocol.catalogue import live_heartbeats
 from mlx_redis_protocol.client import Client
-from mlx_redis_protocol.heartbeat import decode_heartbeat
 from mlx_redis_worker.daemon.settings import parse_models
 
 READY_TIMEOUT = 180.0
@@ -76,7 +76,11 @@ def stop_worker(process: subprocess.Popen[bytes]) -> None:
 
 
 async def wait_ready(client: Client, workers: Sequence[Worker]) -> None:
-    """Each worker answers a ping addressed to it and its heartbeat lists its models."""
+    """Each worker answers a ping addressed to it and the fleet registry lists it with its
+    models: what a client reads before it queues a job naming a model. A worker writes its
+    heartbeat key before its registry member, so a ready test on the key alone could pass in
+    that gap, and the first jobs would end ``unknown_model`` (the likeliest cause of "2 of 2
+    jobs failed" in ``bench models`` under load, where the gap is widest)."""
     deadline = time.monotonic() + READY_TIMEOUT
     for worker in workers:
         wanted = set(worker.models)
@@ -93,9 +97,10 @@ async def wait_ready(client: Client, workers: Sequence[Worker]) -> None:
                 )
             with contextlib.suppress(Exception):  # not up yet
                 if await client.ping(worker_id=worker.worker_id, timeout=1):
-                    beat = decode_heartbeat(
-                        await client.redis.get(client.keys.worker(worker.worker_id))
-                    )
-                    if beat is not None and wanted <= set(beat.models):
+                    beats = await live_heartbeats(client.redis, client.keys)
+                    if any(
+                        beat.worker_id == worker.worker_id and wanted <= set(beat.models)
+                        for beat in beats
+                    ):
                         break
             await asyncio.sleep(0.5)
