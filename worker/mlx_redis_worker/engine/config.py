@@ -64,21 +64,21 @@ class SchedulerConfig:
     ``max_prefill_wait`` seconds goes before any shorter one (oldest first), so none starves.
     A request's first token leaves in the step its prefill ends.
 
-    Stall-free: while sequences are decoding, every step decodes them and does a bounded
-    amount of prefill beside it, so no prompt freezes running streams. The bound is time: a
-    step's prefill may take about ``max_prefill_stall`` times the measured decode step
-    (prefill speed and decode step time are measured as the engine runs), turned into a
-    token budget of at least ``min_prefill_tokens`` (long prompts always progress) and at
-    most ``prefill_step_size``, given first to the prompts with the fewest tokens left. With
-    nothing decoding, a pass prefills what the measured speed does in ``max_prefill_wait``
-    (at most a whole chunk), so a request arriving meanwhile is admitted soon. Prompts of
-    more than ``prefill_step_size`` tokens to prefill hold at most ``prefill_batch_size - 1``
-    rows of the prefill batch: one row stays for shorter prompts. A larger stall gives prompts arriving
-    beside running streams their first tokens sooner; ``inf`` prefills a whole chunk each
-    step. The bound protects a stream from work that came after it: while every decoding
-    stream queued together with the prompts in prefill (one burst), a step may skip its
-    decode and prefill what fits in ``max_prefill_wait`` from those streams' last tokens,
-    when that ends a prompt (``Scheduler._burst_slack``).
+    Stall-free: while sequences are decoding, every step decodes them and does a bounded amount
+    of prefill beside it, so no prompt freezes running streams. The bound is time: a step's
+    prefill may take about ``max_prefill_stall`` times the measured decode step (prefill speed
+    and decode step time are measured as the engine runs), turned into a token budget of at
+    least ``min_prefill_tokens`` (long prompts always progress) and at most
+    ``prefill_step_size``, given first to the prompts with the fewest tokens left. With nothing
+    decoding, a pass prefills what the measured speed does in ``max_prefill_wait`` (at most a
+    whole chunk), so a request arriving meanwhile is admitted soon. Prompts of more than
+    ``prefill_step_size`` tokens to prefill hold at most ``prefill_batch_size - 1`` rows of the
+    prefill batch: one row stays for shorter prompts. A larger stall gives prompts arriving
+    beside running streams their first tokens sooner; ``inf`` prefills a whole chunk each step.
+    The bound protects a stream from work that came after it: while every decoding stream queued
+    together with the prompts in prefill (one burst), a step may skip its decode and prefill
+    what fits in ``max_prefill_wait`` from those streams' last tokens, when that ends a prompt
+    (``Scheduler._burst_slack``).
     A request over ``max_prompt_tokens`` or asking
     for more than ``max_logprobs`` top log-probabilities per token is refused (``ValueError``),
     and so is a response_format over one of ``grammar_limits``.
