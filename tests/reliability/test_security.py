@@ -5,16 +5,21 @@ commands that try to leave the cache directory or write other keys, prompt and m
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import os
 import shutil
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from unittest import mock
 
 import msgpack  # type: ignore[import-untyped]
 import pytest
 import redis
 
+from mlx_redis_protocol.cli import main
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.codec_events import decode_event
 from mlx_redis_protocol.errors import ProtocolError
@@ -23,6 +28,7 @@ from mlx_redis_protocol.messages import DoneEvent, ErrorEvent
 from mlx_redis_worker.local_redis import RedisServer, free_port
 from tests.reliability.workers import worker_process
 from tests.support.acl import documented_minimum_acl
+from tests.support.environment import clean_environment
 from tests.support.processes import MODEL, mlx_worker
 from tests.support.prompts import random_prompts
 from tests.support.references import tiny_reference
@@ -45,6 +51,20 @@ MOST_CONNECTIONS = 2
 
 def run_mlx_worker(*args: str) -> subprocess.CompletedProcess[str]:
     return mlx_worker(*args, timeout=60)
+
+
+def in_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """``mlx-worker ARGS`` through the CLI's ``main()`` in this process, its output captured:
+    for checks about what Redis lets the user do, where a fresh interpreter per command
+    (seconds each) proves nothing more."""
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        mock.patch.dict(os.environ, clean_environment(), clear=True),  # as mlx_worker's
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
+        status = main(list(args))
+    return subprocess.CompletedProcess(list(args), status, out.getvalue(), err.getvalue())
 
 
 def counted_mlx_worker(
@@ -189,9 +209,9 @@ def test_acl_user_confined_to_the_prefix_runs_everything_and_nothing_else(
             (("cache-clear",), 0),
             (("abort", "nobody"), 1),  # answered: not_found (the command ran)
         ):
-            completed = run_mlx_worker("ctl", *command, "--redis-url", url)
+            completed = in_process("ctl", *command, "--redis-url", url)
             assert completed.returncode == status, (command, completed.stdout, completed.stderr)
-        submitted = run_mlx_worker("submit", "hello", "--max-tokens", "4", "--redis-url", url)
+        submitted = in_process("submit", "hello", "--max-tokens", "4", "--redis-url", url)
         assert submitted.returncode == 0, submitted.stderr
         for command in (
             ("submit", "hi", "--max-tokens", "2", "--model", MODEL),
@@ -199,7 +219,7 @@ def test_acl_user_confined_to_the_prefix_runs_everything_and_nothing_else(
             ("models",),
             ("group", "list"),
         ):
-            completed = run_mlx_worker(*command, "--redis-url", url)
+            completed = in_process(*command, "--redis-url", url)
             assert completed.returncode == 0, (command, completed.stdout, completed.stderr)
 
         async def main() -> None:
@@ -222,7 +242,7 @@ def test_acl_user_confined_to_the_prefix_runs_everything_and_nothing_else(
 
         asyncio.run(main())
         second.wait_ready()
-        health = run_mlx_worker("health", "--worker-id", "acl-2", "--redis-url", url)
+        health = in_process("health", "--worker-id", "acl-2", "--redis-url", url)
         assert health.returncode == 0, health.stderr
         assert second.stop() == 0
         # Forwarded from the default stream to the model's, and dead-lettered there.
