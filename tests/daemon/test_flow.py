@@ -78,6 +78,29 @@ def test_concurrent_producers_get_greedy_texts_and_gapless_streams(
     assert set(completed) == {"w1", "w2"}
 
 
+@pytest.mark.timeout(180)
+def test_an_abort_racing_the_job_s_start_gets_one_reply_and_ends_it(
+    workers: WorkerFactory, redis_url: str, prefix: str
+) -> None:
+    """Abort a job the moment it is queued, again and again: the abort meets the job waiting,
+    being begun or running here. Each time the worker answers once, the stream ends with
+    done(abort), and nothing stays pending (the abort's own attempt and the worker's delivery
+    once both opened the request's events: no reply came and the job task failed)."""
+    workers.start("w1", max_concurrency=1)
+
+    async def main() -> None:
+        async with Client(redis_url, prefix=prefix) as client:
+            for _ in range(200):
+                rid = await client.submit("a long story", max_tokens=2000, temperature=0.0)
+                replies = await client.abort(rid)
+                assert len(replies) == 1 and replies[0].ok, replies
+                ended = await client.wait(rid, timeout=60)
+                assert isinstance(ended, DoneEvent) and ended.finish_reason == "abort", ended
+            await until(lambda: settled(client), 30, "entries acknowledged and deleted")
+
+    run(main())
+
+
 @pytest.mark.timeout(120)
 def test_abort_running_and_queued_jobs(workers: WorkerFactory, redis_url: str, prefix: str) -> None:
     """With one slot: abort a job that is still queued behind a long one (it never runs), then

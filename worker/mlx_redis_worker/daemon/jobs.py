@@ -8,8 +8,9 @@ terminal event, so a redelivery never runs a finished job twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +125,11 @@ class JobRunner:
         self.parked: dict[str, tuple[str, Delivery]] = {}  # entry id -> (request id, delivery)
         self.outcomes: dict[str, int] = {}
         self.draining = False
+        # One attempt of a request at a time begins here: an abort that ends a waiting request
+        # (``end_waiting``) and this worker's own delivery of it would otherwise both open
+        # the request's events, and the publisher keeps one stream a request (the second
+        # open replaced the first: the abort's reply never came, the job task failed).
+        self._beginning: dict[str, tuple[asyncio.Lock, list[int]]] = {}
 
     async def run(self, delivery: Delivery) -> None:
         try:
@@ -151,11 +157,30 @@ class JobRunner:
             await retry_until_done(lambda: self.queue.ack(delivery.entry_id), "ack")
             log.info("job_finished", seconds=round(time.monotonic() - started, 3))
 
+    @contextlib.asynccontextmanager
+    async def _one_beginning(self, request_id: str) -> AsyncIterator[None]:
+        """Hold the request's turn to begin an attempt (see ``_beginning``)."""
+        lock, users = self._beginning.setdefault(request_id, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._beginning[request_id]
+
     async def _begin(
         self, delivery: Delivery, rid: str, metadata: Mapping[str, Any] | None
     ) -> asyncio.Future[None] | None:
         """Fence the request for this delivery's attempt and open its events; None when it is
         not ours to run (already finished: acknowledged; a newer attempt runs elsewhere)."""
+        async with self._one_beginning(rid):
+            return await self._begin_turn(delivery, rid, metadata)
+
+    async def _begin_turn(
+        self, delivery: Delivery, rid: str, metadata: Mapping[str, Any] | None
+    ) -> asyncio.Future[None] | None:
         attempt = delivery.times_delivered
         run = new_run(self.worker_id, delivery.entry_id)
         last_seq = await self._begin_attempt(rid, attempt, run)
@@ -354,6 +379,12 @@ class JobRunner:
         *,
         if_free: bool = False,
         if_fence: bytes | None = None,
+    ) -> str:
+        async with self._one_beginning(request_id):
+            return await self._end_as_turn(request_id, attempt, if_free, if_fence)
+
+    async def _end_as_turn(
+        self, request_id: str, attempt: int, if_free: bool, if_fence: bytes | None
     ) -> str:
         run = new_run(self.worker_id)
         last_seq = await self._begin_attempt(

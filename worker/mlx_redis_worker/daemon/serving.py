@@ -228,6 +228,11 @@ class Serving:
             finished = await self.redis.exists(self.keys.finished(request_id))
             return {"aborted": False, "state": "finished" if finished else "elsewhere"}
         state = await self.lanes[0].runner.end_waiting(request_id)
+        if state == "elsewhere":
+            # Begun meanwhile, maybe here (a delivery that was on its way): stop it here.
+            for lane in lanes:
+                if (here := await lane.abort_here(request_id)) is not None:
+                    return here
         return {"aborted": state == "queued", "state": state}
 
     async def _stop_aborted(self) -> None:
