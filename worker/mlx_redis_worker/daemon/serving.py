@@ -216,9 +216,8 @@ class Serving:
             self.keys.abort(request_id), abort_marker(model), ex=DEFAULT_ABORT_TTL_SECONDS
         )
         lanes = [lane for lane in self.lanes if model in (None, lane.name)]
-        for lane in lanes:
-            if (here := await lane.abort_here(request_id)) is not None:
-                return here
+        if (here := await _abort_in(lanes, request_id)) is not None:
+            return here
         if not await self.redis.exists(self.keys.log(request_id)):
             raise CommandRefused("not_found", f"request {request_id!r} is unknown or expired")
         if model is not None:
@@ -228,11 +227,9 @@ class Serving:
             finished = await self.redis.exists(self.keys.finished(request_id))
             return {"aborted": False, "state": "finished" if finished else "elsewhere"}
         state = await self.lanes[0].runner.end_waiting(request_id)
-        if state == "elsewhere":
-            # Begun meanwhile, maybe here (a delivery that was on its way): stop it here.
-            for lane in lanes:
-                if (here := await lane.abort_here(request_id)) is not None:
-                    return here
+        # Begun meanwhile, maybe here (a delivery that was on its way): stop it here.
+        if state == "elsewhere" and (here := await _abort_in(lanes, request_id)) is not None:
+            return here
         return {"aborted": state == "queued", "state": state}
 
     async def _stop_aborted(self) -> None:
@@ -447,3 +444,12 @@ async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
     for task in tasks:
         if not task.cancelled() and (failure := task.exception()) is not None:
             log.warning("task_failed", task=task.get_name(), error=describe(failure))
+
+
+async def _abort_in(lanes: list[ModelLane], request_id: str) -> dict[str, Any] | None:
+    """The reply of the first of ``lanes`` where the request runs or waits (stopped there);
+    None when it is in none of them."""
+    for lane in lanes:
+        if (here := await lane.abort_here(request_id)) is not None:
+            return here
+    return None

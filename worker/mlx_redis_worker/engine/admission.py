@@ -8,6 +8,8 @@ starve a long prompt behind a stream of short ones, so a request that has waited
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -39,8 +41,11 @@ def pick_prefill_group(
             rest.append((length(item), index, item))
     group: list[T] = []
     long_room = size if long_room is None else long_room
-    ordered = sorted(overdue, key=arrival) + [item for _, _, item in sorted(rest, key=_rank)]
-    for item in ordered:
+    # The rest by (length, arrival index), popped only as far as the group needs: a queue of
+    # a thousand costs a heapify a step, not a sort.
+    heapq.heapify(rest)  # the index breaks every tie: items are never compared
+    shortest = (heapq.heappop(rest)[2] for _ in range(len(rest)))
+    for item in itertools.chain(sorted(overdue, key=arrival), shortest):
         if length(item) > long_tokens:
             if long_room <= 0:
                 continue
@@ -49,7 +54,3 @@ def pick_prefill_group(
         if len(group) == size:
             break
     return group
-
-
-def _rank(entry: tuple[int, int, object]) -> tuple[int, int]:
-    return entry[0], entry[1]

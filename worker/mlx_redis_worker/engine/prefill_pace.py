@@ -60,16 +60,13 @@ class PrefillPace:
         if math.isinf(self.max_stall):
             return self.max_tokens
         if not decoding:
-            return self._pass_budget(self.max_pass_seconds)
+            if not self.max_pass_seconds > 0.0 or self.prefill_rate <= 0.0:
+                return self.max_tokens
+            return max(self.min_tokens, self.burst_budget(self.max_pass_seconds))
         if self.decode_seconds <= 0.0 or self.prefill_rate <= 0.0:
             return self.min_tokens
         tokens = min(self.max_tokens, self.prefill_rate * self.decode_seconds * self.max_stall)
         return max(self.min_tokens, int(tokens))
-
-    def _pass_budget(self, seconds: float) -> int:
-        if not seconds > 0.0 or self.prefill_rate <= 0.0:
-            return self.max_tokens
-        return max(self.min_tokens, int(min(self.max_tokens, self.prefill_rate * seconds)))
 
     def burst_budget(self, slack: float) -> int:
         """The prompt tokens whose pass takes at most ``slack`` seconds at the measured speed

@@ -5,9 +5,9 @@ batch (shortest prompt first, with an age bound: ``admission``), reusing prefix-
 then runs the generator's phases (``phased_generator``): a decode step for running sequences,
 every step (stall-free: no prompt freezes streams that were running before it), a prefill
 chunk within the step's token budget (``prefill_pace``: about ``max_prefill_stall`` decode
-steps' time, a whole chunk with nothing decoding; a burst's prefill alone while every decoding
-stream is of that burst: ``_burst_slack``), and the first token of every sequence whose
-prefill just ended. It turns
+steps' time; with nothing decoding, about ``max_prefill_wait`` seconds; a burst's prefill
+alone while every decoding stream is of that burst: ``_burst_slack``), and the first token of
+every sequence whose prefill just ended. It turns
 each sequence's token into text and, every ``stream_interval`` tokens, a ``RequestOutput``. A
 failure in one sequence's processing finishes that sequence with ``finish_reason="error"``; a
 failure of the batch step itself fails the sequences in the batch and starts a fresh generator,
