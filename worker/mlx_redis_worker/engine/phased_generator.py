@@ -175,7 +175,8 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         decode batch has room) and process the next chunk of each prompt: ``prefill_step_size``
         tokens each, or with a ``budget``, that many tokens in all (the pass is as wide as its
         longest chunk). A budget is shared equally when each share finishes at least the prompt
-        with the fewest tokens left; otherwise it goes to the prompts with the fewest left,
+        with the fewest tokens left (a pass no wider than the longest prompt it ends, when
+        some prompt does not end in it); otherwise it goes to the prompts with the fewest left,
         shortest first, each as wide as the shortest's remainder (or the whole budget to the
         shortest alone): shortest remaining prefill first, so that some first tokens come
         now rather than all of them later (the rows left out of a pass wait, their caches
@@ -237,6 +238,13 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         if budget is None or not left:
             return width, {row for _, row in left}
         share = budget // len(left)
+        if share >= left[0][0]:
+            # Every row gets an equal share, and the pass is no wider than the longest prompt
+            # it ends: a short prompt beside long ones (another tenant's chat beside a long
+            # prompt) ends in a narrow pass, not one as wide as the long ones' shares.
+            ending = [n for n, _ in left if n <= share]
+            width = max(1, min(width, ending[-1] if len(ending) < len(left) else share))
+            return width, {row for _, row in left}
         width = max(1, min(width, max(share, min(left[0][0], budget))))
         return width, {row for _, row in left[: max(1, budget // width)]}
 
