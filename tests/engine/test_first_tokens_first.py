@@ -6,6 +6,7 @@ scheduler over the tiny model, counted in steps rather than seconds.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +182,7 @@ def test_groups_are_prefilled_shortest_first_and_each_first_token_leaves_with_it
         max_num_seqs=8,
         prefill_batch_size=4,
         min_prefill_tokens=2048,
+        max_prefill_stall=math.inf,
     )
     # Each group's prompts fit one prefill chunk: admitted and prefilled in one step, whose
     # outputs carry the group's first tokens.
@@ -206,6 +208,7 @@ def test_smaller_groups_are_prefilled_one_a_step_beside_the_decode(
         max_num_seqs=8,
         prefill_batch_size=2,
         min_prefill_tokens=2048,
+        max_prefill_stall=math.inf,
     )
     firsts = [steps[r][0] for r in ("r3", "r7", "r1", "r6", "r4", "r2", "r5", "r0")]
     assert firsts == [1, 1, 2, 2, 3, 3, 4, 4]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -221,7 +222,11 @@ def test_running_streams_advance_every_step_while_images_are_encoded(
     # The step's budget of image tokens is the prefill chunk: 8 lets two tiles (4 image
     # tokens each) a step through, 2048 all three pictures at once.
     scheduler = _scheduler(
-        tiny_vision_model, on_a_stream, prefill_step_size=budget, min_prefill_tokens=budget
+        tiny_vision_model,
+        on_a_stream,
+        prefill_step_size=budget,
+        min_prefill_tokens=budget,
+        max_prefill_stall=math.inf,
     )
     queue = scheduler.vision_queue
     assert queue is not None

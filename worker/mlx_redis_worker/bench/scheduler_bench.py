@@ -54,7 +54,7 @@ class ReplayGenerator:
     def start_generation(self) -> list[Any]:
         return []
 
-    def decode(self) -> list[Any]:
+    def decode(self, sides: bool = True) -> list[Any]:
         step, self._step = self._step, self._step + 1
         reason = "length" if step == len(self._tokens[0]) - 1 else None
         return [

@@ -31,12 +31,13 @@ from typing import Any
 
 from mlx_lm.generate import GenerationBatch
 
+# The least credit a side batch earns a step, whatever the share (a stall bound of 0): every
+# stream keeps progressing (the same floor as prompts in prefill).
+from mlx_redis_worker.engine.prefill_pace import MIN_SHARE
+
 # Rows share a batch while padding them to the longest context costs at most this share of
 # their step (weights plus their own contexts).
 PADDING_SHARE = 0.25
-# The least credit a side batch earns a step, whatever the share (a stall bound of 0): every
-# stream keeps progressing.
-MIN_SHARE = 0.125
 
 
 @dataclass(eq=False, slots=True)
@@ -139,10 +140,10 @@ class DecodeBatches:
         if self._batches:
             self._batches[0].credit = 0.0
 
-    def plan(self) -> DecodePlan:
-        """This step's passes: the steady batch, and the side batch that has earned its pass
-        (one a step, the one that ran longest ago: two side passes in one step would stretch it
-        twice)."""
+    def plan(self, with_sides: bool = True) -> DecodePlan:
+        """This step's passes: the steady batch, and (``sides``) the side batch that has
+        earned its pass (one a step, the one that ran longest ago: two side passes in one step
+        would stretch it twice). Without ``with_sides`` side batches only earn their credit."""
         plan = DecodePlan()
         if not self._batches:
             return plan
@@ -160,7 +161,11 @@ class DecodeBatches:
             # A pass's worth of credit and this step's is kept (a batch that waited for
             # another's pass catches up by one pass at most; the remainder of a pass counts).
             part.credit = min(part.credit + self.share, steps + self.share)
-            if part.credit >= steps and (due is None or part.last_pass < due.last_pass):
+            if (
+                with_sides
+                and part.credit >= steps
+                and (due is None or part.last_pass < due.last_pass)
+            ):
                 due = part
         if due is not None:
             steps = self._cost(due) / steady_cost

@@ -133,10 +133,10 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         own, not charged to the prefill pass that would otherwise wait for it."""
         mx.synchronize(self._stream)
 
-    def decode(self) -> list[GenerationBatch.Response]:
-        """One decode step: a token for each sequence of the steady batch, and of the side
-        batch whose pass is due (``last_decode_plan`` says which ran)."""
-        plan = self._decode_batches.plan()
+    def decode(self, sides: bool = True) -> list[GenerationBatch.Response]:
+        """One decode step: a token for each sequence of the steady batch, and (``sides``) of
+        the side batch whose pass is due (``last_decode_plan`` says which ran)."""
+        plan = self._decode_batches.plan(sides)
         self.last_decode_plan = plan
         if not plan.batches:
             return []
@@ -173,7 +173,8 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
     def prefill(self, budget: int | None = None) -> list[PromptProcessingBatch.Response]:
         """Take queued sequences into the prompt batch (up to ``prefill_batch_size``, while the
         decode batch has room) and process the next chunk of each prompt: ``prefill_step_size``
-        tokens each, or with a ``budget``, that many tokens in all (the pass is as wide as its
+        tokens each, or with a ``budget``, that many tokens in all (none: no pass, the prompt
+        batch still takes queued sequences; the pass is as wide as its
         longest chunk). A budget is shared equally when each share finishes at least the prompt
         with the fewest tokens left (a pass no wider than the longest prompt it ends, when
         some prompt does not end in it), and when no prompt can end in it; otherwise it goes
@@ -238,6 +239,8 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         width = self.prefill_step_size
         if budget is None or not left:
             return width, {row for _, row in left}
+        if budget <= 0:
+            return width, set()  # no pass this step (queued sequences still take free rows)
         share = budget // len(left)
         if share >= left[0][0]:
             # Every row gets an equal share, and the pass is no wider than the longest prompt

@@ -27,6 +27,10 @@ import math
 
 from mlx_redis_worker.engine.stats import PrefillPaceStats
 
+# The least share of a steady decode step that prompts in prefill earn each step, whatever
+# the stall bound (0 included): a long prompt always progresses.
+MIN_SHARE = 0.125
+
 # Weight of a new measurement: the budget follows a change of load within a few steps, and one
 # step slowed by something else (a grammar compile, the OS) moves it a third of the way.
 SMOOTHING = 0.3
@@ -47,18 +51,19 @@ class PrefillPace:
         self.max_pass_seconds = max_pass_seconds
         self.decode_seconds = 0.0
         self.prefill_rate = 0.0
+        # Seconds of prefill beside decoding earned and not yet spent (``earn``, ``spend``).
+        self.credit = 0.0
         # Steps that prefilled a burst's prompts with no decode beside them (burst_budget).
         self.burst_steps = 0
 
-    def budget(self, decoding: bool, spent: float = 0.0) -> int:
-        """The prompt tokens this step may prefill. Beside decoding streams: the tokens that
-        take about ``max_stall`` decode steps (the minimum until both speeds are measured).
+    def budget(self, decoding: bool) -> int:
+        """The prompt tokens this step may prefill. Beside decoding streams: the tokens the
+        stall credit pays for at the measured speed (``earn``), 0 while that is less than
+        ``min_tokens`` (this step decodes only), the minimum until both speeds are measured.
         With nothing decoding: the tokens that take about ``max_pass_seconds`` at the measured
         speed, at most a whole chunk: on a slow machine, or deep into a long prompt (attention
         over its whole context), a whole chunk can take many seconds, and a request arriving
-        meanwhile (another tenant's) waits for the pass to end. ``inf`` stall: whole chunks.
-        ``spent``: decode steps of the stall this step already took (a long-context decode
-        batch's pass beside the steady one)."""
+        meanwhile (another tenant's) waits for the pass to end. ``inf`` stall: whole chunks."""
         if math.isinf(self.max_stall):
             return self.max_tokens
         if not decoding:
@@ -67,9 +72,34 @@ class PrefillPace:
             return max(self.min_tokens, self.burst_budget(self.max_pass_seconds))
         if self.decode_seconds <= 0.0 or self.prefill_rate <= 0.0:
             return self.min_tokens
-        stall = max(0.0, self.max_stall - spent)
-        tokens = min(self.max_tokens, self.prefill_rate * self.decode_seconds * stall)
-        return max(self.min_tokens, int(tokens))
+        # Rounded: a credit capped at the floor's seconds pays for the floor exactly.
+        tokens = round(self.prefill_rate * self.credit, 6)
+        if tokens < self.min_tokens:
+            return 0
+        return int(min(self.max_tokens, tokens))
+
+    def earn(self) -> None:
+        """A decode step runs while prompts wait for prefill: the credit grows by
+        ``max_stall`` of a steady decode step (at least ``MIN_SHARE``: prompts always
+        progress), up to one pass of ``min_tokens`` or one stall,
+        whichever takes longer: a pass waits for its credit instead of stretching every step
+        (beside four long prompts deep in prefill on tiny, a pass of 32 tokens took 2x a
+        decode step: each step was 3x)."""
+        if math.isinf(self.max_stall) or self.decode_seconds <= 0.0:
+            return
+        share = max(self.max_stall, MIN_SHARE)
+        floor_seconds = self.min_tokens / self.prefill_rate if self.prefill_rate > 0.0 else 0.0
+        cap = max(floor_seconds, share * self.decode_seconds)
+        credit = min(cap, self.credit + share * self.decode_seconds)
+        if math.isfinite(credit):  # absurd measurements leave it as it was
+            self.credit = credit
+
+    def spend(self, seconds: float) -> None:
+        """A pass beside decoding took ``seconds`` of the credit (a pass slower than its
+        credit is paid back by the steps after it)."""
+        credit = self.credit - seconds
+        if seconds > 0.0 and math.isfinite(credit) and not math.isinf(self.max_stall):
+            self.credit = credit
 
     def burst_budget(self, slack: float) -> int:
         """The prompt tokens whose pass takes at most ``slack`` seconds at the measured speed

@@ -130,6 +130,8 @@ class Scheduler:
         )
         # When the last decode step's tokens left (monotonic): see _burst_slack.
         self._last_decode = -math.inf
+        # When a prompt's pass and a long-context decode batch's are both due: whose turn.
+        self._side_turn = True
         # Wall time inside the generator's phases (model, sampling, waiting on the device): the
         # rest of a step's time is the engine's own host work.
         self.model_seconds = 0.0
@@ -223,21 +225,32 @@ class Scheduler:
                         decoding, budget = False, burst  # this step: the burst's prefill only
                         self.pace.burst_steps += 1
                 if decoding:
+                    prefill_due = False
+                    if generator.has_prefill_work:
+                        self.pace.earn()
+                        budget = self.pace.budget(decoding)
+                        prefill_due = budget > 0
+                    # One pass beside the steady batch's a step: a prompt's or a long-context
+                    # batch's, in turn when both are due (both would stretch it twice).
                     with self.grammar_rows.decoding():
-                        generated = generator.decode()
+                        generated = generator.decode(sides=not prefill_due or self._side_turn)
                     if generator.has_prefill_work:
                         generator.wait_for_decode()
                     plan = generator.last_decode_plan
-                    # The pace measures the steady batch's step; a long-context batch's pass
-                    # beside it took that much of the step's stall bound from prefill.
+                    # The pace measures the steady batch's step.
                     seconds = time.perf_counter() - started
                     self.pace.observe_decode(seconds * plan.steady_fraction)
-                    budget = self.pace.budget(decoding, spent=plan.side_steps)
+                    if prefill_due:
+                        self._side_turn = plan.side_steps == 0.0
+                        if not self._side_turn:
+                            budget = 0  # the prompts' pass waits for the next step
                 if generator.has_prefill_work:
                     prefill = generator.prefill(budget)
                     self.pace.observe_prefill(
                         generator.last_prefill_tokens, generator.last_prefill_seconds
                     )
+                    if decoding:
+                        self.pace.spend(generator.last_prefill_seconds)
                     self._store_prefixes(generator, prefill)
                 generated += generator.start_generation()
             except Exception as exc:
