@@ -182,12 +182,17 @@ def test_memory_stats_give_up_while_a_step_holds_the_engine_thread(engine: Engin
         await asyncio.sleep(0.3)  # its first step is under way
         with pytest.raises(TimeoutError):
             await asyncio.to_thread(engine.memory_stats, 0.05)
+        with pytest.raises(TimeoutError):
+            await engine.memory_stats_async(0.05)  # the loop's way: no thread held
         await engine.abort_request(rid)
+        assert (await engine.memory_stats_async(5.0)).active_bytes > 0
         await engine.stop()
 
     run(scenario())
     with pytest.raises(EngineStoppedError):
         engine.memory_stats(timeout=1.0)  # stopped
+    with pytest.raises(EngineStoppedError):
+        run(engine.memory_stats_async(1.0))
 
 
 def test_async_engine_core_serves_the_same_greedy_text(tiny_model: Any) -> None:
