@@ -4,6 +4,7 @@ read on the engine thread, ``AsyncEngineCore``, and what ``step_interval`` does 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncGenerator
 from typing import Any, cast
@@ -18,7 +19,7 @@ from mlx_redis_worker.engine import (
     RequestOutput,
     SamplingParams,
 )
-from mlx_redis_worker.engine.stats import MlxMemory
+from mlx_redis_worker.engine.stats import MlxMemory, plain
 from tests.support.engines import PROMPTS, MakeEngine
 from tests.support.waiting import run
 
@@ -134,6 +135,9 @@ def test_the_stats_dicts_are_the_typed_stats(engine: EngineCore) -> None:
     assert list(cache_view) == CACHE_KEYS
     assert cache_view["entries"] == cache.entries == 3
     assert cache_view["misses"] == cache.misses == 3
+    # The views skip asdict's deep copy, and say the same.
+    for snapshot in (typed, cache, engine.memory_stats(timeout=5.0)):
+        assert plain(snapshot) == dataclasses.asdict(snapshot)
 
 
 def test_open_requests_are_listed_while_they_run(engine: EngineCore) -> None:

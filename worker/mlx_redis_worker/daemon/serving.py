@@ -49,6 +49,7 @@ from mlx_redis_worker.daemon.metrics import Metrics, MetricSources
 from mlx_redis_worker.daemon.publisher import EventPublisher
 from mlx_redis_worker.daemon.registration import RegistrySchedule
 from mlx_redis_worker.daemon.settings import WorkerSettings
+from mlx_redis_worker.engine.stats import plain
 
 log = structlog.get_logger(__name__)
 
@@ -381,7 +382,7 @@ class Serving:
             "default_model": self.forwarder.default_model,
             "forwarded": self.forwarder.forwarded,
             "worker_id": self.settings.worker_id,
-            "publisher": dataclasses.asdict(self.publisher.stats()),
+            "publisher": plain(self.publisher.stats()),
             "memory": await self._memory(lanes),
             "uptime_seconds": time.time() - self.started_at,
         }
