@@ -1,10 +1,10 @@
 """Control commands from the sender's side: publish, then collect replies from a list.
 
 A command goes out on pub/sub (to every worker, or one) naming a fresh ``reply_to`` list;
-workers RPUSH their replies there (with an EXPIRE) and the sender waits on the list, so a
-reply pushed before the sender starts waiting is not lost and nothing polls. Each wait takes
-every reply queued by then in one round trip (BLMPOP with a count), so a broadcast to a
-thousand workers costs the sender a few reads, not one per reply.
+workers RPUSH their replies there (the one that makes the list sets its EXPIRE) and the
+sender waits on the list, so a reply pushed before the sender starts waiting is not lost and
+nothing polls. Each wait takes every reply queued by then in one round trip (BLMPOP with a
+count), so a broadcast to a thousand workers costs the sender a few reads, not one per reply.
 """
 
 from __future__ import annotations
