@@ -190,6 +190,7 @@ def test_a_short_prompt_is_not_held_behind_a_long_one_in_prefill(
     scheduler.add_request(Request("short", short, greedy(3)))
     firsts: dict[str, int] = {}
     tokens: list[int] = []
+    passes: list[int] = []
     step = 1
     while "long" not in firsts:
         step += 1
@@ -198,12 +199,16 @@ def test_a_short_prompt_is_not_held_behind_a_long_one_in_prefill(
                 firsts.setdefault(output.request_id, step)
             if output.request_id == "short":
                 tokens += output.new_token_ids
+        passes.append(prefilled_tokens(scheduler))
         assert step < 20
     # Joined beside a prompt part-way through its prefill (padded to its length), the short
     # one's greedy tokens are still mlx-lm's.
     assert tokens == reference_tokens(tiny_model, short, 3)
-    # The rows in prefill share the budget: in step 2 the short prompt's 30 tokens and 128 of
-    # the long one's (256, 384, 640, 896, then its last 128 with its last token: step 5).
+    # The rows in prefill share the budget, in a pass no wider than the prompt it ends: in
+    # step 2 the short prompt's 30 tokens and 30 of the long one's (not 128: the short one's
+    # first token waited for 2 x 128 rows' pass), then 256 a step: 286, 542, 798, and its
+    # last 226 with its last token in step 5.
+    assert passes[0] == 2 * 30
     assert {r: firsts[r] for r in ("short", "long")} == {"short": 2, "long": 5}
     scheduler.abort_all()
     scheduler.close()

@@ -286,6 +286,12 @@ def _add_bench_commands(commands: Any) -> None:
         action="store_true",
         help="the worker starts jobs by fair share between the keys (tenants), not in order",
     )
+    isolation.add_argument(
+        "--max-prefill-stall",
+        type=float,
+        default=None,
+        help="the worker's --max-prefill-stall (default: the worker's own)",
+    )
     isolation.add_argument("--redis-url", default=None, help="default: a private redis-server")
     isolation.set_defaults(
         func=_lazy("mlx_redis_worker.bench.isolation_bench", "run_isolation_bench")

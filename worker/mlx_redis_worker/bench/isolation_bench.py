@@ -445,7 +445,10 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
             path.write_text(text)
             prompt_files[name] = str(path)
             print(f"{name}: prompts of {len(tokenizer.encode(text))} tokens and a salt")
-        fair = ("--fair-share",) if args.fair_share else ()
+        fair: tuple[str, ...] = ("--fair-share",) if args.fair_share else ()
+        if args.max_prefill_stall is not None:
+            fair += ("--max-prefill-stall", str(args.max_prefill_stall))
+            print(f"worker: --max-prefill-stall {args.max_prefill_stall}")
         # Slots for the victim's streams and the attacker's cap: what is measured is what one
         # tenant's work costs another's steps (prefill, grammar, media, HTTP), not a queue the
         # attacker's long requests fill first (fair share's question: --fair-share).

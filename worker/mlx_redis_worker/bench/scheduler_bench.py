@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from mlx_redis_worker.bench.engine_bench import make_prompts
 from mlx_redis_worker.engine import Request, SamplingParams, Scheduler, SchedulerConfig
+from mlx_redis_worker.engine.decode_batches import DecodePlan
 from mlx_redis_worker.engine.speculative_batch import (
     SpeculativeBatchGenerator,
     SpeculativeResponse,
@@ -33,6 +34,7 @@ class ReplayGenerator:
         self._tokens = tokens
         self._uids: list[int] = []
         self._step = 0
+        self.last_decode_plan = DecodePlan()  # one batch, every step
 
     def insert_segments(self, segments: list[list[list[int]]], **_: Any) -> list[int]:
         uid = len(self._uids)

@@ -20,12 +20,14 @@ phases read ``BatchGenerator``'s internal fields, so the mlx-lm version is pinne
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import (
     BatchGenerator,
     GenerationBatch,
@@ -34,6 +36,7 @@ from mlx_lm.generate import (
 )
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_redis_worker.engine.decode_batches import DecodeBatches, DecodePlan
 from mlx_redis_worker.engine.vision import token_embeddings, vision_model_of
 
 _FIELDS = (
@@ -47,8 +50,18 @@ _FIELDS = (
 
 
 class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is untyped
-    def __init__(self, model: Any, **kwargs: Any) -> None:
+    def __init__(self, model: Any, *, decode_share: float = math.inf, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
+        # The running sequences, in decode batches grouped by context length (mlx-lm's own
+        # ``_generation_batch`` stays empty): ``decode_share`` bounds a long-context batch's
+        # passes beside the steady one, in steady steps a step (see decode_batches).
+        self._decode_batches = DecodeBatches(
+            self._empty_decode_batch,
+            weight_bytes=_weight_bytes(model),
+            share=decode_share,
+            max_kv_size=kwargs.get("max_kv_size"),
+        )
+        self.last_decode_plan = DecodePlan()
         # Per prompt-batch sequence: [segments left, tokens processed, prompt tokens].
         self._currently_processing: list[list[Any]]
         # Sequences whose first token start_generation handed out before feeding it.
@@ -88,7 +101,7 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         left = [_tokens_left(p[0]) for p in self._currently_processing if _has_prompt_left(p[0])]
         room = min(
             self.prefill_batch_size - len(self._prompt_batch),
-            self.completion_batch_size - len(self._generation_batch),
+            self.completion_batch_size - self.num_decoding,
         )
         for index, queued in enumerate(self._unprocessed_sequences):
             if index >= room:
@@ -98,8 +111,16 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
 
     @property
     def num_decoding(self) -> int:
-        """Sequences in the decode batch."""
-        return len(self._generation_batch)
+        """Sequences in the decode batches."""
+        return len(self._decode_batches)
+
+    @property
+    def num_decode_batches(self) -> int:
+        """The decode batches (forward passes) the running sequences are grouped in."""
+        return self._decode_batches.count
+
+    def _empty_decode_batch(self) -> GenerationBatch:
+        return GenerationBatch.empty(self.model, self.sampler)
 
     @property
     def num_prefilling(self) -> int:
@@ -113,13 +134,19 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         mx.synchronize(self._stream)
 
     def decode(self) -> list[GenerationBatch.Response]:
-        """One decode step of the running batch: a token for each running sequence."""
-        batch = self._generation_batch
-        if len(batch) == 0:
+        """One decode step: a token for each sequence of the steady batch, and of the side
+        batch whose pass is due (``last_decode_plan`` says which ran)."""
+        plan = self._decode_batches.plan()
+        self.last_decode_plan = plan
+        if not plan.batches:
             return []
         with mx.stream(self._stream):
             started = time.perf_counter()
-            responses: list[GenerationBatch.Response] = batch.next()
+            responses: list[GenerationBatch.Response] = []
+            for part in plan.batches:
+                responses += part.batch.next()
+            if len(plan.batches) > 1 or any(r.finish_reason is not None for r in responses):
+                self._decode_batches.tidy()  # finished rows left their batches
             if self._handed_out:
                 responses = self._drop_handed_out(responses)
             counters = self._counters
@@ -148,7 +175,9 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         decode batch has room) and process the next chunk of each prompt: ``prefill_step_size``
         tokens each, or with a ``budget``, that many tokens in all (the pass is as wide as its
         longest chunk). A budget is shared equally when each share finishes at least the prompt
-        with the fewest tokens left; otherwise it goes to the prompts with the fewest left,
+        with the fewest tokens left (a pass no wider than the longest prompt it ends, when
+        some prompt does not end in it), and when no prompt can end in it; otherwise it goes
+        to the prompts with the fewest left,
         shortest first, each as wide as the shortest's remainder (or the whole budget to the
         shortest alone): shortest remaining prefill first, so that some first tokens come
         now rather than all of them later (the rows left out of a pass wait, their caches
@@ -159,7 +188,7 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         with mx.stream(self._stream):
             room = min(
                 self.prefill_batch_size - len(self._prompt_batch),
-                self.completion_batch_size - len(self._generation_batch),
+                self.completion_batch_size - self.num_decoding,
                 len(self._unprocessed_sequences),
             )
             if room > 0:
@@ -210,7 +239,20 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         if budget is None or not left:
             return width, {row for _, row in left}
         share = budget // len(left)
-        width = max(1, min(width, max(share, min(left[0][0], budget))))
+        if share >= left[0][0]:
+            # Every row gets an equal share, and the pass is no wider than the longest prompt
+            # it ends: a short prompt beside long ones (another tenant's chat beside a long
+            # prompt) ends in a narrow pass, not one as wide as the long ones' shares.
+            ending = [n for n, _ in left if n <= share]
+            width = max(1, min(width, ending[-1] if len(ending) < len(left) else share))
+            return width, {row for _, row in left}
+        if left[0][0] > budget:
+            # No prompt ends in this pass: equal shares, every row in it. Leaving rows out
+            # splits the prompt batch and joins it again, copying every row's cache: with
+            # four long prompts deep in prefill that copy took 40-170 ms a step on tiny, for
+            # a 32-token budget whose pass takes 25.
+            return max(1, share), {row for _, row in left}
+        width = max(1, min(width, max(share, left[0][0])))
         return width, {row for _, row in left[: max(1, budget // width)]}
 
     def start_generation(self) -> list[GenerationBatch.Response]:
@@ -260,8 +302,7 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
                 responses = batch.next()
             self._counters.decode_time += time.perf_counter() - started
             self._counters.generation_tokens += len(responses)
-            if len(batch) > 0:
-                self._generation_batch.extend(batch)
+            self._decode_batches.add(batch)
         return responses
 
     def _begin_generation(
@@ -307,7 +348,19 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         for uid in uids:
             self._first_logits.pop(uid, None)
             self.prompt_embeddings.pop(uid, None)
-        return super().remove(uids, return_prompt_caches=return_prompt_caches)
+        # mlx-lm's remove takes queued and prefilling rows (its extract_cache: ours, below).
+        caches = super().remove(uids, return_prompt_caches=return_prompt_caches)
+        self._decode_batches.remove(set(uids))
+        return caches
+
+    def extract_cache(self, uids: list[int]) -> dict[int, Any]:
+        results: dict[int, Any] = super().extract_cache(uids)
+        results.update(self._decode_batches.extract(set(uids)))
+        return results
+
+    @property
+    def prompt_cache_nbytes(self) -> int:
+        return int(super().prompt_cache_nbytes) + self._decode_batches.nbytes()
 
     def _prompt(self, chunks: list[list[int]], finishing: list[int]) -> None:
         """Process one chunk per prompt-batch sequence; a sequence with an empty chunk (its
@@ -472,6 +525,14 @@ class _Logits:
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         return self._logits[:, None, :]
+
+
+def _weight_bytes(model: Any) -> int | None:
+    """The bytes of the model's parameters (None for a model that does not list them)."""
+    parameters = getattr(model, "parameters", None)
+    if not callable(parameters):
+        return None
+    return sum(int(v.nbytes) for _, v in tree_flatten(parameters()))
 
 
 def _has_prompt_left(segments: list[list[int]]) -> bool:

@@ -50,13 +50,15 @@ class PrefillPace:
         # Steps that prefilled a burst's prompts with no decode beside them (burst_budget).
         self.burst_steps = 0
 
-    def budget(self, decoding: bool) -> int:
+    def budget(self, decoding: bool, spent: float = 0.0) -> int:
         """The prompt tokens this step may prefill. Beside decoding streams: the tokens that
         take about ``max_stall`` decode steps (the minimum until both speeds are measured).
         With nothing decoding: the tokens that take about ``max_pass_seconds`` at the measured
         speed, at most a whole chunk: on a slow machine, or deep into a long prompt (attention
         over its whole context), a whole chunk can take many seconds, and a request arriving
-        meanwhile (another tenant's) waits for the pass to end. ``inf`` stall: whole chunks."""
+        meanwhile (another tenant's) waits for the pass to end. ``inf`` stall: whole chunks.
+        ``spent``: decode steps of the stall this step already took (a long-context decode
+        batch's pass beside the steady one)."""
         if math.isinf(self.max_stall):
             return self.max_tokens
         if not decoding:
@@ -65,7 +67,8 @@ class PrefillPace:
             return max(self.min_tokens, self.burst_budget(self.max_pass_seconds))
         if self.decode_seconds <= 0.0 or self.prefill_rate <= 0.0:
             return self.min_tokens
-        tokens = min(self.max_tokens, self.prefill_rate * self.decode_seconds * self.max_stall)
+        stall = max(0.0, self.max_stall - spent)
+        tokens = min(self.max_tokens, self.prefill_rate * self.decode_seconds * stall)
         return max(self.min_tokens, int(tokens))
 
     def burst_budget(self, slack: float) -> int:

@@ -227,7 +227,12 @@ class Scheduler:
                         generated = generator.decode()
                     if generator.has_prefill_work:
                         generator.wait_for_decode()
-                    self.pace.observe_decode(time.perf_counter() - started)
+                    plan = generator.last_decode_plan
+                    # The pace measures the steady batch's step; a long-context batch's pass
+                    # beside it took that much of the step's stall bound from prefill.
+                    seconds = time.perf_counter() - started
+                    self.pace.observe_decode(seconds * plan.steady_fraction)
+                    budget = self.pace.budget(decoding, spent=plan.side_steps)
                 if generator.has_prefill_work:
                     prefill = generator.prefill(budget)
                     self.pace.observe_prefill(
@@ -557,6 +562,7 @@ class Scheduler:
                 prefill_step_size=self.config.prefill_step_size,
                 max_kv_size=self.config.max_kv_size,
                 stream=self._stream,
+                decode_share=self.config.max_prefill_stall,
             )
         return self._generator
 

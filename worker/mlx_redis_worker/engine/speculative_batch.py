@@ -525,11 +525,17 @@ class SpeculativeBatchGenerator(PhasedBatchGenerator):
         self, model: Any, *, counters: SpeculationCounters, max_batch: int, **kwargs: Any
     ) -> None:
         super().__init__(model, **kwargs)
+        self._speculation_counters = counters
+        self._speculation_max_batch = max_batch
+        # Shared by every decode batch: a sequence speculates in whichever batch it is.
+        self.speculating: dict[int, SpeculativeSequence] = {}
+
+    def _empty_decode_batch(self) -> GenerationBatch:
         batch = SpeculativeGenerationBatch.empty(self.model, self.sampler)
-        batch.counters = counters
-        batch.max_batch = max_batch
-        self.speculating = batch.speculating
-        self._generation_batch = batch
+        batch.counters = self._speculation_counters
+        batch.max_batch = self._speculation_max_batch
+        batch.speculating = self.speculating
+        return batch
 
     def speculate(self, uid: int, sequence: SpeculativeSequence) -> None:
         self.speculating[uid] = sequence
