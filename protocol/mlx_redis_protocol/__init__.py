@@ -15,6 +15,7 @@ from mlx_redis_protocol.codec_control import (
 from mlx_redis_protocol.codec_events import decode_event, encode_event
 from mlx_redis_protocol.codec_job import decode_job, encode_job
 from mlx_redis_protocol.constants import PROTOCOL_VERSION
+from mlx_redis_protocol.control import ControlReplies
 from mlx_redis_protocol.embeddings import EmbeddingFailed, Embeddings
 from mlx_redis_protocol.errors import (
     ERROR_CODES,
@@ -59,6 +60,7 @@ __all__ = [
     "Client",
     "ClientError",
     "ControlCommand",
+    "ControlReplies",
     "ControlReply",
     "ControlTimeout",
     "DeltaEvent",

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from mlx_redis_protocol.connection import RedisClient, as_text
@@ -41,6 +42,22 @@ async def heartbeat_values(redis: RedisClient, keys: Keys, workers: Sequence[str
         if isinstance(value, BaseException) and "WRONGTYPE" not in str(value):
             raise value
     return values
+
+
+async def count_live(redis: RedisClient, keys: Keys, workers: Sequence[str]) -> int:
+    """How many of ``workers`` have a heartbeat key (of any value, or type: the worker may
+    well be alive), without reading one: one ``EXISTS`` of every key on a server, a pipeline
+    of one ``EXISTS`` per key on a Cluster (one round trip per node, as for the values)."""
+    if not workers:
+        return 0
+    names = [keys.worker(worker_id) for worker_id in workers]
+    if not isinstance(redis, RedisCluster):
+        return int(await redis.exists(*names))
+    async with redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.exists(name)
+        found: list[Any] = await pipe.execute()
+    return sum(int(count) for count in found)
 
 
 async def live_worker_ids(redis: RedisClient, keys: Keys) -> list[str]:

@@ -491,11 +491,14 @@ async def _control(client: Client, args: argparse.Namespace, out: TextIO) -> int
         )
     else:
         replies = await client.cache_clear(worker_id=worker_id, model=model, timeout=timeout)
-    if not args.json:  # people compare workers by name; programs get the arrival order
-        replies = sorted(replies, key=lambda reply: reply.worker_id)
-    for reply in replies:
+    # People compare workers by name; programs get the arrival order.
+    shown = replies if args.json else sorted(replies, key=lambda reply: reply.worker_id)
+    for reply in shown:
         line = json_line(reply_as_dict(reply)) if args.json else describe_reply(reply, command)
         print(line, file=out, flush=True)
+    if replies and not replies.complete:
+        # The timeout bounds the wait, whoever is slow: say how many did not answer in it.
+        _note(f"{len(replies)} of {replies.expected} workers replied within {timeout:g} s")
     return ExitCode.OK if all(reply.ok for reply in replies) else ExitCode.ERROR
 
 

@@ -48,7 +48,7 @@ from mlx_redis_protocol.constants import (
     DEFAULT_REDIS_URL,
     JOB_FIELD,
 )
-from mlx_redis_protocol.control import abort_marker, send_command
+from mlx_redis_protocol.control import ControlReplies, abort_marker, send_command
 from mlx_redis_protocol.embeddings import (
     EmbeddingCollector,
     EmbeddingInputs,
@@ -67,7 +67,6 @@ from mlx_redis_protocol.media_inputs import (
 from mlx_redis_protocol.messages import (
     TOOL_CHOICE_MODES,
     ChatMessage,
-    ControlReply,
     ErrorEvent,
     Event,
     Job,
@@ -524,7 +523,7 @@ class Client:
         *,
         model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
-    ) -> list[ControlReply]:
+    ) -> ControlReplies:
         """Stop a request wherever it is; returns the workers' replies (maybe none).
 
         The marker stops a job still in the queue from ever starting, and a running one within
@@ -552,7 +551,7 @@ class Client:
         worker_id: str | None = None,
         model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
-    ) -> list[ControlReply]:
+    ) -> ControlReplies:
         return await self._command("stats", worker_id, timeout, model=model)
 
     async def ping(
@@ -561,7 +560,7 @@ class Client:
         worker_id: str | None = None,
         model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
-    ) -> list[ControlReply]:
+    ) -> ControlReplies:
         return await self._command("ping", worker_id, timeout, model=model)
 
     async def cache_save(
@@ -571,7 +570,7 @@ class Client:
         worker_id: str | None = None,
         model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
-    ) -> list[ControlReply]:
+    ) -> ControlReplies:
         return await self._command("cache_save", worker_id, timeout, name=name, model=model)
 
     async def cache_load(
@@ -581,7 +580,7 @@ class Client:
         worker_id: str | None = None,
         model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
-    ) -> list[ControlReply]:
+    ) -> ControlReplies:
         return await self._command("cache_load", worker_id, timeout, name=name, model=model)
 
     async def cache_clear(
@@ -590,7 +589,7 @@ class Client:
         worker_id: str | None = None,
         model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
-    ) -> list[ControlReply]:
+    ) -> ControlReplies:
         return await self._command("cache_clear", worker_id, timeout, model=model)
 
     async def _command(
@@ -603,7 +602,7 @@ class Client:
         name: str | None = None,
         model: str | None = None,
         required: bool = True,
-    ) -> list[ControlReply]:
+    ) -> ControlReplies:
         # Sent again whole after a failure (a fresh command id): every command is safe to
         # act on twice (a second abort, stats or cache command changes nothing more).
         return await self._retried(

@@ -185,21 +185,30 @@ def is_finite_number(value: object) -> bool:
     return isinstance(value, float) and math.isfinite(value)
 
 
+# Values that are JSON-like whatever they hold (a float may be NaN: not one of them).
+_PLAIN_SCALARS: Final = frozenset({str, int, bool, type(None)})
+
+
 def json_like_problem(value: object, depth_left: int) -> str | None:
     """Why ``value`` is not JSON-like within ``depth_left`` levels of nesting, or None.
 
-    Recursion stops at the depth limit, so hostile nesting can't exhaust the stack.
+    Recursion stops at the depth limit, so hostile nesting can't exhaust the stack. Plain
+    scalars in a map or array are passed over without a call: a broadcast's thousand stats
+    replies are mostly numbers, and checking them was most of the sender's time.
     """
     if isinstance(value, dict | list):
         if depth_left <= 0:
             return _TOO_DEEP
         if isinstance(value, dict):
-            if not all(isinstance(key, str) for key in value):
-                return "must have string keys only"
+            for key in value:
+                if type(key) is not str and not isinstance(key, str):
+                    return "must have string keys only"
             children: Any = value.values()
         else:
             children = value
         for child in children:
+            if type(child) in _PLAIN_SCALARS:
+                continue
             problem = json_like_problem(child, depth_left - 1)
             if problem is not None:
                 return problem

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from mlx_redis_protocol.client import ChatInput, Client
 from mlx_redis_protocol.constants import DEFAULT_CONTROL_TIMEOUT_SECONDS, DEFAULT_REDIS_URL
-from mlx_redis_protocol.messages import ControlReply, Event, Job, TerminalEvent
+from mlx_redis_protocol.control import ControlReplies
+from mlx_redis_protocol.messages import Event, Job, TerminalEvent
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -129,7 +130,7 @@ class SyncClient:
         *,
         model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
-    ) -> list[ControlReply]:
+    ) -> ControlReplies:
         return self._call(self._client.abort(request_id, model=model, timeout=timeout))
 
     def stats(
@@ -138,7 +139,7 @@ class SyncClient:
         worker_id: str | None = None,
         model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
-    ) -> list[ControlReply]:
+    ) -> ControlReplies:
         return self._call(self._client.stats(worker_id=worker_id, model=model, timeout=timeout))
 
     def ping(
@@ -147,7 +148,7 @@ class SyncClient:
         worker_id: str | None = None,
         model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
-    ) -> list[ControlReply]:
+    ) -> ControlReplies:
         return self._call(self._client.ping(worker_id=worker_id, model=model, timeout=timeout))
 
     def cache_save(
@@ -157,7 +158,7 @@ class SyncClient:
         worker_id: str | None = None,
         model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
-    ) -> list[ControlReply]:
+    ) -> ControlReplies:
         return self._call(
             self._client.cache_save(name, worker_id=worker_id, model=model, timeout=timeout)
         )
@@ -169,7 +170,7 @@ class SyncClient:
         worker_id: str | None = None,
         model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
-    ) -> list[ControlReply]:
+    ) -> ControlReplies:
         return self._call(
             self._client.cache_load(name, worker_id=worker_id, model=model, timeout=timeout)
         )
@@ -180,7 +181,7 @@ class SyncClient:
         worker_id: str | None = None,
         model: str | None = None,
         timeout: float = DEFAULT_CONTROL_TIMEOUT_SECONDS,
-    ) -> list[ControlReply]:
+    ) -> ControlReplies:
         return self._call(
             self._client.cache_clear(worker_id=worker_id, model=model, timeout=timeout)
         )

@@ -4,6 +4,7 @@ read on the engine thread, ``AsyncEngineCore``, and what ``step_interval`` does 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncGenerator
 from typing import Any, cast
@@ -18,7 +19,7 @@ from mlx_redis_worker.engine import (
     RequestOutput,
     SamplingParams,
 )
-from mlx_redis_worker.engine.stats import MlxMemory
+from mlx_redis_worker.engine.stats import MlxMemory, plain
 from tests.support.engines import PROMPTS, MakeEngine
 from tests.support.waiting import run
 
@@ -134,6 +135,9 @@ def test_the_stats_dicts_are_the_typed_stats(engine: EngineCore) -> None:
     assert list(cache_view) == CACHE_KEYS
     assert cache_view["entries"] == cache.entries == 3
     assert cache_view["misses"] == cache.misses == 3
+    # The views skip asdict's deep copy, and say the same.
+    for snapshot in (typed, cache, engine.memory_stats(timeout=5.0)):
+        assert plain(snapshot) == dataclasses.asdict(snapshot)
 
 
 def test_open_requests_are_listed_while_they_run(engine: EngineCore) -> None:
@@ -182,12 +186,17 @@ def test_memory_stats_give_up_while_a_step_holds_the_engine_thread(engine: Engin
         await asyncio.sleep(0.3)  # its first step is under way
         with pytest.raises(TimeoutError):
             await asyncio.to_thread(engine.memory_stats, 0.05)
+        with pytest.raises(TimeoutError):
+            await engine.memory_stats_async(0.05)  # the loop's way: no thread held
         await engine.abort_request(rid)
+        assert (await engine.memory_stats_async(5.0)).active_bytes > 0
         await engine.stop()
 
     run(scenario())
     with pytest.raises(EngineStoppedError):
         engine.memory_stats(timeout=1.0)  # stopped
+    with pytest.raises(EngineStoppedError):
+        run(engine.memory_stats_async(1.0))
 
 
 def test_async_engine_core_serves_the_same_greedy_text(tiny_model: Any) -> None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from mlx_redis_worker.local_redis import free_port
+from tests.support.environment import clean_environment
 from tests.support.processes import WorkerProcess, mlx_worker
 
 # A password that must never show up in any output.
@@ -128,6 +130,34 @@ def test_a_config_file_with_a_wrong_value(tmp_path: Path, toml: str, message: st
     config.write_text(toml)
     line = one_line(mlx_worker("run", "--config", str(config)), 2)
     assert line.startswith(f"mlx-worker run: bad settings: config file {config}: {message}"), line
+
+
+def test_a_settings_mistake_is_answered_without_loading_mlx(tmp_path: Path) -> None:
+    """Bad settings and `health` need none of the daemon's imports (MLX, the engine: more
+    than a second of start-up): the process never imports mlx."""
+    config = tmp_path / "worker.toml"
+    config.write_text("max_concurency = 4\n")
+    closed = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    script = (
+        "import sys\n"
+        "from mlx_redis_protocol.cli import main\n"
+        "statuses = [main(args) for args in (\n"
+        f"    ['run', '--config', {str(config)!r}],\n"
+        "    ['run', '--redis-url', 'garbage'],\n"
+        f"    ['health', '--worker-id', 'nobody', '--redis-url', {closed!r}],\n"
+        ")]\n"
+        "print(statuses, sorted(m for m in sys.modules if m.split('.')[0] == 'mlx'))\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=clean_environment(),
+        timeout=60,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == "[2, 2, 1] []", completed.stdout + completed.stderr
 
 
 def test_a_config_file_that_is_not_there(tmp_path: Path) -> None:

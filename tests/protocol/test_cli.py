@@ -294,6 +294,20 @@ def test_wrong_password_exits_2_saying_so(capsys: pytest.CaptureFixture[str]) ->
     )
 
 
+def test_ctl_says_how_many_workers_did_not_answer_within_the_timeout(
+    redis_url: str, keys: Keys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A live worker that does not answer holds the command up to --timeout, no longer, and
+    the person learns the replies shown are not every worker's."""
+    with control_responder(redis_url, keys):
+        with redis.Redis.from_url(redis_url) as admin:
+            write_heartbeat_sync(admin, keys, "silent", b"1", ttl_ms=30_000)
+        assert cli(redis_url, keys.prefix, "ctl", "ping", "--timeout", "3") == 0
+    seen = capsys.readouterr()
+    assert seen.out == "w-1: ok\n"
+    assert seen.err == "1 of 2 workers replied within 3 s\n"
+
+
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert main(["submit"]) == 2

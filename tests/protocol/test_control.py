@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.codec_control import encode_reply
 from mlx_redis_protocol.connection import connect
-from mlx_redis_protocol.control import _collect, longest_block
+from mlx_redis_protocol.control import ControlReplies, _collect, longest_block
 from mlx_redis_protocol.errors import ControlTimeout
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.limits import DEFAULT_LIMITS
@@ -154,24 +154,36 @@ def test_blpop_blocks_stay_inside_the_socket_timeout(redis_url: str) -> None:
     assert run(scenario()) == [2.5, float("inf"), 0.5]
 
 
-@pytest.mark.parametrize("lpop_granted", [True, False])
-def test_replies_already_queued_are_taken_in_one_pop_not_one_round_trip_each(
-    redis_url: str, prefix: str, acl_user: MakeUser, admin: redis.Redis, lpop_granted: bool
+@pytest.mark.parametrize(
+    ("denied", "reads"),
+    [
+        ((), {"blmpop": 1}),
+        (("-blmpop",), {"blmpop": 1, "blpop": 1, "lpop": 1}),  # BLMPOP refused, then 2
+        (("-blmpop", "-lpop"), {"blmpop": 1, "blpop": 300, "lpop": 1}),
+    ],
+)
+def test_replies_already_queued_are_taken_in_one_read_not_one_round_trip_each(
+    redis_url: str,
+    prefix: str,
+    acl_user: MakeUser,
+    admin: redis.Redis,
+    denied: tuple[str, ...],
+    reads: dict[str, int],
 ) -> None:
     """A broadcast to a large fleet: 300 replies waiting in the list are collected with one
-    BLPOP and one LPOP of the rest (before, 300 BLPOPs). A user whose ACL lacks LPOP (granted
-    before it was needed) still gets every reply, one BLPOP each."""
+    BLMPOP (before: a BLPOP and an LPOP of the rest; before that, 300 BLPOPs). A user whose
+    ACL lacks BLMPOP, or LPOP too (granted before they were needed), still gets every reply:
+    BLPOP then LPOP, or one BLPOP each, after one refused BLMPOP."""
     keys = Keys(prefix)
     command = ControlCommand(kind="ping", id="c-1", reply_to=keys.reply("c-1"))
-    rules = ["on", f">{PASSWORD}", f"~{prefix}:*", "+@all", *([] if lpop_granted else ["-lpop"])]
-    _, url = acl_user(rules)
+    _, url = acl_user(["on", f">{PASSWORD}", f"~{prefix}:*", "+@all", *denied])
     for index in range(300):
         admin.rpush(
             command.reply_to, encode_reply(ControlReply(id="c-1", ok=True, worker_id=f"w-{index}"))
         )
-    before = _blpops(admin)
+    before = _list_reads(admin)
 
-    async def scenario() -> list[ControlReply]:
+    async def scenario() -> ControlReplies:
         client = await connect(url)
         try:
             return await _collect(client, command, 300, 10.0, DEFAULT_LIMITS)
@@ -180,8 +192,35 @@ def test_replies_already_queued_are_taken_in_one_pop_not_one_round_trip_each(
 
     replies = run(scenario())
     assert sorted(reply.worker_id for reply in replies) == sorted(f"w-{i}" for i in range(300))
-    assert _blpops(admin) - before == (1 if lpop_granted else 300)
+    assert (replies.expected, replies.complete) == (300, True)
+    after = _list_reads(admin)
+    assert {name: after[name] - before[name] for name in after if after[name] > before[name]} == (
+        reads
+    )
 
 
-def _blpops(admin: redis.Redis) -> int:
-    return int(admin.info("commandstats").get("cmdstat_blpop", {}).get("calls", 0))
+def test_a_broadcast_returns_at_its_timeout_saying_how_many_of_how_many_answered(
+    redis_url: str, prefix: str
+) -> None:
+    """Two live workers, one of them silent: the sender does not wait past its timeout for
+    the slow one; it returns the one reply, and says it waited for two."""
+
+    async def scenario() -> ControlReplies:
+        async with Client(redis_url, prefix=prefix) as client:
+            await write_heartbeat(client.redis, client.keys, "silent", b"1", ttl_ms=30_000)
+            async with FakeResponder(client.redis, client.keys, "w-1"):
+                return await client.stats(timeout=3)
+
+    replies = run(scenario())
+    assert [reply.worker_id for reply in replies] == ["w-1"]
+    assert (len(replies), replies.expected, replies.complete) == (1, 2, False)
+
+
+def _list_reads(admin: redis.Redis) -> dict[str, int]:
+    """Calls so far of the commands that read a reply list (whether run or refused)."""
+    stats = admin.info("commandstats")
+    return {
+        name: int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+        + int(stats.get(f"cmdstat_{name}", {}).get("rejected_calls", 0))
+        for name in ("blmpop", "blpop", "lpop")
+    }

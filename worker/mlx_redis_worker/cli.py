@@ -560,13 +560,18 @@ def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from mlx_redis_worker.daemon.service import serve
+    def serve(settings: WorkerSettings) -> int:
+        # Imported once the settings are valid: the daemon imports MLX and the engine (more
+        # than a second), which a mistake in the settings needs none of.
+        from mlx_redis_worker.daemon.service import serve
 
-    return _with_settings(args, lambda settings: serve(settings, debug=args.debug))
+        return serve(settings, debug=args.debug)
+
+    return _with_settings(args, serve)
 
 
 def _check_health(args: argparse.Namespace) -> int:
-    from mlx_redis_worker.daemon.service import check_health
+    from mlx_redis_worker.daemon.health import check_health
 
     return _with_settings(args, check_health)
 

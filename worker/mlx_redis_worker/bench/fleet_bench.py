@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 
@@ -371,15 +371,55 @@ def http_get(url: str) -> int:
         return len(answer.read())
 
 
+def process_cpu_seconds(pids: Sequence[int]) -> float | None:
+    """User + system CPU of these processes so far (Linux /proc; None elsewhere)."""
+    total = 0
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    except OSError:
+        return None
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+async def broadcast(
+    action: Callable[[], Awaitable[list[Any]]], workers: int, hosts: Sequence[int], idle_rate: float
+) -> tuple[float, str]:
+    """A control broadcast's median ms, and a note: replies of ``workers``, and the CPU one
+    reply cost the workers' host processes (their idle upkeep, ``idle_rate`` CPU seconds a
+    second, taken out) and the sender, in ms: figures a loaded machine's wall time hides."""
+    host_before, sender_before = process_cpu_seconds(hosts), time.process_time()
+    began = time.perf_counter()
+    ms, replies = await timed(action)
+    wall = time.perf_counter() - began
+    sender = time.process_time() - sender_before
+    host_after = process_cpu_seconds(hosts)
+    note = f"{len(replies)}/{workers} replies"
+    count = 3 * max(len(replies), 1)
+    if host_before is not None and host_after is not None:
+        host = max(host_after - host_before - idle_rate * wall, 0.0)
+        note += f"; CPU a reply, ms: hosts {1000 * host / count:.2f}"
+        note += f", sender {1000 * sender / count:.2f}"
+    return ms, note
+
+
 async def control_plane(
-    client: Client, workers: int, base: str | None
+    client: Client,
+    workers: int,
+    base: str | None,
+    hosts: Sequence[int] = (),
+    idle_rate: float = 0.0,
 ) -> tuple[dict[str, float], dict[str, str]]:
     ms: dict[str, float] = {}
     notes: dict[str, str] = {}
-    ms["ctl stats"], stats = await timed(lambda: client.stats(timeout=CONTROL_TIMEOUT))
-    notes["ctl stats"] = f"{len(stats)}/{workers} replies"
-    ms["ctl ping"], pings = await timed(lambda: client.ping(timeout=CONTROL_TIMEOUT))
-    notes["ctl ping"] = f"{len(pings)}/{workers} replies"
+    ms["ctl stats"], notes["ctl stats"] = await broadcast(
+        lambda: client.stats(timeout=CONTROL_TIMEOUT), workers, hosts, idle_rate
+    )
+    ms["ctl ping"], notes["ctl ping"] = await broadcast(
+        lambda: client.ping(timeout=CONTROL_TIMEOUT), workers, hosts, idle_rate
+    )
     ms["models"], fleet = await timed(lambda: fleet_models(client.redis, client.keys))
     served = fleet.model(MODEL)
     notes["models"] = f"{len(served.workers) if served else 0} workers of {MODEL}"
@@ -407,13 +447,22 @@ async def measure(
     reclaim = None
     try:
         async with Client(url, prefix=prefix, topology=kind, max_in_flight=256) as client:
+            pids = [host.pid for host in hosts]
             idle_before = await asyncio.to_thread(redis_cpu_seconds, nodes)
             calls_before = await asyncio.to_thread(redis_command_calls, nodes)
+            hosts_before = process_cpu_seconds(pids)
             await asyncio.sleep(load.idle_seconds)
+            hosts_after = process_cpu_seconds(pids)
             idle_cpu = await asyncio.to_thread(redis_cpu_seconds, nodes) - idle_before
             calls = await asyncio.to_thread(redis_command_calls, nodes) - calls_before
             with gateway(url, prefix, logs) if load.gateway else contextlib.nullcontext() as base:
-                control_ms, notes = await control_plane(client, load.workers, base)
+                # The hosts' own idle upkeep, taken out of what a broadcast cost them.
+                idle_rate = (
+                    (hosts_after - hosts_before) / load.idle_seconds
+                    if hosts_after is not None and hosts_before is not None
+                    else 0.0
+                )
+                control_ms, notes = await control_plane(client, load.workers, base, pids, idle_rate)
             if load.reclaim_pending > 0:
                 lease_ms = int(1000 * LEASE_SECONDS)
                 reclaim = await reclaim_sweep(

@@ -205,6 +205,9 @@ class SimulatedEngine(EngineCore):
     def memory_stats(self, timeout: float) -> MlxMemory:
         return MlxMemory(0, 0, 0)
 
+    async def memory_stats_async(self, timeout: float) -> MlxMemory:
+        return MlxMemory(0, 0, 0)
+
     # -- stepping ----------------------------------------------------------------------------
 
     async def _run(self) -> None:

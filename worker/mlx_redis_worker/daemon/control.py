@@ -1,10 +1,10 @@
 """The control channel: abort, stats, prefix-cache save/load/clear and ping.
 
 Commands arrive on the broadcast channel and on this worker's own channel; each reply is pushed
-to the list the command names in ``reply_to`` (with a TTL), which must be one of the prefix's
-reply lists (``mlxw:reply:{token}``): a command naming any other key is ignored. Cache names
-are plain names inside ``--cache-dir``: a name with a slash, ``..`` or an absolute path is
-refused, so no command reads or writes outside that directory.
+to the list the command names in ``reply_to`` (the reply that makes the list gives it a TTL),
+which must be one of the prefix's reply lists (``mlxw:reply:{token}``): a command naming any
+other key is ignored. Cache names are plain names inside ``--cache-dir``: a name with a slash,
+``..`` or an absolute path is refused, so no command reads or writes outside that directory.
 """
 
 from __future__ import annotations
@@ -167,8 +167,18 @@ class ControlListener:
         worker. Not past ``REPLY_RETRY_SECONDS`` (nor the reply list's life): a sender waits
         about that long at most."""
         encoded = encode_reply(reply)
+        tries = 0
 
         async def push() -> None:
+            # One command: the list's TTL is set by the reply that made it (RPUSH answers 1),
+            # not by each of a thousand workers' replies. Tried again, the push sends both
+            # (an RPUSH that did make the list may have lost its answer).
+            nonlocal tries
+            tries += 1
+            if tries == 1:
+                if await self.redis.rpush(command.reply_to, encoded) == 1:
+                    await self.redis.expire(command.reply_to, self.reply_ttl)
+                return
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.rpush(command.reply_to, encoded)
                 pipe.expire(command.reply_to, self.reply_ttl)

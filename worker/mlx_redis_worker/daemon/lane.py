@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 from typing import Any
 
@@ -30,6 +29,7 @@ from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner
 from mlx_redis_worker.daemon.media_loader import engine_media
 from mlx_redis_worker.engine import AnyEngine
+from mlx_redis_worker.engine.stats import plain
 
 log = structlog.get_logger(__name__)
 
@@ -230,7 +230,7 @@ class ModelLane:
         stats: dict[str, Any] = {
             "engine": self.engine.stats().as_dict(),
             "prefix_cache": cache.as_dict() if cache is not None else None,
-            "jobs": dataclasses.asdict(self.runner.stats()),
+            "jobs": plain(self.runner.stats()),
             "group": group,
             "stream": self.queue.stream.stream,
         }
@@ -240,8 +240,8 @@ class ModelLane:
             media = self.runner.media
             # The pool is the worker's (every lane's jobs decode there); the counts this lane's.
             stats["media"] = {
-                **dataclasses.asdict(media.counts),
-                "pool": dataclasses.asdict(media.pool.stats),
+                **plain(media.counts),
+                "pool": plain(media.pool.stats),
             }
         return stats
 

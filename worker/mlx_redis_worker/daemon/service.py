@@ -1,19 +1,18 @@
-"""Process-level entry points: ``mlx-worker run`` (signals, exit codes) and ``health``."""
+"""Process-level entry point of ``mlx-worker run`` (signals, exit codes); ``health`` is in
+``daemon.health``, which imports no MLX."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-import sys
 
 import structlog
 
-from mlx_redis_protocol.connection import UnsupportedRedis, connect, redact
-from mlx_redis_protocol.keys import Keys
+from mlx_redis_protocol.connection import UnsupportedRedis, redact
 from mlx_redis_protocol.logs import one_line, tell_operator
 from mlx_redis_protocol.permissions import MissingPermission
-from mlx_redis_protocol.redis_retry import REDIS_FAILURES, REDIS_REFUSED, describe
+from mlx_redis_protocol.redis_retry import REDIS_REFUSED
 from mlx_redis_worker.daemon.claim import EXIT_ID_HELD, WorkerIdHeld
 from mlx_redis_worker.daemon.eviction import EvictingRedis
 from mlx_redis_worker.daemon.settings import WorkerSettings
@@ -77,30 +76,3 @@ def _refused(line: str, exc: BaseException, debug: bool) -> int:
     """One line for the operator (after the traceback with ``debug``); the usage status."""
     tell_operator(f"mlx-worker: {line}", exc, debug=debug)
     return EXIT_USAGE
-
-
-def check_health(settings: WorkerSettings) -> int:
-    """0 when the worker's heartbeat key is alive in Redis, 1 otherwise."""
-
-    async def main() -> int:
-        try:
-            redis = await connect(
-                settings.redis_url,
-                topology=settings.redis_topology,
-                socket_timeout=5,
-                socket_connect_timeout=5,
-            )
-        except (*REDIS_FAILURES, UnsupportedRedis) as exc:
-            print(f"mlx-worker health: cannot reach Redis: {describe(exc)}", file=sys.stderr)
-            return 1
-        try:
-            alive = await redis.exists(Keys(settings.prefix).worker(settings.worker_id))
-        except REDIS_FAILURES as exc:
-            print(f"mlx-worker health: cannot reach Redis: {describe(exc)}", file=sys.stderr)
-            return 1
-        finally:
-            await redis.aclose()
-        print(f"{settings.worker_id}: {'alive' if alive else 'no heartbeat'}")
-        return 0 if alive else 1
-
-    return asyncio.run(main())

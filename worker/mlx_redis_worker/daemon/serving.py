@@ -49,12 +49,14 @@ from mlx_redis_worker.daemon.metrics import Metrics, MetricSources
 from mlx_redis_worker.daemon.publisher import EventPublisher
 from mlx_redis_worker.daemon.registration import RegistrySchedule
 from mlx_redis_worker.daemon.settings import WorkerSettings
+from mlx_redis_worker.engine.stats import plain
 
 log = structlog.get_logger(__name__)
 
 # How often the abort markers of running jobs are checked: the marker alone stops a job
 # within this (the abort command is the faster path).
 ABORT_POLL_SECONDS = 0.5
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 WORKER_VERSION = version("mlx-redis-worker")
 
 
@@ -380,7 +382,7 @@ class Serving:
             "default_model": self.forwarder.default_model,
             "forwarded": self.forwarder.forwarded,
             "worker_id": self.settings.worker_id,
-            "publisher": dataclasses.asdict(self.publisher.stats()),
+            "publisher": plain(self.publisher.stats()),
             "memory": await self._memory(lanes),
             "uptime_seconds": time.time() - self.started_at,
         }
@@ -394,7 +396,7 @@ class Serving:
         if not lanes:
             return memory
         try:
-            mlx = await asyncio.to_thread(lanes[0].engine.memory_stats, 1.0)
+            mlx = await lanes[0].engine.memory_stats_async(1.0)
         except Exception as exc:  # engine stopped, or busy past the timeout: say so, don't fail
             memory["mlx_error"] = f"{type(exc).__name__}: {exc}"
         else:
@@ -422,15 +424,14 @@ def _jobs_total(lanes: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _rss_bytes() -> int | None:
-    """Resident set size from /proc (Linux); None where there is no /proc."""
+    """Resident set size from /proc (Linux); None where there is no /proc. statm's second
+    field (pages), not status' VmRSS line: one short line instead of fifty to parse, for
+    every stats reply."""
     try:
-        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
         return None
-    return None
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:

@@ -352,3 +352,11 @@ class EngineBase(Generic[S]):
         ``EngineStoppedError`` when that thread is not running and ``TimeoutError`` when a step
         (a long prefill) holds it past ``timeout`` seconds. Blocking: call it off the loop."""
         return self._engine_thread.call_sync(lambda _: read_mlx_memory(), timeout)
+
+    async def memory_stats_async(self, timeout: float) -> MlxMemory:
+        """``memory_stats`` from the event loop: awaits the engine thread's answer instead of
+        holding a thread of the loop's pool while it comes (a process of many workers,
+        answering a stats broadcast, would queue one each). The same errors; on a timeout the
+        question is withdrawn, not left for the engine thread."""
+        asked = self._engine_thread.call(lambda _: read_mlx_memory())
+        return await asyncio.wait_for(asyncio.wrap_future(asked), timeout)

@@ -7,7 +7,7 @@ views always agree.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -191,7 +191,7 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, Any]:
         """The reference API's flat dict: the scheduler's counters beside the engine's."""
-        view = asdict(self)
+        view: dict[str, Any] = plain(self)
         scheduler = view.pop("scheduler")
         view["requests"] = list(view["requests"])
         return {**view, **scheduler}
@@ -212,7 +212,8 @@ class PrefixCacheStats:
     stores: int
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        view: dict[str, Any] = plain(self)
+        return view
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,3 +232,33 @@ def read_mlx_memory() -> MlxMemory:
         cache_bytes=int(mx.get_cache_memory()),
         peak_bytes=int(mx.get_peak_memory()),
     )
+
+
+def plain(snapshot: Any) -> Any:
+    """``dataclasses.asdict`` for stats snapshots, without its deep copy: dataclasses become
+    dicts and every list, tuple and dict is made anew (so nothing the engine still changes is
+    shared), the scalars in them are not copied. A worker's stats reply builds several such
+    views; asdict's deep copy of every number was most of its cost."""
+    kind = type(snapshot)
+    if kind in _SCALARS:
+        return snapshot
+    if is_dataclass(snapshot) and not isinstance(snapshot, type):
+        return {name: plain(getattr(snapshot, name)) for name in _field_names(kind)}
+    if kind is list or kind is tuple:
+        return kind(plain(item) for item in snapshot)
+    if isinstance(snapshot, dict):
+        return {key: plain(value) for key, value in snapshot.items()}
+    return snapshot
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(kind: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(kind)
+    if names is None:
+        names = _FIELD_NAMES[kind] = tuple(field.name for field in fields(kind))
+    return names
