@@ -38,18 +38,7 @@ def test_a_reply_meeting_redis_down_is_pushed_once_redis_is_back(tmp_path: Path)
 
     async def scenario() -> list[bytes]:
         redis = await connect(server.url, socket_timeout=1.0, socket_connect_timeout=1.0)
-        listener = ControlListener(
-            redis=redis,
-            hub=ChannelHub(redis),
-            keys=keys,
-            worker_id="w1",
-            engines={},
-            cache_dir=tmp_path / "caches",
-            reply_ttl=60,
-            limits=DEFAULT_LIMITS,
-            abort_job=_nothing,
-            stats=_nothing,
-        )
+        listener = _listener(redis, keys, "w1", tmp_path)
         try:
             await asyncio.to_thread(server.stop)
             answering = asyncio.create_task(listener.handle(encode_command(command)))
