@@ -302,8 +302,9 @@ class WorkerFactory:
         env: Mapping[str, str] | None = None,
         wait: bool = True,
     ) -> WorkerProcess:
-        """A started worker; with ``wait``, serving, its heartbeat and registry entry visible (tests read the
-        heartbeat right after a start). A setting given as None is the worker's default."""
+        """A started worker; with ``wait``, serving and visible to clients: its heartbeat and
+        its registry entry (tests read them right after a start). A setting given as None is
+        the worker's default."""
         flags = setting_flags(
             max_concurrency=max_concurrency,
             lease_seconds=lease_seconds,
