@@ -184,3 +184,27 @@ def test_the_short_streams_rejoin_one_batch_when_the_long_stream_is_aborted(
     assert generator.num_decoding == len(SHORT) + 1
     scheduler.abort_all()
     scheduler.close()
+
+
+def test_with_no_stall_bound_prefill_runs_beside_every_pass(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """``max_prefill_stall`` inf: every decode batch every step and whole chunks beside them
+    (a prompt arriving beside a long-context batch is not held for its turn)."""
+    scheduler = scheduler_over(tiny_model, on_a_stream, max_prefill_stall=math.inf)
+    tokenizer = tiny_model[1]
+    add_short_and_long(scheduler, tokenizer)
+    run_until_decoding(scheduler, [*SHORT, "long"])
+    generator = scheduler._generator
+    assert generator is not None and generator.num_decode_batches == 2
+    scheduler.add_request(Request("late", tokens_of_length(tokenizer, 300, 7), greedy(4)))
+    steps = 0
+    while True:
+        steps += 1
+        outputs = {o.request_id: o for o in scheduler.step().outputs}
+        assert len(generator.last_decode_plan.batches) == 2
+        if "late" in outputs and outputs["late"].new_token_ids:
+            break
+        assert steps < 3, "the prompt waited beside the long-context batch"
+    scheduler.abort_all()
+    scheduler.close()

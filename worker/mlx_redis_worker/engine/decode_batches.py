@@ -141,9 +141,10 @@ class DecodeBatches:
             self._batches[0].credit = 0.0
 
     def plan(self, with_sides: bool = True) -> DecodePlan:
-        """This step's passes: the steady batch, and (``sides``) the side batch that has
+        """This step's passes: the steady batch, and (``with_sides``) the side batch that has
         earned its pass (one a step, the one that ran longest ago: two side passes in one step
-        would stretch it twice). Without ``with_sides`` side batches only earn their credit."""
+        would stretch it twice). Without ``with_sides`` side batches only earn their credit; an
+        infinite share runs every batch every step."""
         plan = DecodePlan()
         if not self._batches:
             return plan

@@ -240,7 +240,7 @@ class Scheduler:
                     # The pace measures the steady batch's step.
                     seconds = time.perf_counter() - started
                     self.pace.observe_decode(seconds * plan.steady_fraction)
-                    if prefill_due:
+                    if prefill_due and not math.isinf(self.config.max_prefill_stall):
                         self._side_turn = plan.side_steps == 0.0
                         if not self._side_turn:
                             budget = 0  # the prompts' pass waits for the next step
