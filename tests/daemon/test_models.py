@@ -17,6 +17,7 @@ from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.codec_job import encode_job
 from mlx_redis_protocol.connection import as_text, connect
 from mlx_redis_protocol.constants import FORWARDED_FROM_FIELD, JOB_FIELD
+from mlx_redis_protocol.control import count_live_workers, count_serving_workers
 from mlx_redis_protocol.heartbeat import decode_heartbeat
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.messages import DoneEvent, ErrorEvent, Job
@@ -218,6 +219,18 @@ def test_control_commands_reach_only_the_models_workers(
 
     async def scenario() -> None:
         async with Client(redis_url, prefix=prefix) as client:
+            # A worker writes its heartbeat, then registers: clients count it once both are.
+            redis = await connect(redis_url)
+            try:
+                for _ in range(600):
+                    keys = Keys(prefix)
+                    if await count_serving_workers(redis, keys, QWEN) == 1 and (
+                        await count_live_workers(redis, keys) == 2
+                    ):
+                        break
+                    await asyncio.sleep(0.05)
+            finally:
+                await redis.aclose()
             replies = await client.ping(model=QWEN, timeout=5)
             assert [r.worker_id for r in replies] == ["qwen-c"]
             replies = await client.ping(timeout=5)

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,28 +176,16 @@ class WorkerProcess:
     def heartbeat_alive(self) -> bool:
         """Whether the worker's heartbeat key exists (a single server's URL, or a Cluster
         node's: a MOVED reply says which)."""
-        return self._check(lambda client: client.exists(self.keys.worker(self.worker_id)))
-
-    def visible(self) -> bool:
-        """Whether clients find the worker live: its heartbeat key exists and the registry
-        lists it. The worker writes the key first, then registers: a control command sent
-        between the two counted no worker serving its model."""
-        return self.heartbeat_alive() and self._check(
-            lambda client: client.zscore(self.keys.workers, self.worker_id) is not None
-        )
-
-    def _check(self, read: Callable[[Any], Any]) -> bool:
-        """``read`` through a client of the worker's URL (a Cluster client after MOVED)."""
-        assert self.redis_url is not None, "the worker's keys are read through its URL"
+        assert self.redis_url is not None, "the heartbeat is read through the worker's URL"
         options: dict[str, Any] = {"socket_timeout": 2, "socket_connect_timeout": 2}
         client: redis.Redis | redis.RedisCluster = redis.Redis.from_url(self.redis_url, **options)
         try:
             try:
-                return bool(read(client))
+                return bool(client.exists(self.keys.worker(self.worker_id)))
             except MovedError:
                 client.close()
             client = redis.RedisCluster.from_url(self.redis_url, **options)
-            return bool(read(client))
+            return bool(client.exists(self.keys.worker(self.worker_id)))
         except RedisError:
             return False
         finally:
@@ -302,9 +290,8 @@ class WorkerFactory:
         env: Mapping[str, str] | None = None,
         wait: bool = True,
     ) -> WorkerProcess:
-        """A started worker; with ``wait``, serving and visible to clients: its heartbeat and
-        its registry entry (tests read them right after a start). A setting given as None is
-        the worker's default."""
+        """A started worker; with ``wait``, serving and its heartbeat visible (tests read the
+        heartbeat right after a start). A setting given as None is the worker's default."""
         flags = setting_flags(
             max_concurrency=max_concurrency,
             lease_seconds=lease_seconds,
@@ -326,7 +313,7 @@ class WorkerFactory:
         process.start()
         if wait:
             process.wait_ready()
-            wait_until(process.visible, READY_TIMEOUT, f"{worker_id}'s heartbeat")
+            wait_until(process.heartbeat_alive, READY_TIMEOUT, f"{worker_id}'s heartbeat")
         return process
 
     def kill_all(self) -> None:
