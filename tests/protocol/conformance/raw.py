@@ -251,17 +251,19 @@ class Wire:
 
     def job_entry_gone(self, entry_id: str) -> bool:
         """Acknowledged (not pending) and deleted from its job stream; for an entry of the
-        default stream, also the model-stream entry it was forwarded to."""
-        forwarded = [
-            fields
-            for _, fields in self.redis.xrange(self.names.model_jobs, "-", "+")
-            if fields.get(b"forwarded_from") == entry_id.encode()
-        ]
+        default stream, also the model-stream entry it was forwarded to. Read in the order a
+        job moves (its stream, then the forwarded entry): a job forwarded between two reads
+        read the other way round looked gone before its model-stream entry was read."""
         in_stream = any(
             self.redis.xrange(stream, entry_id, entry_id)
             for stream in (self.names.jobs, self.names.model_jobs)
         )
-        return not in_stream and not forwarded and entry_id not in self.pending()
+        if in_stream or entry_id in self.pending():
+            return False
+        return not any(
+            fields.get(b"forwarded_from") == entry_id.encode()
+            for _, fields in self.redis.xrange(self.names.model_jobs, "-", "+")
+        )
 
     def keys(self, pattern: str) -> set[bytes]:
         return set(self.redis.scan_iter(match=f"{self.names.prefix}:{pattern}", count=1000))
