@@ -75,6 +75,31 @@ def test_long_prompts_take_no_more_than_their_room(
 
 
 @settings(max_examples=300, deadline=None)
+@given(queues, st.integers(0, 12), st.integers(0, 12), st.floats(0.0, 12.0), st.floats(0.0, 5.0))
+def test_each_prompt_lane_takes_no_more_than_its_free_rows(
+    waiting: list[Waiting], long_room: int, short_room: int, now: float, max_wait: float
+) -> None:
+    """The two prefill lanes' free rows: at most ``long_room`` prompts over ``long_tokens``
+    and ``short_room`` of the others, each kind taken in the order it is taken alone."""
+    long_tokens = 1024
+    group = pick_prefill_group(
+        waiting,
+        long_room + short_room,
+        now,
+        max_wait,
+        length=lambda w: w.length,
+        arrival=lambda w: w.arrival,
+        long_room=long_room,
+        long_tokens=long_tokens,
+        short_room=short_room,
+    )
+    longs = [w for w in waiting if w.length > long_tokens]
+    shorts = [w for w in waiting if w.length <= long_tokens]
+    assert [w for w in group if w.length > long_tokens] == pick(longs, long_room, now, max_wait)
+    assert [w for w in group if w.length <= long_tokens] == pick(shorts, short_room, now, max_wait)
+
+
+@settings(max_examples=300, deadline=None)
 @given(queues, st.integers(0, 12), st.floats(0.0, 12.0), st.floats(0.0, 5.0))
 def test_overdue_requests_go_first_then_the_shortest(
     waiting: list[Waiting], size: int, now: float, max_wait: float

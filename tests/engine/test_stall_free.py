@@ -225,37 +225,52 @@ def test_a_short_prompt_is_not_held_behind_a_long_one_in_prefill(
     # Joined beside a prompt part-way through its prefill (padded to its length), the short
     # one's greedy tokens are still mlx-lm's.
     assert tokens == reference_tokens(tiny_model, short, 3)
-    # The rows in prefill share the budget, in a pass no wider than the prompt it ends: in
-    # step 2 the short prompt's 30 tokens and 30 of the long one's (not 128: the short one's
-    # first token waited for 2 x 128 rows' pass), then 256 a step: 286, 542, 798, and its
-    # last 226 with its last token in step 5.
-    assert passes[0] == 2 * 30
+    # The short prompt takes the short prompts' lane: in step 2 a pass of its 30 tokens alone
+    # (in one prompt batch the long row rode in it, 2 x 30; before that the short one's
+    # first token waited for a pass of 2 x 128 rows), then the long one's 256 a step: 512,
+    # 768, and its last 256 with its last token in step 5.
+    assert passes[0] == 30
     assert {r: firsts[r] for r in ("short", "long")} == {"short": 2, "long": 5}
     scheduler.abort_all()
     scheduler.close()
 
 
-def test_long_prompts_leave_a_prefill_row_to_a_short_one(tiny_model: Any, on_a_stream: Any) -> None:
-    """Four prompts of more than a chunk each (one tenant's cap) take three of the four rows;
-    a short prompt arriving behind them takes the fourth and has its first token in the next
-    step, before any of them (before: all four rows held, the short one waited for a long one
-    to prefill whole)."""
+def test_short_prompts_prefill_in_a_lane_of_their_own_beside_long_ones(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """Four prompts of more than a chunk each fill the long prompts' lane; two short prompts
+    arriving behind them take the short lane and leave with their first tokens in the next
+    step, from a pass of their own: 2 x 30 tokens, the long rows left out and their caches
+    untouched (in one prompt batch the long prompts held three of the four rows, the short
+    ones took the last one in turn, each in a pass as wide as every long row's: 4 x 30).
+    The long prompts then end with mlx-lm's own greedy tokens."""
     chunk = 64
     scheduler = scheduler_over(
-        tiny_model, on_a_stream, prefill_step_size=chunk, prefill_batch_size=4
+        tiny_model,
+        on_a_stream,
+        prefill_step_size=chunk,
+        prefill_batch_size=4,
+        max_prefill_stall=math.inf,
     )
     tokenizer = tiny_model[1]
-    longs = [f"long{i}" for i in range(4)]
-    for i, name in enumerate(longs):
-        prompt = tokens_of_length(tokenizer, 5 * chunk, i + 10)
+    longs = {f"long{i}": tokens_of_length(tokenizer, 5 * chunk, i + 10) for i in range(4)}
+    for name, prompt in longs.items():
         scheduler.add_request(Request(name, prompt, greedy(2)))
     scheduler.step()
-    assert scheduler._generator is not None and scheduler._generator.num_prefilling == 3
-    scheduler.add_request(Request("short", tokens_of_length(tokenizer, 30, 2), greedy(2)))
-    firsts, _ = burst_firsts(scheduler, ["short", *longs], limit=80)
-    assert firsts["short"] == 1  # the step after it arrived
-    assert firsts["short"] < min(firsts[name] for name in longs)
-    scheduler.abort_all()
+    assert scheduler._generator is not None and scheduler._generator.num_prefilling == 4
+    shorts = ["short0", "short1"]
+    for i, name in enumerate(shorts):
+        scheduler.add_request(Request(name, tokens_of_length(tokenizer, 30, i + 2), greedy(2)))
+    first = scheduler.step().outputs
+    assert {o.request_id for o in first if o.new_token_ids} == set(shorts)
+    assert prefilled_tokens(scheduler) == 2 * 30
+    tokens: dict[str, list[int]] = {name: [] for name in longs}
+    for _ in range(40):
+        for output in scheduler.step().outputs:
+            tokens.get(output.request_id, []).extend(output.new_token_ids)
+        if not scheduler.has_requests():
+            break
+    assert tokens == {name: reference_tokens(tiny_model, p, 2) for name, p in longs.items()}
     scheduler.close()
 
 
@@ -431,6 +446,18 @@ def test_the_burst_budget_is_the_tokens_that_fit_the_slack() -> None:
 
 
 # -- the pace's budget ---------------------------------------------------------------------
+
+
+def test_each_prompt_lane_has_its_own_prefill_speed() -> None:
+    """A narrow pass of short prompts and a pass deep in long ones go at different speeds a
+    token: each lane's budget comes from its own."""
+    pace = PrefillPace(max_stall=1.0, min_tokens=32, max_tokens=2048, max_pass_seconds=1.0)
+    pace.observe_prefill(4000, 1.0)
+    pace.lane = 1
+    pace.observe_prefill(500, 1.0)
+    assert pace.budget(decoding=False) == 500
+    pace.lane = 0
+    assert pace.budget(decoding=False) == 2048  # 4,000 in a second: a whole chunk
 
 
 def test_with_nothing_decoding_or_no_bound_prefill_runs_whole_chunks() -> None:

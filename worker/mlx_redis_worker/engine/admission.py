@@ -25,11 +25,13 @@ def pick_prefill_group(
     arrival: Callable[[T], float],
     long_room: int | None = None,
     long_tokens: int = 0,
+    short_room: int | None = None,
 ) -> list[T]:
     """Up to ``size`` of ``waiting`` (in arrival order): the overdue ones, oldest first, then
     the shortest of the rest (ties: the earlier arrival). With ``long_room``, at most that
     many of them longer than ``long_tokens`` (a long one past that stays waiting, overdue or
-    not, while shorter ones are taken)."""
+    not, while shorter ones are taken); with ``short_room``, at most that many of the others
+    (the two prefill lanes' free rows)."""
     if size <= 0:
         return []
     overdue: list[T] = []
@@ -41,6 +43,7 @@ def pick_prefill_group(
             rest.append((length(item), index, item))
     group: list[T] = []
     long_room = size if long_room is None else long_room
+    short_room = size if short_room is None else short_room
     # The rest by (length, arrival index), popped only as far as the group needs: a queue of
     # a thousand costs a heapify a step, not a sort.
     heapq.heapify(rest)  # the index breaks every tie: items are never compared
@@ -50,6 +53,10 @@ def pick_prefill_group(
             if long_room <= 0:
                 continue
             long_room -= 1
+        else:
+            if short_room <= 0:
+                continue
+            short_room -= 1
         group.append(item)
         if len(group) == size:
             break

@@ -24,6 +24,7 @@ import math
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -49,6 +50,22 @@ _FIELDS = (
 )
 
 
+@dataclass(slots=True)
+class PromptLane:
+    """A prompt batch and its rows' progress (mlx-lm's ``_prompt_batch`` and
+    ``_currently_processing``).
+
+    Prompts in prefill are in two lanes: prompts of at most a chunk (``prefill_step_size``)
+    and longer ones, each lane a prompt batch of up to ``prefill_batch_size`` rows, and a pass
+    prefills one lane. In one batch a short prompt arriving beside long ones in prefill either
+    rode in their passes (every row as wide as its chunk, each long row attending over its
+    whole context) or split the batch and joined it again (copying every row's cache); here it
+    takes a narrow pass of its own."""
+
+    batch: PromptProcessingBatch
+    processing: list[list[Any]]
+
+
 class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is untyped
     def __init__(self, model: Any, *, decode_share: float = math.inf, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
@@ -64,6 +81,7 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         self.last_decode_plan = DecodePlan()
         # Per prompt-batch sequence: [segments left, tokens processed, prompt tokens].
         self._currently_processing: list[list[Any]]
+        self._prompt_batch: PromptProcessingBatch
         # Sequences whose first token start_generation handed out before feeding it.
         self._handed_out: set[int] = set()
         # The logits of each prompt whose last token its prefill pass took, until
@@ -79,6 +97,18 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         # The last prefill() pass: tokens computed (padding included) and seconds.
         self.last_prefill_tokens = 0
         self.last_prefill_seconds = 0.0
+        # Prompts in prefill are in two lanes, each a prompt batch of its own (see
+        # ``PromptLane``): mlx-lm's ``_prompt_batch`` and ``_currently_processing`` hold the
+        # lane in use, ``_other_lane`` the other one (``_use_lane`` swaps them).
+        self._long_in_use = False
+        self._other_lane = PromptLane(
+            PromptProcessingBatch.empty(
+                self.model, self.sampler, prefill_step_size=self.prefill_step_size
+            ),
+            [],
+        )
+        # Prefill seconds each lane (short, long) spent since both last had prompts to prefill.
+        self._lane_seconds = [0.0, 0.0]
         missing = [name for name in _FIELDS if not hasattr(self, name)]
         if missing:
             raise RuntimeError(
@@ -92,22 +122,99 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
     @property
     def has_prefill_work(self) -> bool:
         """Sequences are queued or part-way through their prompts."""
-        return bool(self._unprocessed_sequences) or len(self._prompt_batch) > 0
+        return bool(self._unprocessed_sequences) or self._prompt_rows > 0
 
     @property
     def shortest_prompt_left(self) -> int | None:
         """The fewest prompt tokens any sequence the next ``prefill()`` would take has left
         (its rows, and the queued sequences that would fill free rows); None without any."""
-        left = [_tokens_left(p[0]) for p in self._currently_processing if _has_prompt_left(p[0])]
-        room = min(
-            self.prefill_batch_size - len(self._prompt_batch),
-            self.completion_batch_size - self.num_decoding,
-        )
-        for index, queued in enumerate(self._unprocessed_sequences):
-            if index >= room:
-                break
-            left.append(_tokens_left(queued[1]))
+        left = [
+            _tokens_left(p[0])
+            for p in self._currently_processing + self._other_lane.processing
+            if _has_prompt_left(p[0])
+        ]
+        left += [_tokens_left(queued[1]) for queued in self._queued_to_take()]
         return min(left, default=None)
+
+    @property
+    def _prompt_rows(self) -> int:
+        return len(self._prompt_batch) + len(self._other_lane.batch)
+
+    def _is_long(self, segments: list[list[int]]) -> bool:
+        return _tokens_left(segments) > int(self.prefill_step_size)
+
+    def _queued_to_take(self) -> list[Any]:
+        """The queued sequences the next ``prefill()`` takes into its lanes' free rows (in
+        queue order, each lane up to ``prefill_batch_size`` rows, while the decode batches
+        have room)."""
+        room = self.completion_batch_size - self.num_decoding - self._prompt_rows
+        free = {
+            self._long_in_use: self.prefill_batch_size - len(self._prompt_batch),
+            not self._long_in_use: self.prefill_batch_size - len(self._other_lane.batch),
+        }
+        taken: list[Any] = []
+        for queued in self._unprocessed_sequences:
+            if len(taken) >= room:
+                break
+            long = self._is_long(queued[1])
+            if free[long] > 0:
+                free[long] -= 1
+                taken.append(queued)
+        return taken
+
+    def _use_lane(self, long: bool) -> None:
+        """Make the short or the long lane the one in mlx-lm's fields."""
+        if long != self._long_in_use:
+            other = self._other_lane
+            self._other_lane = PromptLane(self._prompt_batch, self._currently_processing)
+            self._prompt_batch, self._currently_processing = other.batch, other.processing
+            self._long_in_use = long
+
+    def _take_queued(self) -> None:
+        """Move ``_queued_to_take`` into their lanes' prompt batches."""
+        taking = self._queued_to_take()
+        if not taking:
+            return
+        chosen = {id(queued) for queued in taking}
+        rest = [queued for queued in self._unprocessed_sequences if id(queued) not in chosen]
+        for long in (False, True):
+            lane = [queued for queued in taking if self._is_long(queued[1]) == long]
+            if lane:
+                self._use_lane(long)
+                self._unprocessed_sequences.clear()
+                self._unprocessed_sequences.extend(lane)
+                self._prompt_batch.extend(self._make_batch(len(lane)))
+        self._unprocessed_sequences.clear()
+        self._unprocessed_sequences.extend(rest)
+
+    def prepare_pass(self) -> int:
+        """Take queued sequences into their lanes' free rows (as ``prefill()`` would) and say
+        which lane the next ``prefill()`` prefills: 0 short prompts, 1 long ones (each lane
+        has its own speed: ``PrefillPace.lane``)."""
+        with mx.stream(self._stream):
+            self._take_queued()
+        return int(bool(self._pass_lane()))
+
+    def _pass_lane(self) -> bool | None:
+        """The lane this pass prefills (True: the long one): the one with prompt left, or,
+        when both have, the one that spent fewer prefill seconds since both had (short first
+        on a tie): long prompts get at least half of the prefill time beside short ones, and a
+        short prompt waits for at most one long pass."""
+        busy = []
+        for long in (False, True):
+            processing = (
+                self._currently_processing
+                if long == self._long_in_use
+                else self._other_lane.processing
+            )
+            if any(_has_prompt_left(p[0]) for p in processing):
+                busy.append(long)
+        if not busy:
+            return None
+        if len(busy) == 1:
+            self._lane_seconds = [0.0, 0.0]
+            return busy[0]
+        return self._lane_seconds[1] < self._lane_seconds[0]
 
     @property
     def num_decoding(self) -> int:
@@ -125,7 +232,7 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
     @property
     def num_prefilling(self) -> int:
         """Sequences queued for prefill or part-way through their prompts."""
-        return len(self._unprocessed_sequences) + len(self._prompt_batch)
+        return len(self._unprocessed_sequences) + self._prompt_rows
 
     def wait_for_decode(self) -> None:
         """Wait for the decode pass ``decode()`` left running on the device (mlx-lm
@@ -187,13 +294,11 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         self.last_prefill_tokens = 0
         self.last_prefill_seconds = 0.0
         with mx.stream(self._stream):
-            room = min(
-                self.prefill_batch_size - len(self._prompt_batch),
-                self.completion_batch_size - self.num_decoding,
-                len(self._unprocessed_sequences),
-            )
-            if room > 0:
-                self._prompt_batch.extend(self._make_batch(room))
+            self._take_queued()
+            lane = self._pass_lane()
+            if lane is None:
+                return []
+            self._use_lane(lane)
             width, taking = self._shape_pass(budget)
             responses: list[PromptProcessingBatch.Response] = []
             chunks: list[list[int]] = []
@@ -227,6 +332,7 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
                 )
             if any(chunks):
                 self._prompt(chunks, finishing)
+                self._lane_seconds[lane] += self.last_prefill_seconds
         return responses
 
     def _shape_pass(self, budget: int | None) -> tuple[int, set[int]]:
@@ -241,6 +347,13 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
             return width, {row for _, row in left}
         if budget <= 0:
             return width, set()  # no pass this step (queued sequences still take free rows)
+        if not self._long_in_use:
+            # A pass of short prompts costs about its forward pass, whatever its few tokens
+            # (on tiny's CPU 32 tokens took 40 ms, 160 about 60): it ends at least the shortest
+            # prompt of each row, up to a chunk, and a pass beyond its credit is paid back by
+            # the steps after it. Shares of the credit's 32 tokens took five passes to end four
+            # 40-token prompts.
+            budget = max(budget, min(self.prefill_step_size, left[0][0] * len(left)))
         share = budget // len(left)
         if share >= left[0][0]:
             # Every row gets an equal share, and the pass is no wider than the longest prompt
@@ -271,6 +384,14 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         is dropped there. A group where any first token ends its sequence (a stop token, or
         ``max_tokens`` of 1) goes through ``next()`` as mlx-lm does, so every finish is
         mlx-lm's own."""
+        responses: list[GenerationBatch.Response] = []
+        for long in (self._long_in_use, not self._long_in_use):
+            self._use_lane(long)
+            responses += self._start_lane()
+        return responses
+
+    def _start_lane(self) -> list[GenerationBatch.Response]:
+        """``start_generation`` of the lane in use."""
         ready = [
             i
             for i, p in enumerate(self._currently_processing)
@@ -351,19 +472,26 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         for uid in uids:
             self._first_logits.pop(uid, None)
             self.prompt_embeddings.pop(uid, None)
-        # mlx-lm's remove takes queued and prefilling rows (its extract_cache: ours, below).
-        caches = super().remove(uids, return_prompt_caches=return_prompt_caches)
+        caches = self.extract_cache(uids) if return_prompt_caches else {}
+        # mlx-lm's remove takes queued and prefilling rows: of each lane in turn.
+        for long in (self._long_in_use, not self._long_in_use):
+            self._use_lane(long)
+            super().remove(uids)
         self._decode_batches.remove(set(uids))
         return caches
 
     def extract_cache(self, uids: list[int]) -> dict[int, Any]:
-        results: dict[int, Any] = super().extract_cache(uids)
+        results: dict[int, Any] = {}
+        for long in (self._long_in_use, not self._long_in_use):
+            self._use_lane(long)
+            results.update(super().extract_cache(uids))
         results.update(self._decode_batches.extract(set(uids)))
         return results
 
     @property
     def prompt_cache_nbytes(self) -> int:
-        return int(super().prompt_cache_nbytes) + self._decode_batches.nbytes()
+        other = sum(int(c.nbytes) for c in self._other_lane.batch.prompt_cache)
+        return int(super().prompt_cache_nbytes) + other + self._decode_batches.nbytes()
 
     def _prompt(self, chunks: list[list[int]], finishing: list[int]) -> None:
         """Process one chunk per prompt-batch sequence; a sequence with an empty chunk (its

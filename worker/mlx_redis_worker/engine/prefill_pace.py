@@ -50,11 +50,20 @@ class PrefillPace:
         # requests are admitted and aborts applied only between passes.
         self.max_pass_seconds = max_pass_seconds
         self.decode_seconds = 0.0
-        self.prefill_rate = 0.0
+        # Prefill tokens a second of each prompt lane (short, long: see PromptLane): a narrow
+        # pass of short prompts goes several times faster a token than one deep in long ones.
+        self._rates = [0.0, 0.0]
+        # The lane the next pass prefills (the scheduler sets it from the generator).
+        self.lane = 0
         # Seconds of prefill beside decoding earned and not yet spent (``earn``, ``spend``).
         self.credit = 0.0
         # Steps that prefilled a burst's prompts with no decode beside them (burst_budget).
         self.burst_steps = 0
+
+    @property
+    def prefill_rate(self) -> float:
+        """The measured prefill speed (tokens a second) of the lane the next pass prefills."""
+        return self._rates[self.lane]
 
     def budget(self, decoding: bool) -> int:
         """The prompt tokens this step may prefill. Beside decoding streams: the tokens the
@@ -114,7 +123,7 @@ class PrefillPace:
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0.0 and math.isfinite(tokens / seconds):
-            self.prefill_rate = _average(self.prefill_rate, tokens / seconds)
+            self._rates[self.lane] = _average(self._rates[self.lane], tokens / seconds)
 
     def stats(self) -> PrefillPaceStats:
         return PrefillPaceStats(

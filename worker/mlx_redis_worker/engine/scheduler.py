@@ -217,6 +217,8 @@ class Scheduler:
             try:
                 generated = []
                 decoding = generator.num_decoding > 0
+                if generator.has_prefill_work:
+                    self.pace.lane = generator.prepare_pass()
                 budget = self.pace.budget(decoding)
                 if decoding and generator.has_prefill_work:
                     burst = self.pace.burst_budget(self._burst_slack())
@@ -313,13 +315,9 @@ class Scheduler:
         long prompt in prefill (its chunks bounded while others decode) does not hold back
         the short ones behind it."""
         prefilling = self._generator.num_prefilling if self._generator is not None else 0
-        room = min(
-            self.config.max_num_seqs - self.num_running,
-            self.config.prefill_batch_size - prefilling,
-        )
-        # Long prompts (more than a chunk to prefill) never hold every row: a short prompt
-        # arriving behind four 30k-token prompts of one tenant would wait for one of them to
-        # prefill whole (minutes on a CPU). The last row is kept for prompts of a chunk or less.
+        # Prompts of more than a chunk prefill in a lane of their own (``PromptLane``), each
+        # lane ``prefill_batch_size`` rows: a short prompt arriving behind four 30k-token
+        # prompts of one tenant neither waits for a row nor rides in their passes.
         long_tokens = self.config.prefill_step_size
         long_prefilling = sum(
             1
@@ -327,15 +325,19 @@ class Scheduler:
             if s.request.first_token_time is None
             and s.request.num_prompt_tokens - s.request.cached_tokens > long_tokens
         )
+        lane_rows = self.config.prefill_batch_size
+        long_room = lane_rows - long_prefilling
+        short_room = lane_rows - max(0, prefilling - long_prefilling)
         group = pick_prefill_group(
             self.waiting,
-            room,
+            min(self.config.max_num_seqs - self.num_running, long_room + short_room),
             time.monotonic(),
             self.config.max_prefill_wait,
             length=lambda s: s.request.num_prompt_tokens,
             arrival=lambda s: s.request.arrival_time,
-            long_room=max(1, self.config.prefill_batch_size - 1) - long_prefilling,
+            long_room=long_room,
             long_tokens=long_tokens,
+            short_room=short_room,
         )
         for sequence in group:
             self.waiting.remove(sequence)
