@@ -109,6 +109,8 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         )
         # Prefill seconds each lane (short, long) spent since both last had prompts to prefill.
         self._lane_seconds = [0.0, 0.0]
+        # The lane ``prepare_pass`` chose for the next ``prefill()`` (None: choose then).
+        self._chosen_lane: bool | None = None
         missing = [name for name in _FIELDS if not hasattr(self, name)]
         if missing:
             raise RuntimeError(
@@ -187,13 +189,25 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         self._unprocessed_sequences.clear()
         self._unprocessed_sequences.extend(rest)
 
-    def prepare_pass(self) -> int:
+    def prepare_pass(self, lane: int | None = None) -> int:
         """Take queued sequences into their lanes' free rows (as ``prefill()`` would) and say
         which lane the next ``prefill()`` prefills: 0 short prompts, 1 long ones (each lane
-        has its own speed: ``PrefillPace.lane``)."""
+        has its own speed: ``PrefillPace.lane``). With ``lane``, that one (a burst's step
+        prefills the lane of the prompt it ends)."""
         with mx.stream(self._stream):
             self._take_queued()
-        return int(bool(self._pass_lane()))
+        self._chosen_lane = self._pass_lane() if lane is None else bool(lane)
+        return int(bool(self._chosen_lane))
+
+    @property
+    def shortest_lane(self) -> int:
+        """The lane of the prompt with the fewest tokens left (``shortest_prompt_left`` after
+        ``prepare_pass``): 0 short, 1 long."""
+        in_use = [_tokens_left(p[0]) for p in self._currently_processing if _has_prompt_left(p[0])]
+        other = [_tokens_left(p[0]) for p in self._other_lane.processing if _has_prompt_left(p[0])]
+        if not other or (in_use and min(in_use) <= min(other)):
+            return int(self._long_in_use)
+        return int(not self._long_in_use)
 
     def _pass_lane(self) -> bool | None:
         """The lane this pass prefills (True: the long one): the one with prompt left, or,
@@ -277,7 +291,9 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
             kept.append(response)
         return kept
 
-    def prefill(self, budget: int | None = None) -> list[PromptProcessingBatch.Response]:
+    def prefill(
+        self, budget: int | None = None, short_floor: int = 0
+    ) -> list[PromptProcessingBatch.Response]:
         """Take queued sequences into the prompt batch (up to ``prefill_batch_size``, while the
         decode batch has room) and process the next chunk of each prompt: ``prefill_step_size``
         tokens each, or with a ``budget``, that many tokens in all (none: no pass, the prompt
@@ -289,17 +305,19 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         shortest first, each as wide as the shortest's remainder (or the whole budget to the
         shortest alone): shortest remaining prefill first, so that some first tokens come
         now rather than all of them later (the rows left out of a pass wait, their caches
-        untouched). Each response says how far its prompt got and whether a segment (e.g. a
-        shared prefix) ended here."""
+        untouched). A pass of the short prompts' lane (a ``budget`` above 0) takes enough to
+        end each row's prompt, up to ``short_floor`` tokens. Each response says how far its
+        prompt got and whether a segment (e.g. a shared prefix) ended here."""
         self.last_prefill_tokens = 0
         self.last_prefill_seconds = 0.0
         with mx.stream(self._stream):
             self._take_queued()
-            lane = self._pass_lane()
+            lane = self._pass_lane() if self._chosen_lane is None else self._chosen_lane
+            self._chosen_lane = None
             if lane is None:
                 return []
             self._use_lane(lane)
-            width, taking = self._shape_pass(budget)
+            width, taking = self._shape_pass(budget, short_floor)
             responses: list[PromptProcessingBatch.Response] = []
             chunks: list[list[int]] = []
             finishing: list[int] = []  # rows whose chunk takes the prompt's last token
@@ -335,7 +353,7 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
                 self._lane_seconds[lane] += self.last_prefill_seconds
         return responses
 
-    def _shape_pass(self, budget: int | None) -> tuple[int, set[int]]:
+    def _shape_pass(self, budget: int | None, short_floor: int) -> tuple[int, set[int]]:
         """The chunk width of this pass and the prompt-batch rows it takes (see ``prefill``)."""
         left = sorted(
             (_tokens_left(p[0]), row)
@@ -348,12 +366,11 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         if budget <= 0:
             return width, set()  # no pass this step (queued sequences still take free rows)
         if not self._long_in_use:
-            # A pass of short prompts costs about its forward pass, whatever its few tokens
-            # (on tiny's CPU 32 tokens took 40 ms, 160 about 60): it ends at least the shortest
-            # prompt of each row, up to a chunk, and a pass beyond its credit is paid back by
-            # the steps after it. Shares of the credit's 32 tokens took five passes to end four
+            # A pass of short prompts may end each row's prompt, up to ``short_floor`` tokens
+            # (a pass beyond its credit is paid back by the steps after it): shares of the
+            # credit's 32 tokens took five passes, each waiting for its credit, to end four
             # 40-token prompts.
-            budget = max(budget, min(self.prefill_step_size, left[0][0] * len(left)))
+            budget = max(budget, min(short_floor, left[0][0] * len(left)))
         share = budget // len(left)
         if share >= left[0][0]:
             # Every row gets an equal share, and the pass is no wider than the longest prompt

@@ -31,6 +31,12 @@ from mlx_redis_worker.engine.stats import PrefillPaceStats
 # the stall bound (0 included): a long prompt always progresses.
 MIN_SHARE = 0.125
 
+# A pass of short prompts beside decoding may take up to this many steady decode steps when
+# that ends its prompts (``short_pass_tokens``): a chat prompt's prefill ends in a pass or two
+# instead of in shares of the credit, each waiting for it (the pass beyond its credit is paid
+# back by the steps after it).
+SHORT_PASS_STEPS = 4.0
+
 # Weight of a new measurement: the budget follows a change of load within a few steps, and one
 # step slowed by something else (a grammar compile, the OS) moves it a third of the way.
 SMOOTHING = 0.3
@@ -86,6 +92,12 @@ class PrefillPace:
         if tokens < self.min_tokens:
             return 0
         return int(min(self.max_tokens, tokens))
+
+    def short_pass_tokens(self) -> int:
+        """The tokens a pass of short prompts beside decoding may take to end them: what the
+        short lane's measured speed does in ``SHORT_PASS_STEPS`` steady decode steps (0 before
+        both are measured), at most a chunk."""
+        return int(min(self.max_tokens, self._rates[0] * SHORT_PASS_STEPS * self.decode_seconds))
 
     def earn(self) -> None:
         """A decode step runs while prompts wait for prefill: the credit grows by

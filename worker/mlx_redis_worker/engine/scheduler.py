@@ -221,11 +221,17 @@ class Scheduler:
                     self.pace.lane = generator.prepare_pass()
                 budget = self.pace.budget(decoding)
                 if decoding and generator.has_prefill_work:
-                    burst = self.pace.burst_budget(self._burst_slack())
+                    # A burst's step prefills the lane of the prompt it ends, at that lane's
+                    # speed (the other lane's pass could take all the slack and end nothing).
                     shortest = generator.shortest_prompt_left
+                    fair_lane, self.pace.lane = self.pace.lane, generator.shortest_lane
+                    burst = self.pace.burst_budget(self._burst_slack())
                     if shortest is not None and burst >= max(budget, shortest):
                         decoding, budget = False, burst  # this step: the burst's prefill only
                         self.pace.burst_steps += 1
+                        generator.prepare_pass(self.pace.lane)
+                    else:
+                        self.pace.lane = fair_lane
                 if decoding:
                     prefill_due = False
                     if generator.has_prefill_work:
@@ -247,7 +253,8 @@ class Scheduler:
                         if not self._side_turn:
                             budget = 0  # the prompts' pass waits for the next step
                 if generator.has_prefill_work:
-                    prefill = generator.prefill(budget)
+                    short_floor = self.pace.short_pass_tokens() if decoding else 0
+                    prefill = generator.prefill(budget, short_floor)
                     self.pace.observe_prefill(
                         generator.last_prefill_tokens, generator.last_prefill_seconds
                     )
