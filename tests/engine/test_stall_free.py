@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_redis_worker.engine.config import SchedulerConfig
-from mlx_redis_worker.engine.prefill_pace import PrefillPace
+from mlx_redis_worker.engine.prefill_pace import SHORT_PASS_STEPS, PrefillPace
 from mlx_redis_worker.engine.request import Request, SamplingParams
 from mlx_redis_worker.engine.scheduler import Scheduler
 from tests.support.engines import MakeEngine, reference_tokens
@@ -450,14 +450,20 @@ def test_the_burst_budget_is_the_tokens_that_fit_the_slack() -> None:
 
 def test_each_prompt_lane_has_its_own_prefill_speed() -> None:
     """A narrow pass of short prompts and a pass deep in long ones go at different speeds a
-    token: each lane's budget comes from its own."""
-    pace = PrefillPace(max_stall=1.0, min_tokens=32, max_tokens=2048, max_pass_seconds=1.0)
+    token: each lane's budget comes from its own, the other's until its first pass is
+    measured (not a whole chunk: deep in a 26k-token prompt that pass took 5.2 s on tiny)."""
+    pace = PrefillPace(max_stall=1.0, min_tokens=32, max_tokens=2048, max_pass_seconds=0.25)
     pace.observe_prefill(4000, 1.0)
+    assert pace.budget(decoding=False) == 1000
     pace.lane = 1
+    assert pace.budget(decoding=False) == 1000
     pace.observe_prefill(500, 1.0)
-    assert pace.budget(decoding=False) == 500
+    assert pace.budget(decoding=False) == 125
     pace.lane = 0
-    assert pace.budget(decoding=False) == 2048  # 4,000 in a second: a whole chunk
+    assert pace.budget(decoding=False) == 1000
+    # A pass of short prompts beside decoding may take SHORT_PASS_STEPS steady steps.
+    pace.observe_decode(0.02)
+    assert pace.short_pass_tokens() == round(4000 * SHORT_PASS_STEPS * 0.02)
 
 
 def test_with_nothing_decoding_or_no_bound_prefill_runs_whole_chunks() -> None:

@@ -68,8 +68,10 @@ class PrefillPace:
 
     @property
     def prefill_rate(self) -> float:
-        """The measured prefill speed (tokens a second) of the lane the next pass prefills."""
-        return self._rates[self.lane]
+        """The measured prefill speed (tokens a second) of the lane the next pass prefills;
+        the other lane's until this one's first pass is measured (a first pass deep in a
+        26k-token prompt, sized as a whole chunk, took 5.2 s on tiny while others waited)."""
+        return self._rates[self.lane] or self._rates[1 - self.lane]
 
     def budget(self, decoding: bool) -> int:
         """The prompt tokens this step may prefill. Beside decoding streams: the tokens the
