@@ -276,6 +276,12 @@ def _add_bench_commands(commands: Any) -> None:
     isolation.add_argument("--idle-sockets", type=int, default=1000)
     isolation.add_argument("--repeat", type=int, default=1, help="rotations of all attackers")
     isolation.add_argument(
+        "--attack-lead",
+        type=float,
+        default=1.0,
+        help="seconds each attack runs before the victim starts (a test's quick run: less)",
+    )
+    isolation.add_argument(
         "--attackers",
         default=None,
         help="the attackers to run, comma-separated (default: all; e.g. "
