@@ -567,8 +567,8 @@ def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
 
 def _run_worker(args: argparse.Namespace) -> int:
     def serve(settings: WorkerSettings) -> int:
-        # Imported once the settings are valid: the daemon imports MLX and the engine (more
-        # than a second), which a mistake in the settings needs none of.
+        # Imported once the settings are valid: the daemon (and MLX and the engine, which it
+        # imports when it loads a model) a mistake in the settings needs none of.
         from mlx_redis_worker.daemon.service import serve
 
         return serve(settings, debug=args.debug)
