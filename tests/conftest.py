@@ -160,16 +160,18 @@ def workers(tmp_path: Path, redis_url: str, prefix: str) -> Iterator[WorkerFacto
 # The files that take longest (the seconds their tests took, summed per file from a whole
 # `make test`, 3 processes on 2 cores at load average 4-10, other sessions' tests beside it;
 # test_failover, test_operator_errors and test_distributions scaled by how much faster each
-# got alone since): started first, so that with test files spread over parallel processes
-# (`make test`, --dist loadfile) none of them is the last one left running alone. Files that
-# are not listed (under 30 s each) follow in collection order.
+# got alone since, and so are the files made faster later: bench isolation, failover, the
+# draft-model and multi-model tests by their time alone after over before; the
+# prefill-share test, 7 s alone from 34 s, fell out of the list): started first, so that with
+# test files spread over parallel processes (`make test`, --dist loadfile) none of them is the
+# last one left running alone. Files that are not listed (under 30 s each) follow in
+# collection order.
 SLOWEST_FIRST = (
-    "tests/test_bench_isolation.py",  # 148 s
-    "tests/fairness/test_prefill_share.py",  # 144 s
     "tests/reliability/test_faults.py",  # 134 s
-    "tests/daemon/test_failover.py",  # 130 s
-    "tests/engine/test_speculative_draft_model.py",  # 122 s
+    "tests/engine/test_speculative_draft_model.py",  # 111 s
+    "tests/test_bench_isolation.py",  # 105 s
     "tests/daemon/test_permissions.py",  # 102 s
+    "tests/daemon/test_failover.py",  # 101 s
     "tests/ops/test_operator_errors.py",  # 99 s
     "tests/gateway/test_resume.py",  # 99 s
     "tests/reliability/test_soak.py",  # 95 s
@@ -181,13 +183,13 @@ SLOWEST_FIRST = (
     "tests/gateway/test_tools_smollm2.py",  # 86 s
     "tests/reliability/test_security.py",  # 85 s
     "tests/test_models.py",  # 85 s
-    "tests/daemon/test_models.py",  # 85 s
     "tests/engine/test_speculative.py",  # 83 s
     "tests/reliability/test_chaos.py",  # 77 s
     "tests/fairness/test_flood.py",  # 75 s
     "tests/test_bench_engine.py",  # 75 s
     "tests/daemon/test_tool_jobs.py",  # 73 s
     "tests/daemon/test_worker_claim.py",  # 69 s
+    "tests/daemon/test_models.py",  # 66 s
     "tests/protocol/test_cli.py",  # 65 s
     "tests/gateway/test_anthropic_api.py",  # 62 s
     "tests/daemon/test_group.py",  # 62 s

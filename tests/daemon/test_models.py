@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,7 @@ from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.messages import DoneEvent, ErrorEvent, Job
 from mlx_redis_worker.daemon.forwarder import DefaultStreamForwarder
 from mlx_redis_worker.daemon.job_queue import JobQueue
-from mlx_redis_worker.local_redis import LocalCluster
+from mlx_redis_worker.local_redis import LocalCluster, RedisServer
 from mlx_redis_worker.local_redis.server import free_port
 from tests.support.processes import WorkerFactory, mlx_worker
 from tests.support.references import model_reference
@@ -35,6 +38,31 @@ MAX_TOKENS = 6
 
 def _greedy(model: str, prompts: list[str]) -> list[str]:
     return model_reference(model).texts(prompts, MAX_TOKENS)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A tiny Llama worker (``llama-1``) and a tiny Qwen3 one (``qwen-1``), 4 slots each, the
+    fleet's default model Qwen3, under a prefix of their own."""
+
+    redis_url: str
+    prefix: str
+
+
+@pytest.fixture(scope="module")
+def pair(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """One pair for the tests that only read what the two workers advertise, answer and run
+    (no test stops them or changes their settings): two worker starts instead of six."""
+    prefix = f"m{uuid.uuid4().hex[:12]}"
+    factory = WorkerFactory(tmp_path_factory.mktemp("pair"), redis_server.url, prefix)
+    try:
+        env = {"MLXW_DEFAULT_MODEL": QWEN}
+        factory.start("llama-1", model=LLAMA, env=env)
+        factory.start("qwen-1", model=QWEN, env=env)
+        yield Pair(redis_server.url, prefix)
+    finally:
+        factory.kill_all()
+        print(factory.report())
 
 
 async def _metric_lines(port: int) -> list[str]:
@@ -68,13 +96,11 @@ async def _outputs(client: Client, model: str | None, prompts: list[str]) -> lis
 
 
 @pytest.mark.timeout(180)
-def test_two_workers_two_models(workers: WorkerFactory, redis_url: str, prefix: str) -> None:
+def test_two_workers_two_models(pair: Pair) -> None:
     """Jobs naming a model run on that model's worker (greedy text equal to that model's
     reference), a job naming no model runs on the fleet's default model, and a job for a model
     nobody serves ends with an ``unknown_model`` error within a second, queued nowhere."""
-    env = {"MLXW_DEFAULT_MODEL": QWEN}
-    workers.start("llama-1", model=LLAMA, env=env)
-    workers.start("qwen-1", model=QWEN, env=env)
+    redis_url, prefix = pair.redis_url, pair.prefix
     prompts = ["The first words", "Counting: one two", "A river runs"]
 
     async def scenario() -> None:
@@ -209,13 +235,10 @@ def test_one_worker_serves_two_models(
 
 
 @pytest.mark.timeout(120)
-def test_control_commands_reach_only_the_models_workers(
-    workers: WorkerFactory, redis_url: str, prefix: str
-) -> None:
+def test_control_commands_reach_only_the_models_workers(pair: Pair) -> None:
     """``ping`` with a model is answered by the workers serving it, and the sender waits for
     exactly those (no timeout); without a model, by every worker."""
-    workers.start("llama-c", model=LLAMA)
-    workers.start("qwen-c", model=QWEN)
+    redis_url, prefix = pair.redis_url, pair.prefix
 
     async def scenario() -> None:
         async with Client(redis_url, prefix=prefix) as client:
@@ -232,9 +255,9 @@ def test_control_commands_reach_only_the_models_workers(
             finally:
                 await redis.aclose()
             replies = await client.ping(model=QWEN, timeout=5)
-            assert [r.worker_id for r in replies] == ["qwen-c"]
+            assert [r.worker_id for r in replies] == ["qwen-1"]
             replies = await client.ping(timeout=5)
-            assert sorted(r.worker_id for r in replies) == ["llama-c", "qwen-c"]
+            assert sorted(r.worker_id for r in replies) == ["llama-1", "qwen-1"]
 
     run(scenario())
 
@@ -294,15 +317,14 @@ def test_models_on_a_cluster_use_different_slots(
         print(factory.report())
 
 
-def test_models_listing(workers: WorkerFactory, redis_url: str, prefix: str) -> None:
+def test_models_listing(pair: Pair) -> None:
     """``mlx-worker models`` lists each model with its workers and free slots."""
-    workers.start("list-llama", model=LLAMA)
-    workers.start("list-qwen", model=QWEN)
-    result = mlx_worker("models", "--redis-url", redis_url, "--prefix", prefix, "--json")
+    args = ["--redis-url", pair.redis_url, "--prefix", pair.prefix, "--json"]
+    result = mlx_worker("models", *args)
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
     by_model = {row.get("model"): row for row in rows}
-    assert by_model[LLAMA]["workers"] == ["list-llama"]
-    assert by_model[QWEN]["workers"] == ["list-qwen"]
+    assert by_model[LLAMA]["workers"] == ["llama-1"]
+    assert by_model[QWEN]["workers"] == ["qwen-1"]
     assert by_model[LLAMA]["free_slots"] == 4
 
 

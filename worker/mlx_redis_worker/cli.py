@@ -276,6 +276,12 @@ def _add_bench_commands(commands: Any) -> None:
     isolation.add_argument("--idle-sockets", type=int, default=1000)
     isolation.add_argument("--repeat", type=int, default=1, help="rotations of all attackers")
     isolation.add_argument(
+        "--attack-lead",
+        type=float,
+        default=1.0,
+        help="seconds each attack runs before the victim starts (a test's quick run: less)",
+    )
+    isolation.add_argument(
         "--attackers",
         default=None,
         help="the attackers to run, comma-separated (default: all; e.g. "
@@ -561,8 +567,8 @@ def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
 
 def _run_worker(args: argparse.Namespace) -> int:
     def serve(settings: WorkerSettings) -> int:
-        # Imported once the settings are valid: the daemon imports MLX and the engine (more
-        # than a second), which a mistake in the settings needs none of.
+        # Imported once the settings are valid: the daemon (and MLX and the engine, which it
+        # imports when it loads a model) a mistake in the settings needs none of.
         from mlx_redis_worker.daemon.service import serve
 
         return serve(settings, debug=args.debug)

@@ -7,9 +7,10 @@ step listener, as the real engine does (one call per step, every running request
 Its text is made of known words (``fleet_spec.expected_text``), so a subscriber checks a
 stream whole; each token's id is the time of the step that made it, in ticks of 100 µs
 since ``epoch`` (one clock for the whole machine), so a subscriber measures step-to-subscriber
-latency from the events alone. It subclasses ``EngineCore`` only so the daemon takes it where
-it takes an engine; it runs none of its machinery (``__init__`` takes no model, starts no
-thread).
+latency from the events alone. It is an ``EngineCore`` only to the type checker, so the daemon
+takes it where it takes an engine; at run time it is a plain class that runs none of the
+engine's machinery (no model, no thread) and imports no MLX, mlx-lm or tokenizer stack, so a
+simulated fleet runs on a machine that has none of them.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mlx_redis_worker.bench.fleet_spec import ticks, word
-from mlx_redis_worker.engine import EngineConfig, EngineCore, SamplingParams, SchedulerConfig
-from mlx_redis_worker.engine.request import RequestOutput, Transcript
-from mlx_redis_worker.engine.scheduler import QueueFullError
+from mlx_redis_worker.engine.config import EngineConfig, SchedulerConfig
+from mlx_redis_worker.engine.errors import QueueFullError
+from mlx_redis_worker.engine.request import RequestOutput, SamplingParams, Transcript
 from mlx_redis_worker.engine.stats import (
     EngineHealth,
     EngineStats,
@@ -34,6 +35,11 @@ from mlx_redis_worker.engine.stats import (
     SchedulerStats,
     SpeculationStats,
 )
+
+if TYPE_CHECKING:
+    from mlx_redis_worker.engine.engine_core import EngineCore as EngineInterface
+else:
+    EngineInterface = object  # the real EngineCore would import MLX
 
 
 class WordTokenizer:
@@ -66,8 +72,10 @@ class _Sequence:
         return len(self.transcript.token_ids)
 
 
-class SimulatedEngine(EngineCore):
+class SimulatedEngine(EngineInterface):
     """A fixed step time, a batch of up to ``max_num_seqs``, one token per sequence per step."""
+
+    makes_embeddings: ClassVar[bool] = False  # a text model's engine, to the job runner
 
     def __init__(
         self,
@@ -77,7 +85,7 @@ class SimulatedEngine(EngineCore):
         epoch: float,
         model_name: str = "simulated",
     ) -> None:
-        # Not EngineCore's __init__: no model to own, no engine thread, no MLX.
+        # Nothing of EngineCore's: no model to own, no engine thread, no MLX.
         self.tokenizer = WordTokenizer()
         self.config = EngineConfig(model_name=model_name, scheduler_config=scheduler_config)
         self.step_seconds = step_seconds

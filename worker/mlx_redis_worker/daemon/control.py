@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -33,8 +33,10 @@ from mlx_redis_protocol.limits import Limits
 from mlx_redis_protocol.messages import ControlCommand, ControlReply, ErrorInfo
 from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe, retry_until_done
 from mlx_redis_protocol.wire import top_level_strings
-from mlx_redis_worker.engine import AnyEngine
-from mlx_redis_worker.engine.prefix_cache import IncompatibleCacheError
+from mlx_redis_worker.engine.errors import IncompatibleCacheError
+
+if TYPE_CHECKING:
+    from mlx_redis_worker.engine import AnyEngine
 
 log = structlog.get_logger(__name__)
 

@@ -12,7 +12,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from structlog.contextvars import bound_contextvars
@@ -42,8 +42,11 @@ from mlx_redis_worker.daemon.job_prompt import job_prompt, prompt_length
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.media_loader import LoadedMedia, MediaLoader, engine_media
 from mlx_redis_worker.daemon.publisher import AttemptLost, EventPublisher
-from mlx_redis_worker.engine import AnyEngine, QueueFullError, SamplingParams, SpeculativeParams
+from mlx_redis_worker.engine import QueueFullError, SamplingParams, SpeculativeParams
 from mlx_redis_worker.media.errors import MediaError
+
+if TYPE_CHECKING:
+    from mlx_redis_worker.engine import AnyEngine
 
 log = structlog.get_logger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -28,8 +28,10 @@ from mlx_redis_worker.daemon.fair_queue import (
 from mlx_redis_worker.daemon.job_queue import Delivery, JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner
 from mlx_redis_worker.daemon.media_loader import engine_media
-from mlx_redis_worker.engine import AnyEngine
 from mlx_redis_worker.engine.stats import plain
+
+if TYPE_CHECKING:
+    from mlx_redis_worker.engine import AnyEngine
 
 log = structlog.get_logger(__name__)
 

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mlx_redis_worker.daemon.settings import ServedModel
-from mlx_redis_worker.models import ModelUnavailable
-from mlx_redis_worker.models.loading import locate_model
+from mlx_redis_worker.models.loading import ModelUnavailable, locate_model
 
 # Room beyond the weights for activations, KV caches and the allocator's buffer cache.
 HEADROOM = 1.10

@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from threading import Thread
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIServer
 
 import structlog
@@ -37,8 +37,10 @@ from mlx_redis_worker.daemon.fair_queue import FairQueue
 from mlx_redis_worker.daemon.job_queue import JobQueue
 from mlx_redis_worker.daemon.jobs import JobRunner
 from mlx_redis_worker.daemon.publisher import EventPublisher
-from mlx_redis_worker.engine import AnyEngine
 from mlx_redis_worker.engine.stats import MethodStats
+
+if TYPE_CHECKING:
+    from mlx_redis_worker.engine import AnyEngine
 
 log = structlog.get_logger(__name__)
 

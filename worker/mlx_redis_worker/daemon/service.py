@@ -17,7 +17,7 @@ from mlx_redis_worker.daemon.claim import EXIT_ID_HELD, WorkerIdHeld
 from mlx_redis_worker.daemon.eviction import EvictingRedis
 from mlx_redis_worker.daemon.settings import WorkerSettings
 from mlx_redis_worker.daemon.worker import RedisNeverAnswered, Worker
-from mlx_redis_worker.models import ModelUnavailable
+from mlx_redis_worker.models.loading import ModelUnavailable
 
 log = structlog.get_logger(__name__)
 

@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
@@ -40,19 +40,18 @@ from mlx_redis_worker.daemon.permissions import check_permissions
 from mlx_redis_worker.daemon.publisher import EventPublisher
 from mlx_redis_worker.daemon.serving import Serving
 from mlx_redis_worker.daemon.settings import WorkerSettings, parse_speculative
-from mlx_redis_worker.engine import (
-    AnyEngine,
-    EmbeddingEngineCore,
+from mlx_redis_worker.engine.config import (
+    DEFAULT_MAX_PREFILL_STALL,
+    DraftModel,
     EngineConfig,
-    EngineCore,
+    GrammarLimits,
     SchedulerConfig,
 )
-from mlx_redis_worker.engine.config import DEFAULT_MAX_PREFILL_STALL, DraftModel, GrammarLimits
-from mlx_redis_worker.engine.embedding_model import EmbeddingModel
-from mlx_redis_worker.engine.embedding_scheduler import EmbeddingLimits
-from mlx_redis_worker.engine.speculative_batch import check_draft_model
-from mlx_redis_worker.models import ModelUnavailable, load_model
-from mlx_redis_worker.models.embedding import is_embedding_model, load_embedding_model
+from mlx_redis_worker.models.loading import ModelUnavailable
+
+if TYPE_CHECKING:
+    from mlx_redis_worker.engine import AnyEngine
+    from mlx_redis_worker.engine.embedding_model import EmbeddingModel
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -182,7 +181,13 @@ class Worker:
 
     def _load_engines(self, engines: dict[str, AnyEngine]) -> bool:
         """Load each model into ``engines`` (an engine each); False when a stop request came
-        first (what was made is in ``engines``, for the caller to close)."""
+        first (what was made is in ``engines``, for the caller to close). The engines, and MLX
+        with them, are imported here: a worker handed its engines (a simulated fleet's) runs
+        without MLX."""
+        from mlx_redis_worker.engine import EmbeddingEngineCore, EngineCore
+        from mlx_redis_worker.engine.embedding_scheduler import EmbeddingLimits
+        from mlx_redis_worker.engine.speculative_batch import check_draft_model
+
         settings = self.settings
         scheduler = scheduler_config(
             max_concurrency=settings.max_concurrency,
@@ -225,6 +230,8 @@ class Worker:
 
     def _draft_model(self) -> DraftModel | None:
         """The draft model of speculative draft_model, when the settings name one."""
+        from mlx_redis_worker.models.loading import load_model
+
         name = self.settings.draft_model
         if not name:
             return None
@@ -234,6 +241,9 @@ class Worker:
 
     def _loaded_models(self) -> Iterator[LoadedModel]:
         """Each model to serve, loaded in turn, after checking that all their weights fit."""
+        from mlx_redis_worker.models.embedding import is_embedding_model, load_embedding_model
+        from mlx_redis_worker.models.loading import load_model
+
         models = self.settings.models
         if self._model_and_tokenizer is not None:  # tests hand in one model, loaded already
             model, tokenizer = self._model_and_tokenizer

@@ -13,8 +13,8 @@ import mlx.core as mx
 import structlog
 
 from mlx_redis_worker.engine.engine_thread import EngineThread
+from mlx_redis_worker.engine.errors import IncompatibleCacheError
 from mlx_redis_worker.engine.fingerprint import model_fingerprint
-from mlx_redis_worker.engine.prefix_cache import IncompatibleCacheError
 from mlx_redis_worker.engine.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)

@@ -20,8 +20,9 @@ from typing import Any
 import structlog
 
 from mlx_redis_worker.engine.embedding_model import EmbeddingModel, cut_to
+from mlx_redis_worker.engine.errors import QueueFullError
 from mlx_redis_worker.engine.request import RequestOutput
-from mlx_redis_worker.engine.scheduler import QueueFullError, SchedulerOutput
+from mlx_redis_worker.engine.scheduler import SchedulerOutput
 from mlx_redis_worker.engine.speculative_batch import SpeculationCounters
 from mlx_redis_worker.engine.stats import RequestProgress, SchedulerStats, SpeculationStats
 

@@ -34,12 +34,13 @@ from typing import Any, ClassVar, Generic
 import structlog
 
 from mlx_redis_worker.engine.config import EngineConfig, SchedulerConfig
-from mlx_redis_worker.engine.engine_thread import EngineStoppedError, EngineThread, S
+from mlx_redis_worker.engine.engine_thread import EngineThread, S
+from mlx_redis_worker.engine.errors import EngineStoppedError, QueueFullError
 from mlx_redis_worker.engine.output_collector import RequestOutputCollector
 from mlx_redis_worker.engine.reference_api import SyncBatch
 from mlx_redis_worker.engine.registry import ModelOwnershipError, get_registry
 from mlx_redis_worker.engine.request import RequestOutput
-from mlx_redis_worker.engine.scheduler import QueueFullError, SchedulerOutput
+from mlx_redis_worker.engine.scheduler import SchedulerOutput
 from mlx_redis_worker.engine.stats import (
     EngineStats,
     MlxMemory,

@@ -23,6 +23,7 @@ import mlx.core as mx
 import structlog
 
 from mlx_redis_worker.engine.config import EngineConfig
+from mlx_redis_worker.engine.errors import EngineStoppedError
 from mlx_redis_worker.engine.scheduler import SchedulerOutput
 from mlx_redis_worker.engine.stats import EngineHealth
 
@@ -59,10 +60,6 @@ class StepScheduler(Protocol):
 
 
 S = TypeVar("S", bound=StepScheduler)
-
-
-class EngineStoppedError(RuntimeError):
-    """The engine thread is not running (never started, stopped, or died)."""
 
 
 class EngineThread(Generic[S]):

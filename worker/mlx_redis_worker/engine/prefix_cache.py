@@ -27,6 +27,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from mlx_redis_worker.engine.errors import IncompatibleCacheError
 from mlx_redis_worker.engine.stats import PrefixCacheStats
 
 MANIFEST = "manifest.json"
@@ -36,25 +37,6 @@ _KEY = "model"  # one model per engine: a constant trie namespace
 # prefixes callers declared (``prefix_boundary``) outlive whole conversations.
 FULL = "assistant"
 SHARED_PREFIX = "system"
-
-
-class IncompatibleCacheError(Exception):
-    """A saved cache this engine must not load: another model's (its KV state would be
-    garbage for these weights), another format's, or one that cannot be read. ``reason`` says
-    which for the operator; for another model's cache it names both fingerprints."""
-
-    def __init__(
-        self,
-        directory: Path,
-        reason: str,
-        saved_fingerprint: str | None = None,
-        model_fingerprint: str | None = None,
-    ) -> None:
-        super().__init__(reason)
-        self.directory = directory
-        self.reason = reason
-        self.saved_fingerprint = saved_fingerprint
-        self.model_fingerprint = model_fingerprint
 
 
 @dataclass(slots=True)

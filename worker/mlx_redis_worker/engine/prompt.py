@@ -13,9 +13,9 @@ from __future__ import annotations
 from itertools import takewhile
 from typing import Any
 
-from jinja2 import TemplateError
-
-from mlx_redis_worker.engine.vision import VIDEO_PLACEHOLDER
+# Where a video's frames go in a text prompt (engine/vision.py: each frame becomes one image
+# placeholder).
+VIDEO_PLACEHOLDER = "<video>"
 
 NO_CHAT_TEMPLATE = (
     "job.messages: the model has no chat template; send a `prompt` instead "
@@ -154,6 +154,8 @@ def shared_prefix_length(a: list[int], b: list[int]) -> int:
 def _render(
     tokenizer: Any, messages: list[dict[str, Any]], *, generation_prompt: bool, **extra: Any
 ) -> str:
+    from jinja2 import TemplateError  # the chat templates' engine, with the tokenizer's stack
+
     try:
         rendered: str = tokenizer.apply_chat_template(
             messages, add_generation_prompt=generation_prompt, tokenize=False, **extra

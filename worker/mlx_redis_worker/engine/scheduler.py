@@ -32,6 +32,7 @@ import structlog
 
 from mlx_redis_worker.engine.admission import pick_prefill_group
 from mlx_redis_worker.engine.config import SchedulerConfig
+from mlx_redis_worker.engine.errors import QueueFullError
 from mlx_redis_worker.engine.grammar_rows import GrammarBatch, GrammarProcessor
 from mlx_redis_worker.engine.output_collector import RequestStreamState
 from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator, SplitModel
@@ -68,10 +69,6 @@ from mlx_redis_worker.engine.vision import vision_model_of
 from mlx_redis_worker.engine.vision_queue import VisionQueue
 
 log = structlog.get_logger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at ``SchedulerConfig.max_waiting_requests``; retry later."""
 
 
 @dataclass(slots=True)

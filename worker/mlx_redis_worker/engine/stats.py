@@ -2,15 +2,14 @@
 
 ``EngineCore.stats()``, ``cache_stats()`` and ``memory_stats()`` return these; the reference
 API's ``get_stats()`` / ``get_cache_stats()`` dicts are built from them (``as_dict``), so both
-views always agree.
+views always agree. No MLX at import: the daemon reads these on machines without it (a
+simulated fleet's engine stand-in).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
-
-import mlx.core as mx
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +226,8 @@ class MlxMemory:
 
 def read_mlx_memory() -> MlxMemory:
     """Engine thread: the one thread that touches MLX."""
+    import mlx.core as mx
+
     return MlxMemory(
         active_bytes=int(mx.get_active_memory()),
         cache_bytes=int(mx.get_cache_memory()),

@@ -29,16 +29,11 @@ from typing import Any
 
 import mlx.core as mx
 
-# Where a video's frames go in a text prompt (each frame becomes one image placeholder).
-VIDEO_PLACEHOLDER = "<video>"
+from mlx_redis_worker.engine.prompt import VIDEO_PLACEHOLDER
+
 # Prefix-cache ids of image tokens: past the vocabulary, below int32's end (mlx-lm keeps
 # token ids in int32 arrays), so they never equal a text token.
 _KEY_LIMIT = 2**31 - 1
-
-
-class ImagesNotSupportedError(ValueError):
-    """Images or videos were sent to an engine whose model takes none (the worker's
-    ``invalid_job``)."""
 
 
 @dataclass(frozen=True, slots=True)

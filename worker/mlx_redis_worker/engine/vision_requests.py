@@ -10,9 +10,8 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mlx_redis_worker.engine.scheduler import QueueFullError
+from mlx_redis_worker.engine.errors import ImagesNotSupportedError, QueueFullError
 from mlx_redis_worker.engine.vision import (
-    ImagesNotSupportedError,
     VisionModel,
     VisionPrompt,
     prepare_vision_prompt,

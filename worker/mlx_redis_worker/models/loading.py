@@ -5,6 +5,9 @@ Nothing is downloaded: a hub id must already be in the local Hugging Face cache.
 model can be unusable (no such folder, a name that is nothing known, a folder mlx-lm cannot
 load, a fixture that cannot be built) is a :class:`ModelUnavailable` with one line for the
 operator, not a traceback from deep inside the hub client or mlx-lm.
+
+mlx-lm, mlx-vlm and the hub client load when a model does: the daemon imports this module
+(``ModelUnavailable``) where no model loads and MLX may be absent (``mlx-worker bench fleet``).
 """
 
 from __future__ import annotations
@@ -12,18 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import mlx_lm
-from huggingface_hub.constants import HF_HUB_CACHE
-
 from mlx_redis_protocol.logs import one_line
 from mlx_redis_worker.models.fixture_packages import MissingFixturePackage
 from mlx_redis_worker.models.paths import FIXTURES, resolve_model
-from mlx_redis_worker.models.vision import (
-    VisionModelError,
-    is_vision_config,
-    load_vision_model,
-    read_config,
-)
 
 
 class ModelUnavailable(Exception):
@@ -33,6 +27,15 @@ class ModelUnavailable(Exception):
 def load_model(name_or_path: str) -> tuple[Any, Any]:
     """``mlx_lm.load`` on the folder :func:`locate_model` finds: ``(model, tokenizer)``; a
     vision-language model's language model comes with its vision parts (``model.vision``)."""
+    import mlx_lm
+
+    from mlx_redis_worker.models.vision import (
+        VisionModelError,
+        is_vision_config,
+        load_vision_model,
+        read_config,
+    )
+
     folder = locate_model(name_or_path)
     config = read_config(folder)
     if is_vision_config(config):
@@ -71,6 +74,8 @@ def locate_model(name_or_path: str) -> Path:
         raise ModelUnavailable(f"model folder {name_or_path!r} does not exist")
     cached = _in_hub_cache(name_or_path)
     if cached is None:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
         raise ModelUnavailable(
             f"model {name_or_path!r} is not a fixture name ({', '.join(FIXTURES)}), not a local "
             f"folder, and not in the local Hugging Face cache ({HF_HUB_CACHE}); nothing is "
