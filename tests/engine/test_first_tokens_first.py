@@ -39,6 +39,30 @@ def pick(waiting: list[Waiting], size: int, now: float, max_wait: float) -> list
     )
 
 
+LONG_TOKENS = 1024
+
+
+def pick_in_rooms(
+    waiting: list[Waiting],
+    size: int,
+    now: float,
+    max_wait: float,
+    long_room: int,
+    short_room: int | None = None,
+) -> list[Waiting]:
+    return pick_prefill_group(
+        waiting,
+        size,
+        now,
+        max_wait,
+        length=lambda w: w.length,
+        arrival=lambda w: w.arrival,
+        long_room=long_room,
+        long_tokens=LONG_TOKENS,
+        short_room=short_room,
+    )
+
+
 queues = st.lists(
     st.tuples(st.integers(1, 4096), st.floats(0.0, 10.0, allow_nan=False)), max_size=40
 ).map(lambda items: [Waiting(i, length, arrival) for i, (length, arrival) in enumerate(items)])
@@ -51,17 +75,8 @@ def test_long_prompts_take_no_more_than_their_room(
 ) -> None:
     """At most ``long_room`` prompts over ``long_tokens``; a shorter one is never left out for
     a long one, and the group is full unless only long ones are left."""
-    long_tokens = 1024
-    group = pick_prefill_group(
-        waiting,
-        size,
-        now,
-        max_wait,
-        length=lambda w: w.length,
-        arrival=lambda w: w.arrival,
-        long_room=long_room,
-        long_tokens=long_tokens,
-    )
+    long_tokens = LONG_TOKENS
+    group = pick_in_rooms(waiting, size, now, max_wait, long_room)
     longs = [w for w in group if w.length > long_tokens]
     assert len(longs) <= long_room
     assert len({w.name for w in group}) == len(group) <= size
@@ -81,18 +96,8 @@ def test_each_prompt_lane_takes_no_more_than_its_free_rows(
 ) -> None:
     """The two prefill lanes' free rows: at most ``long_room`` prompts over ``long_tokens``
     and ``short_room`` of the others, each kind taken in the order it is taken alone."""
-    long_tokens = 1024
-    group = pick_prefill_group(
-        waiting,
-        long_room + short_room,
-        now,
-        max_wait,
-        length=lambda w: w.length,
-        arrival=lambda w: w.arrival,
-        long_room=long_room,
-        long_tokens=long_tokens,
-        short_room=short_room,
-    )
+    long_tokens = LONG_TOKENS
+    group = pick_in_rooms(waiting, long_room + short_room, now, max_wait, long_room, short_room)
     longs = [w for w in waiting if w.length > long_tokens]
     shorts = [w for w in waiting if w.length <= long_tokens]
     assert [w for w in group if w.length > long_tokens] == pick(longs, long_room, now, max_wait)
