@@ -130,17 +130,23 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
     def shortest_prompt_left(self) -> int | None:
         """The fewest prompt tokens any sequence the next ``prefill()`` would take has left
         (its rows, and the queued sequences that would fill free rows); None without any."""
-        left = [
-            _tokens_left(p[0])
-            for p in self._currently_processing + self._other_lane.processing
-            if _has_prompt_left(p[0])
-        ]
+        left = self._left_in(False) + self._left_in(True)
         left += [_tokens_left(queued[1]) for queued in self._queued_to_take()]
         return min(left, default=None)
 
     @property
     def _prompt_rows(self) -> int:
         return len(self._prompt_batch) + len(self._other_lane.batch)
+
+    def _lane(self, long: bool) -> PromptLane:
+        """The long or the short lane, whether in mlx-lm's fields or not."""
+        if long == self._long_in_use:
+            return PromptLane(self._prompt_batch, self._currently_processing)
+        return self._other_lane
+
+    def _left_in(self, long: bool) -> list[int]:
+        """The tokens each row of that lane with prompt left still has to prefill."""
+        return [_tokens_left(p[0]) for p in self._lane(long).processing if _has_prompt_left(p[0])]
 
     def _is_long(self, segments: list[list[int]]) -> bool:
         return _tokens_left(segments) > int(self.prefill_step_size)
@@ -151,8 +157,7 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         have room)."""
         room = self.completion_batch_size - self.num_decoding - self._prompt_rows
         free = {
-            self._long_in_use: self.prefill_batch_size - len(self._prompt_batch),
-            not self._long_in_use: self.prefill_batch_size - len(self._other_lane.batch),
+            long: self.prefill_batch_size - len(self._lane(long).batch) for long in (False, True)
         }
         taken: list[Any] = []
         for queued in self._unprocessed_sequences:
@@ -203,26 +208,15 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
     def shortest_lane(self) -> int:
         """The lane of the prompt with the fewest tokens left (``shortest_prompt_left`` after
         ``prepare_pass``): 0 short, 1 long."""
-        in_use = [_tokens_left(p[0]) for p in self._currently_processing if _has_prompt_left(p[0])]
-        other = [_tokens_left(p[0]) for p in self._other_lane.processing if _has_prompt_left(p[0])]
-        if not other or (in_use and min(in_use) <= min(other)):
-            return int(self._long_in_use)
-        return int(not self._long_in_use)
+        short, long = self._left_in(False), self._left_in(True)
+        return int(bool(long) and (not short or min(long) < min(short)))
 
     def _pass_lane(self) -> bool | None:
         """The lane this pass prefills (True: the long one): the one with prompt left, or,
         when both have, the one that spent fewer prefill seconds since both had (short first
         on a tie): long prompts get at least half of the prefill time beside short ones, and a
         short prompt waits for at most one long pass."""
-        busy = []
-        for long in (False, True):
-            processing = (
-                self._currently_processing
-                if long == self._long_in_use
-                else self._other_lane.processing
-            )
-            if any(_has_prompt_left(p[0]) for p in processing):
-                busy.append(long)
+        busy = [long for long in (False, True) if self._left_in(long)]
         if not busy:
             return None
         if len(busy) == 1:
@@ -403,8 +397,9 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         mlx-lm's own."""
         responses: list[GenerationBatch.Response] = []
         for long in (self._long_in_use, not self._long_in_use):
-            self._use_lane(long)
-            responses += self._start_lane()
+            if self._lane(long).processing:  # an empty lane is not swapped in every step
+                self._use_lane(long)
+                responses += self._start_lane()
         return responses
 
     def _start_lane(self) -> list[GenerationBatch.Response]:
