@@ -50,6 +50,12 @@ def commands_lines(results: Sequence[FleetResult]) -> str:
                     **ph.process_cpu_seconds,
                 }.items()
             )
+            if len(ph.node_cpu_seconds) > 1:  # each node's share, the job stream's marked
+                shares = " + ".join(
+                    f"{1e6 * seconds / tokens:.1f}" + ("*" if index == r.stream_node else "")
+                    for index, seconds in enumerate(ph.node_cpu_seconds)
+                )
+                cpu += f" (nodes {shares})"
             ranked = list(ph.calls_per_token().items())[:COMMANDS_SHOWN]
             each = ", ".join(f"{name} {n:.3f}" for name, n in ranked)
             lines.append(
