@@ -43,6 +43,24 @@ def test_fifty_simulated_workers_end_every_request_once_with_whole_streams(
     assert result.control_notes["ctl stats"].startswith(f"{WORKERS}/{WORKERS} replies; CPU")
     assert result.control_notes["ctl ping"].startswith(f"{WORKERS}/{WORKERS} replies; CPU")
     assert result.control_notes["models"] == f"{WORKERS} workers of sim"
+    # Where the load's CPU went: each node, then the hosts, the generator and the bench.
+    assert len(phase.node_cpu_seconds) == max(masters, 1)
+    assert set(phase.process_cpu_seconds) == {"hosts", "clients", "bench"}
+    assert phase.process_cpu_seconds["hosts"] > 0 and phase.process_cpu_seconds["clients"] > 0
+    # Redis' commands over the load: a request's job entry, then its log's entries (the
+    # queued marker, at least one delta and the done, at most a delta a token), each also
+    # published once; a Cluster runs the publishing script once per request a step (one slot
+    # each), one server once per step for all of a worker's requests.
+    calls = phase.commands
+    logged = calls["xadd"] - REQUESTS
+    assert 3 * REQUESTS <= logged <= REQUESTS * (TOKENS + 2)
+    published = calls["spublish" if kind == "cluster" else "publish"]
+    assert published == logged
+    if kind == "cluster":
+        assert result.stream_node in range(masters)
+        assert calls["evalsha"] >= published
+    else:
+        assert result.stream_node is None
 
 
 @pytest.mark.timeout(300)
@@ -58,6 +76,7 @@ def test_a_timed_load_and_a_reclaim_sweep_count_every_request_and_orphan(tmp_pat
         idle_seconds=0.5,
         gateway=False,
         reclaim_pending=300,
+        clients=2,  # two load processes, started together once both are connected
     )
     result = measure_fleet("server", 0, load, tmp_path)
     assert result.problems == ()
@@ -71,6 +90,7 @@ def test_a_timed_load_and_a_reclaim_sweep_count_every_request_and_orphan(tmp_pat
     )
     assert seen.tokens == seen.submitted * TOKENS
     assert result.pending_after == 0
+    assert result.phases[0].summary.cpu_seconds > 0  # the two processes' own CPU
     sweep = result.reclaim
     assert sweep is not None
     # A lane's pass takes at most its max_concurrency; the cursor visits all 300.

@@ -21,6 +21,10 @@ the slot map again after a failed command (``refresh_slot_map``): redis-py's clu
 only asks for that itself when one of its commands fails, runs it on a later command, and
 never for a pub/sub connection, so a client whose next command is the first after the
 promotion, or one that only listens, would go on talking to the dead node.
+
+The cluster client finds the keys of XREAD and XREADGROUP (whose keys follow a STREAMS word,
+which redis-py's key-spec reader does not search for) here, not with a ``COMMAND GETKEYS``
+round trip to a node before each read (``StreamReadKeys``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
+from redis._parsers.commands import AsyncCommandsParser
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
@@ -231,12 +236,48 @@ def _check_cluster_version(version: tuple[int, ...] | None) -> None:
         )
 
 
+# Where the server starts searching a stream read's arguments for the STREAMS word (the
+# commands' key specs: begin_search keyword STREAMS, startfrom 1 and 4); the first half of
+# what follows it are the keys.
+_STREAMS_SEARCH_FROM: Final = {"XREAD": 1, "XREADGROUP": 4}
+
+
+def stream_read_keys(args: Sequence[Any]) -> tuple[Any, ...] | None:
+    """The keys of an XREAD or XREADGROUP command (``args`` with the command's name first),
+    found as the server finds them; None for any other command, or one the server would
+    refuse (no STREAMS, an odd number of streams and ids)."""
+    start = _STREAMS_SEARCH_FROM.get(as_text(args[0]).upper()) if args else None
+    if start is None:
+        return None
+    for index in range(start, len(args)):
+        if as_text(args[index]).upper() == "STREAMS":
+            rest = args[index + 1 :]
+            if not rest or len(rest) % 2:
+                return None
+            return tuple(rest[: len(rest) // 2])
+    return None
+
+
+class StreamReadKeys(AsyncCommandsParser):
+    """redis-py's cluster command parser, finding the keys of XREAD and XREADGROUP itself:
+    redis-py 8.2 asks a node ``COMMAND GETKEYS`` before each (a round trip as costly as the
+    read, as often: one a worker's read loop turn). Every other command as redis-py does."""
+
+    async def get_keys(self, *args: Any) -> tuple[Any, ...] | None:
+        keys = stream_read_keys(args)
+        if keys is not None:
+            return keys
+        found: tuple[Any, ...] | None = await super().get_keys(*args)
+        return found
+
+
 async def _cluster(url: str, options: dict[str, Any]) -> RedisCluster:
     parts = urlsplit(url)
     if parts.path.strip("/") not in ("", "0"):
         raise UnsupportedRedis(f"a Redis Cluster has only database 0, the URL names {parts.path}")
     # redis-py's cluster client refuses a database number, even 0.
     cluster = RedisCluster.from_url(urlunsplit(parts._replace(path="")), **options)
+    cluster.commands_parser = StreamReadKeys()  # filled in by initialize(), as redis-py's
     try:
         await cluster.initialize()
     except BaseException:

@@ -6,6 +6,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+import redis
 from fakeredis import TcpFakeServer
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -26,9 +27,13 @@ from mlx_redis_protocol.connection import (
     is_unavailable,
     parse_sentinel_url,
     redact,
+    stream_read_keys,
 )
 from mlx_redis_protocol.errors import RedisUnavailable, RequestNotFound, StreamTimeout
-from mlx_redis_worker.local_redis import free_port
+from mlx_redis_protocol.keys import Keys
+from mlx_redis_worker.daemon.fair_queue import FairQueue
+from mlx_redis_worker.daemon.job_queue import JobQueue
+from mlx_redis_worker.local_redis import LocalCluster, free_port
 from tests.support.waiting import run
 
 
@@ -191,3 +196,70 @@ def test_urls_naming_the_wrong_kind_of_server_are_one_clear_line(
     assert "refused the connection set-up: SELECT is not allowed in cluster mode" in (
         database_on_cluster
     )
+
+
+def getkeys_calls(cluster: LocalCluster) -> int:
+    """``COMMAND GETKEYS`` calls so far, summed over the Cluster's nodes."""
+    total = 0
+    for url in cluster.urls:
+        node = redis.Redis.from_url(url)
+        try:
+            stats = node.info("commandstats").get("cmdstat_command|getkeys", {})
+            total += int(stats.get("calls", 0))
+        finally:
+            node.close()
+    return total
+
+
+def test_a_workers_stream_reads_on_a_cluster_ask_no_node_for_their_keys(
+    redis_cluster: LocalCluster, prefix: str
+) -> None:
+    """The worker's read path (XREADGROUP new and own pending, the fair queue's XREAD wait)
+    goes to the stream's node with no ``COMMAND GETKEYS`` round trip before it (redis-py asks
+    one before every XREAD and XREADGROUP)."""
+    keys = Keys(prefix)
+    stream = keys.model_stream("m")
+
+    async def scenario() -> tuple[list[str], list[str], int]:
+        client = await connect(redis_cluster.url)
+        try:
+            queue = JobQueue(redis=client, stream=stream, consumer="w1", lease_ms=60_000)
+            await queue.ensure_group()
+            await client.xadd(stream.stream, {"job": b"x"})
+            fair = FairQueue(
+                redis=client,
+                stream=stream,
+                keys=keys.fair("m"),
+                consumer="w1",
+                tenant_weights_key=keys.tenant_weights,
+                age_bound_seconds=30,
+            )
+            before = getkeys_calls(redis_cluster)
+            new = [d.entry_id for d in await queue.read_new(count=4, block_ms=10)]
+            own = [d.entry_id for d in await queue.read_own_pending(count=4)]
+            await fair.wait_for_new("0-0", block_ms=10)  # returns at once: an entry is there
+            return new, own, getkeys_calls(redis_cluster) - before
+        finally:
+            await client.aclose()
+
+    new, own, asked = run(scenario())
+    assert len(new) == 1 and own == new
+    assert asked == 0
+
+
+@pytest.mark.parametrize(
+    ("command", "keys"),
+    [
+        (("XREAD", "COUNT", 1, "STREAMS", "a", "b", "0", "0"), ("a", "b")),
+        (("xreadgroup", "GROUP", "g", "c", "BLOCK", 5, "streams", b"s", ">"), (b"s",)),
+        # A group or consumer named STREAMS is not the keyword: the search starts after them.
+        (("XREADGROUP", "GROUP", "STREAMS", "STREAMS", "STREAMS", "s", ">"), ("s",)),
+        (("XREAD", "STREAMS", "a", "b", "0"), None),  # odd: the server refuses it
+        (("XREAD", "COUNT", 1), None),
+        (("GET", "STREAMS"), None),
+    ],
+)
+def test_stream_read_keys_are_found_as_the_server_finds_them(
+    command: tuple[object, ...], keys: tuple[object, ...] | None
+) -> None:
+    assert stream_read_keys(command) == keys

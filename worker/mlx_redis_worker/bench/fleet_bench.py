@@ -10,7 +10,9 @@ a gateway's ``/v1/models`` and ``/status.json``) and, when asked, a reclaim swee
 ``--requests`` jobs or ``--duration`` seconds at ``--rate``, or with ``--saturate`` the fleet's
 saturation (a closed loop with more requests in flight than it has slots) and then an open loop
 at ``--load-fraction`` of it; every stream checked whole and in order. Redis CPU is
-``INFO CPU`` (user + sys) of every node.
+``INFO CPU`` (user + sys) of every node; each load also says where the CPU went (each node,
+the host processes, the load generators, the bench itself) and which commands Redis ran per
+delivered token (``INFO commandstats``).
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import redis
+from redis.crc import key_slot
 
 from mlx_redis_protocol.catalogue import fleet_models
 from mlx_redis_protocol.client import Client
+from mlx_redis_protocol.connection import as_text
 from mlx_redis_worker.bench.fleet_load import LoadSpec, LoadSummary, percentile, run_loads
 from mlx_redis_worker.bench.fleet_reclaim import ReclaimResult, reclaim_sweep
 from mlx_redis_worker.bench.fleet_spec import LEASE_SECONDS, HostSpec
@@ -45,6 +49,8 @@ MODEL = "sim"
 READY_TIMEOUT = 600.0
 CONTROL_TIMEOUT = 30.0
 WORKERS_PER_HOST = 250
+CONNECTIONS_PER_WORKER = 8  # some 7 (fleet_host.py), and a margin
+CONNECTIONS_PER_CLIENT = 300  # a load generator's commands and subscriptions, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,17 +80,36 @@ class FleetLoad:
 
 @dataclass(frozen=True, slots=True)
 class PhaseResult:
-    """One load on the fleet: what its subscribers saw."""
+    """One load on the fleet: what its subscribers saw, and what it cost whom."""
 
     label: str
     summary: LoadSummary
     tokens_per_second: float
-    redis_cpu_seconds: float
+    node_cpu_seconds: tuple[float, ...]  # each Redis node's, in the fleet's node order
+    seconds: float = 0.0  # the load's wall time, ramp and drain included
+    # CPU seconds of the host processes, the load generators and the bench's own process
+    # (its in-process generator taken out); a group missing where it cannot be read.
+    process_cpu_seconds: dict[str, float] = field(default_factory=dict)
+    commands: dict[str, int] = field(default_factory=dict)  # calls over the load, all nodes
+
+    @property
+    def redis_cpu_seconds(self) -> float:
+        return sum(self.node_cpu_seconds)
 
     @property
     def redis_us_per_token(self) -> float:
         tokens = self.summary.tokens
         return 1e6 * self.redis_cpu_seconds / tokens if tokens else 0.0
+
+    def cores(self, cpu_seconds: float) -> float:
+        """CPU seconds over the load as cores used on average."""
+        return cpu_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    def calls_per_token(self) -> dict[str, float]:
+        """Redis commands (scripts' calls included) per delivered token, most first."""
+        tokens = self.summary.tokens or 1
+        ranked = sorted(self.commands.items(), key=lambda item: -item[1])
+        return {name: n / tokens for name, n in ranked}
 
     @property
     def step_to_subscriber_ms(self) -> tuple[float, float]:
@@ -111,6 +136,7 @@ class FleetResult:
     # Commands per idle worker per second, by command (INFO commandstats; the bench's own
     # INFO reads included, a few per sample).
     idle_commands: dict[str, float] = field(default_factory=dict)
+    stream_node: int | None = None  # the node holding the model's job stream (a Cluster's)
 
 
 # -- Redis -------------------------------------------------------------------------------------
@@ -139,6 +165,25 @@ def topology(kind: str, masters: int) -> Iterator[tuple[str, str, list[str], lis
         cluster.close()
 
 
+def check_connection_room(nodes: Sequence[str], load: FleetLoad) -> None:
+    """Refuse, in one line, a fleet that the nodes' ``maxclients`` (the open-files limit the
+    bench could raise, less 32) cannot seat: all of it may connect to one node. Past it,
+    workers would fail one by one as Redis refused them, minutes into a run."""
+    need = CONNECTIONS_PER_WORKER * load.workers + CONNECTIONS_PER_CLIENT * max(load.clients, 1)
+    for url in nodes:
+        client = redis.Redis.from_url(url, socket_timeout=30)
+        try:
+            room = int(as_text(client.config_get("maxclients")["maxclients"]))
+        finally:
+            client.close()
+        if room < need:
+            raise RuntimeError(
+                f"Redis takes {room} clients, {load.workers} workers and {load.clients} load "
+                f"processes may need {need}: raise the hard open-files limit (ulimit -Hn) "
+                "of the shell that starts the bench"
+            )
+
+
 def redis_command_calls(nodes: Sequence[str]) -> Counter[str]:
     """``INFO commandstats`` calls by command, summed over every node."""
     calls: Counter[str] = Counter()
@@ -152,16 +197,64 @@ def redis_command_calls(nodes: Sequence[str]) -> Counter[str]:
     return calls
 
 
-def redis_cpu_seconds(nodes: Sequence[str]) -> float:
-    total = 0.0
+def redis_node_cpu_seconds(nodes: Sequence[str]) -> list[float]:
+    """Each node's ``INFO CPU`` user + sys so far."""
+    seconds = []
     for url in nodes:
         client = redis.Redis.from_url(url, socket_timeout=30)
         try:
             info = client.info("cpu")
-            total += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+            seconds.append(float(info["used_cpu_user"]) + float(info["used_cpu_sys"]))
         finally:
             client.close()
-    return total
+    return seconds
+
+
+def redis_cpu_seconds(nodes: Sequence[str]) -> float:
+    return sum(redis_node_cpu_seconds(nodes))
+
+
+def node_of_key(nodes: Sequence[str], key: str) -> int | None:
+    """Which of a Cluster's ``nodes`` serves ``key``'s slot (from each node's own line of
+    ``CLUSTER NODES``); None on one server."""
+    slot = key_slot(key.encode())
+    for index, url in enumerate(nodes):
+        client = redis.Redis.from_url(url, socket_timeout=30)
+        try:
+            if not client.info("cluster").get("cluster_enabled"):
+                return None
+            lines = as_text(client.execute_command("CLUSTER", "NODES")).splitlines()  # type: ignore[no-untyped-call]
+        finally:
+            client.close()
+        mine = next(line.split() for line in lines if "myself" in line.split()[2])
+        for served in mine[8:]:
+            if served.startswith("["):  # a slot being migrated
+                continue
+            first, _, last = served.partition("-")
+            if int(first) <= slot <= int(last or first):
+                return index
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class CostSample:
+    """What the fleet's parts had spent at one moment: a load's cost is two samples apart."""
+
+    wall: float
+    nodes: list[float]
+    commands: Counter[str]
+    hosts: float | None
+    bench: float
+
+    @classmethod
+    def take(cls, nodes: Sequence[str], hosts: Sequence[int]) -> CostSample:
+        return cls(
+            wall=time.monotonic(),
+            nodes=redis_node_cpu_seconds(nodes),
+            commands=redis_command_calls(nodes),
+            hosts=process_cpu_seconds(hosts),
+            bench=time.process_time(),
+        )
 
 
 # -- the fleet's processes -----------------------------------------------------------------------
@@ -294,26 +387,59 @@ def load_spec(url: str, kind: str, prefix: str, epoch: float, load: FleetLoad) -
 
 
 async def phase(
-    spec: LoadSpec, label: str, nodes: Sequence[str], clients: int, steady_from: float = 0.0
+    spec: LoadSpec,
+    label: str,
+    nodes: Sequence[str],
+    clients: int,
+    hosts: Sequence[int],
+    steady_from: float = 0.0,
 ) -> PhaseResult:
     """``spec`` on the fleet. tokens/s: from the first submit to the last delta, or with
     ``steady_from`` (a fraction of ``spec.duration``) over the rest of the submitting only,
-    leaving out the ramp up and the drain (a timed load, a saturation)."""
-    cpu_before = await asyncio.to_thread(redis_cpu_seconds, nodes)
-    began = time.time() - spec.epoch
-    summary = await run_loads(spec, clients)
-    cpu = await asyncio.to_thread(redis_cpu_seconds, nodes) - cpu_before
+    leaving out the ramp up and the drain (a timed load, a saturation). CPU and commands:
+    over the whole load, from when every generator is connected."""
+    started: list[tuple[CostSample, float]] = []
+
+    async def on_start() -> None:
+        sample = await asyncio.to_thread(CostSample.take, nodes, hosts)
+        started.append((sample, time.time() - spec.epoch))
+
+    summary = await run_loads(spec, clients, on_start)
+    after = await asyncio.to_thread(CostSample.take, nodes, hosts)
+    ((before, began),) = started
     if steady_from > 0:
         start = began + steady_from * spec.duration
         tokens_per_second = summary.tokens_per_second(start, began + spec.duration)
     else:
         _, last = summary.delivery_span()
         tokens_per_second = summary.tokens / (last - began) if last > began else 0.0
-    return PhaseResult(label, summary, tokens_per_second, cpu)
+    bench = after.bench - before.bench
+    processes = {
+        # One generator runs in the bench's process: its CPU is the bench's, less the rest.
+        "clients": summary.cpu_seconds,
+        "bench": max(bench - summary.cpu_seconds, 0.0) if clients <= 1 else bench,
+    }
+    if after.hosts is not None and before.hosts is not None:
+        processes = {"hosts": after.hosts - before.hosts, **processes}
+    return PhaseResult(
+        label,
+        summary,
+        tokens_per_second,
+        node_cpu_seconds=tuple(a - b for a, b in zip(after.nodes, before.nodes, strict=True)),
+        seconds=after.wall - before.wall,
+        process_cpu_seconds=processes,
+        commands=dict(after.commands - before.commands),
+    )
 
 
 async def loads(
-    url: str, kind: str, prefix: str, epoch: float, load: FleetLoad, nodes: Sequence[str]
+    url: str,
+    kind: str,
+    prefix: str,
+    epoch: float,
+    load: FleetLoad,
+    nodes: Sequence[str],
+    hosts: Sequence[int],
 ) -> list[PhaseResult]:
     spec = load_spec(url, kind, prefix, epoch, load)
     if not load.saturate:
@@ -321,7 +447,7 @@ async def loads(
             return []
         offered = f"{spec.rate:g}/s" + (f" for {spec.duration:g} s" if spec.duration else "")
         steady = 0.25 if spec.duration else 0.0
-        return [await phase(spec, f"offered {offered}", nodes, load.clients, steady)]
+        return [await phase(spec, f"offered {offered}", nodes, load.clients, hosts, steady)]
     # More in flight than the fleet has slots: jobs wait in the stream, every slot stays busy
     # unless Redis or the machine caps what is delivered. Steady state: the last 3/4.
     saturation = await phase(
@@ -329,6 +455,7 @@ async def loads(
         f"saturation ({load.in_flight} in flight)",
         nodes,
         load.clients,
+        hosts,
         steady_from=0.25,
     )
     rate = load.load_fraction * saturation.tokens_per_second / load.max_tokens
@@ -337,7 +464,7 @@ async def loads(
     at = replace(spec, name="at-fraction", rate=rate)
     label = f"{100 * load.load_fraction:.0f}% of saturation ({rate:.1f}/s)"
     steady = 0.25 if at.duration else 0.0
-    return [saturation, await phase(at, label, nodes, load.clients, steady)]
+    return [saturation, await phase(at, label, nodes, load.clients, hosts, steady)]
 
 
 async def settled_pending(client: Client, patience: float = 30.0) -> int:
@@ -443,6 +570,7 @@ async def measure(
 ) -> FleetResult:
     prefix = f"fleet{uuid.uuid4().hex[:6]}"
     epoch = time.time()
+    await asyncio.to_thread(check_connection_room, nodes, load)
     hosts = await asyncio.to_thread(start_hosts, url, kind, prefix, load, epoch, logs)
     reclaim = None
     try:
@@ -468,7 +596,10 @@ async def measure(
                 reclaim = await reclaim_sweep(
                     client, nodes, load.reclaim_pending, load.max_concurrency, lease_ms
                 )
-            phases = await loads(url, kind, prefix, epoch, load, nodes)
+            phases = await loads(url, kind, prefix, epoch, load, nodes, pids)
+            stream_node = await asyncio.to_thread(
+                node_of_key, nodes, client.keys.model_stream(MODEL).stream
+            )
             pending = await settled_pending(client)
     finally:
         host_lines = await asyncio.to_thread(stop_hosts, hosts)
@@ -492,6 +623,7 @@ async def measure(
         idle_commands={
             name: n / load.workers / load.idle_seconds for name, n in calls.most_common()
         },
+        stream_node=stream_node,
     )
 
 

@@ -11,8 +11,11 @@ run of many minutes stays in bounded memory. Two shapes of load:
   fleet delivers as fast as it can (its saturation), without a backlog that grows for ever.
 
 One generator runs in the bench's process, or several in processes of their own
-(``python -m mlx_redis_worker.bench.fleet_load SPEC_JSON`` prints its summary as JSON), so
-that on a large machine the client side is not the bottleneck being measured.
+(``python -m mlx_redis_worker.bench.fleet_load SPEC_JSON`` prints ``ready`` once connected,
+starts on a line on its standard input, and prints its summary as JSON), so that on a large
+machine the client side is not the bottleneck being measured. Every generator starts at once,
+when the last is ready: forty processes importing and connecting one after another would
+otherwise start their loads seconds apart, inside the window a saturation is measured over.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import json
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 
@@ -67,6 +70,7 @@ class LoadSummary:
     step_to_subscriber: dict[str, int] = field(default_factory=dict)  # 0.1 ms bins
     first_delta: dict[str, int] = field(default_factory=dict)  # 1 ms bins
     tokens_by_bin: dict[str, int] = field(default_factory=dict)  # BIN_SECONDS since epoch
+    cpu_seconds: float = 0.0  # the generators' CPU while the load ran (not their start)
 
     def encode(self) -> str:
         return json.dumps(asdict(self))
@@ -90,6 +94,7 @@ class LoadSummary:
             total.duplicates += part.duplicates
             total.lost += part.lost
             total.tokens += part.tokens
+            total.cpu_seconds += part.cpu_seconds
             total.problems += part.problems[: PROBLEMS_KEPT - len(total.problems)]
             for name, counter in counters.items():
                 counter.update(getattr(part, name))
@@ -237,12 +242,18 @@ class Load:
             self._firsts[round(1000 * (first - submitted))] += 1
 
 
-async def run_load(spec: LoadSpec, max_in_flight: int = 256) -> LoadSummary:
-    """One generator with a client of its own."""
+async def run_load(
+    spec: LoadSpec, ready: Callable[[], Awaitable[None]], max_in_flight: int = 256
+) -> LoadSummary:
+    """One generator with a client of its own: connected, it awaits ``ready()``, then runs."""
     async with Client(
         spec.redis_url, prefix=spec.prefix, topology=spec.topology, max_in_flight=max_in_flight
     ) as client:
-        return await Load(client, spec).run()
+        await ready()
+        cpu_before = time.process_time()
+        summary = await Load(client, spec).run()
+    summary.cpu_seconds = time.process_time() - cpu_before
+    return summary
 
 
 def split(spec: LoadSpec, parts: int) -> list[LoadSpec]:
@@ -268,20 +279,36 @@ def split(spec: LoadSpec, parts: int) -> list[LoadSpec]:
     return [s for s in specs if s.requests or not spec.requests]
 
 
-async def run_loads(spec: LoadSpec, processes: int) -> LoadSummary:
-    """``spec`` in this process (``processes`` <= 1) or split over that many processes."""
+async def run_loads(
+    spec: LoadSpec, processes: int, on_start: Callable[[], Awaitable[None]]
+) -> LoadSummary:
+    """``spec`` in this process (``processes`` <= 1) or split over that many processes;
+    ``on_start()`` is awaited once every generator is connected, just before they start."""
     if processes <= 1:
-        return await run_load(spec)
+        return await run_load(spec, on_start)
     children = [
         await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "mlx_redis_worker.bench.fleet_load",
             part.encode(),
+            stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
         )
         for part in split(spec, processes)
     ]
+    for child in children:
+        assert child.stdout is not None and child.stdin is not None
+        if (await child.stdout.readline()).strip() != b"ready":
+            for other in children:
+                if other.returncode is None:
+                    other.kill()
+            await asyncio.gather(*(other.wait() for other in children))
+            raise RuntimeError(f"a load process failed to start (rc {await child.wait()})")
+    await on_start()
+    for child in children:
+        assert child.stdin is not None
+        child.stdin.write(b"go\n")
     outputs = await asyncio.gather(*(child.communicate() for child in children))
     parts = []
     for child, (out, _) in zip(children, outputs, strict=True):
@@ -292,9 +319,16 @@ async def run_loads(spec: LoadSpec, processes: int) -> LoadSummary:
     return LoadSummary.merged(parts)
 
 
+async def _ready_then_go() -> None:
+    """Say this generator is connected, then wait for the word to start."""
+    print("ready", flush=True)
+    if not await asyncio.to_thread(sys.stdin.readline):
+        raise SystemExit("the bench went away before the load started")
+
+
 def main() -> int:
     spec = LoadSpec(**json.loads(sys.argv[1]))
-    summary = asyncio.run(run_load(spec))
+    summary = asyncio.run(run_load(spec, _ready_then_go))
     print(summary.encode(), flush=True)
     return 0
 

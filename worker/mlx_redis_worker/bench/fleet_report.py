@@ -13,10 +13,55 @@ from mlx_redis_worker.bench.fleet_bench import (
     WORKERS_PER_HOST,
     FleetLoad,
     FleetResult,
+    PhaseResult,
     measure_fleet,
 )
 
 CONTROL_COLUMNS = ("ctl stats", "ctl ping", "models", "/v1/models", "/status.json")
+PROCESS_GROUPS = ("hosts", "clients", "bench")
+COMMANDS_SHOWN = 8  # the most frequent commands of a load, per delivered token
+
+
+def cpu_cores(result: FleetResult, ph: PhaseResult) -> str:
+    """Cores used over a load: each Redis node (the job stream's marked *), then the host
+    processes, the load generators and the bench (- where not known)."""
+    nodes = " ".join(
+        f"{ph.cores(seconds):.2f}" + ("*" if index == result.stream_node else "")
+        for index, seconds in enumerate(ph.node_cpu_seconds)
+    )
+    groups = " / ".join(
+        f"{ph.cores(ph.process_cpu_seconds[g]):.2f}" if g in ph.process_cpu_seconds else "-"
+        for g in PROCESS_GROUPS
+    )
+    return f"{nodes} / {groups}"
+
+
+def commands_lines(results: Sequence[FleetResult]) -> str:
+    """Each load's CPU per delivered token (Redis, each process group) and its most frequent
+    Redis commands per delivered token."""
+    lines = []
+    for r in results:
+        for ph in r.phases:
+            tokens = ph.summary.tokens or 1
+            cpu = ", ".join(
+                f"{name} {1e6 * seconds / tokens:.0f}"
+                for name, seconds in {
+                    "Redis": ph.redis_cpu_seconds,
+                    **ph.process_cpu_seconds,
+                }.items()
+            )
+            if len(ph.node_cpu_seconds) > 1:  # each node's share, the job stream's marked
+                shares = " + ".join(
+                    f"{1e6 * seconds / tokens:.1f}" + ("*" if index == r.stream_node else "")
+                    for index, seconds in enumerate(ph.node_cpu_seconds)
+                )
+                cpu += f" (nodes {shares})"
+            ranked = list(ph.calls_per_token().items())[:COMMANDS_SHOWN]
+            each = ", ".join(f"{name} {n:.3f}" for name, n in ranked)
+            lines.append(
+                f"{r.topology} x{r.workers}, {ph.label}: CPU µs/token {cpu}; calls/token {each}"
+            )
+    return "\n".join(lines)
 
 
 def parse_cpus(text: str) -> list[int]:
@@ -44,8 +89,9 @@ def load_table(results: Sequence[FleetResult]) -> str:
     rows = [
         "| topology | workers | load | requests | ended once / whole / duplicates / lost "
         "| tokens/s | vs one master | Redis CPU µs/token | step→subscriber p50 / p99 ms "
-        "| submit→first delta p99 ms |",
-        "|" + "---|" * 10,
+        "| submit→first delta p99 ms | CPU cores: Redis nodes (* job stream) / hosts "
+        "/ clients / bench |",
+        "|" + "---|" * 11,
     ]
     for r in results:
         for index, ph in enumerate(r.phases):
@@ -56,7 +102,8 @@ def load_table(results: Sequence[FleetResult]) -> str:
                 f"| {r.topology} | {r.workers} | {ph.label} | {s.submitted} "
                 f"| {s.ended_once} / {s.whole} / {s.duplicates} / {s.lost} "
                 f"| {ph.tokens_per_second:.0f} | {ratio} | {ph.redis_us_per_token:.1f} "
-                f"| {p50:.1f} / {p99:.1f} | {ph.first_delta_p99_ms:.0f} |"
+                f"| {p50:.1f} / {p99:.1f} | {ph.first_delta_p99_ms:.0f} "
+                f"| {cpu_cores(r, ph)} |"
             )
     return "\n".join(rows)
 
@@ -146,6 +193,9 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
         f"(on {os.cpu_count()} CPUs); logs in {logs}\n"
     )
     print(load_table(results))
+    if any(r.phases for r in results):
+        print()
+        print(commands_lines(results))
     print()
     print(fleet_table(results))
     for r in results:
