@@ -19,6 +19,7 @@ from mlx_redis_worker.engine import (
     RequestOutput,
     SamplingParams,
 )
+from mlx_redis_worker.engine.config import SchedulerConfig
 from mlx_redis_worker.engine.stats import MlxMemory, plain
 from tests.support.engines import PROMPTS, MakeEngine
 from tests.support.waiting import run
@@ -119,7 +120,7 @@ def test_the_stats_dicts_are_the_typed_stats(engine: EngineCore) -> None:
     assert view["vision"] is None  # a text model's engine
     assert list(view["prefill_pace"]) == PREFILL_PACE_KEYS
     assert typed.scheduler.prefill_pace is not None
-    assert view["prefill_pace"]["max_prefill_stall"] == 1.0
+    assert view["prefill_pace"]["max_prefill_stall"] == SchedulerConfig().max_prefill_stall == 0.2
     for method in ("prompt_lookup", "draft_model"):
         assert list(view["speculation"][method]) == SPECULATION_METHOD_KEYS
     assert view["total_completion_tokens"] == typed.scheduler.total_completion_tokens

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_redis_worker.engine.config import SchedulerConfig
-from mlx_redis_worker.engine.prefill_pace import SHORT_PASS_STEPS, PrefillPace
+from mlx_redis_worker.engine.prefill_pace import FLOOR_FRACTION, SHORT_PASS_STEPS, PrefillPace
 from mlx_redis_worker.engine.request import Request, SamplingParams
 from mlx_redis_worker.engine.scheduler import Scheduler
 from tests.support.engines import MakeEngine, reference_tokens
@@ -74,14 +74,15 @@ def test_a_running_stream_gets_a_token_every_step_while_a_long_prompt_prefills(
     """The default budget, from this machine's measured speeds: the stream is never skipped
     while a 20k-token prompt prefills, which progresses in passes of at least
     ``min_prefill_tokens`` as its credit pays for them (its first steps: prefilling all of it
-    takes minutes on a loaded 2-core CPU, the next test follows a prompt to its end)."""
+    takes minutes on a loaded 2-core CPU, the next test follows a prompt to its end). Where
+    such a pass would outlast a decode step, down to a quarter of that floor."""
     scheduler = scheduler_over(tiny_model, on_a_stream)
     tokenizer = tiny_model[1]
     start_stream(scheduler, tokenizer)
     scheduler.add_request(Request("long", tokens_of_length(tokenizer, LONG, 1), greedy(2)))
-    floor = SchedulerConfig().min_prefill_tokens
+    floor = math.ceil(SchedulerConfig().min_prefill_tokens * FLOOR_FRACTION)
     passes = 0
-    for step in range(1, 13):
+    for step in range(1, 25):
         outputs = {o.request_id: o for o in scheduler.step().outputs}
         assert len(outputs["stream"].new_token_ids) == 1, f"step {step}: the stream stalled"
         assert "long" not in outputs
@@ -99,14 +100,15 @@ def test_a_running_stream_gets_a_token_every_step_while_a_long_prompt_prefills(
 def test_a_long_prompt_beside_a_stream_progresses_to_its_end(
     tiny_model: Any, on_a_stream: Any
 ) -> None:
-    """In passes of at least the floor, as the stall credit pays for them; the stream gets
-    a token every step."""
+    """In passes of at least the floor (a quarter of ``min_prefill_tokens`` where a pass of
+    that would outlast a decode step), as the stall credit pays for them; the stream gets a
+    token every step."""
     scheduler = scheduler_over(tiny_model, on_a_stream)
     tokenizer = tiny_model[1]
     start_stream(scheduler, tokenizer)
     length = 1000
     scheduler.add_request(Request("long", tokens_of_length(tokenizer, length, 1), greedy(2)))
-    floor = SchedulerConfig().min_prefill_tokens
+    floor = math.ceil(SchedulerConfig().min_prefill_tokens * FLOOR_FRACTION)
     progress: list[int] = []
     outputs: dict[str, Any] = {}
     while "long" not in outputs:
@@ -274,18 +276,18 @@ def test_short_prompts_prefill_in_a_lane_of_their_own_beside_long_ones(
     scheduler.close()
 
 
-def test_with_nothing_decoding_a_pass_takes_about_max_prefill_wait(
+def test_with_nothing_decoding_a_pass_takes_about_max_prefill_pass(
     tiny_model: Any, on_a_stream: Any
 ) -> None:
     """A new request is admitted and an abort applied only between passes: with nothing
-    decoding, a pass prefills what the measured speed does in ``max_prefill_wait``, not a whole
-    chunk (here a wait so short that the floor binds once the speed is measured)."""
+    decoding, a pass prefills what the measured speed does in ``max_prefill_pass``, not a whole
+    chunk (here a time so short that the floor binds once the speed is measured)."""
     scheduler = scheduler_over(
         tiny_model,
         on_a_stream,
         prefill_step_size=256,
         min_prefill_tokens=16,
-        max_prefill_wait=1e-9,
+        max_prefill_pass=1e-9,
     )
     tokenizer = tiny_model[1]
     scheduler.add_request(Request("long", tokens_of_length(tokenizer, 1000, 1), greedy(2)))
@@ -342,6 +344,38 @@ def test_a_burst_s_prefill_runs_without_decode_steps_between_its_groups(
     first_group = [name for name in names if firsts[name] == 1]
     assert all(tokens_at[name] == [1] for name in first_group)
     assert scheduler.pace.burst_steps == 2
+    scheduler.abort_all()
+    scheduler.close()
+
+
+def test_a_chat_burst_beside_another_tenant_s_long_prompt_keeps_its_burst_steps(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """Eight chat prompts arrive together while another tenant's long prompt is in prefill
+    (in the long lane since before them): four get their first tokens in the first pass, the
+    other four in the next step, a burst step. The long prompt is not of the burst; before,
+    it made the burst's later prompts wait for the stall credit beside the first ones' decode
+    (in bench isolation, a victim's TTFT 2-2.5x its own alone)."""
+    chunk = 128
+    scheduler = scheduler_over(
+        tiny_model,
+        on_a_stream,
+        max_num_seqs=16,
+        prefill_batch_size=4,
+        prefill_step_size=chunk,
+        max_prefill_pass=0.0,
+    )
+    tokenizer = tiny_model[1]
+    scheduler.add_request(Request("long", tokens_of_length(tokenizer, 8 * chunk, 1), greedy(2)))
+    for _ in range(2):  # its first chunks: in prefill before the burst arrives
+        scheduler.step()
+    names = add_burst(scheduler, tokenizer, [30] * 8)
+    firsts, tokens_at = burst_firsts(scheduler, names)
+    assert sorted(firsts.values()) == [1] * 4 + [2] * 4
+    # Step 2 prefilled the burst's rest and decoded nothing (the old code decoded the first
+    # four beside a pass paid from the stall credit).
+    assert all(tokens_at[name] == [1] for name in names if firsts[name] == 1)
+    assert scheduler.pace.burst_steps == 1
     scheduler.abort_all()
     scheduler.close()
 
@@ -499,12 +533,39 @@ def test_the_budget_settles_where_a_step_s_prefill_takes_the_stall() -> None:
         assert abs(pace.budget(decoding=True) - settled) <= 2
 
 
+def test_where_the_floor_s_pass_outlasts_a_decode_step_the_floor_shrinks() -> None:
+    """Deep in a long prompt a pass of ``min_tokens`` (32) takes 4 decode steps here: passes
+    take what one decode step's time does (8 tokens), down to a quarter of the floor and no
+    lower; where the floor's pass fits in a step, the floor stays."""
+    for pass_ms_per_token, floor in ((0.5, 32), (2.5, 8), (10.0, 8), (1.25, 16)):
+        pace = PrefillPace(max_stall=0.2, min_tokens=32, max_tokens=2048)
+        pace.observe_prefill(32, 32 * pass_ms_per_token / 1000)
+        passes = []
+        for _ in range(400):
+            pace.observe_decode(0.020)
+            pace.earn()
+            tokens = pace.budget(decoding=True)
+            if tokens:
+                passes.append(tokens)
+                seconds = tokens * pass_ms_per_token / 1000
+                pace.observe_prefill(tokens, seconds)
+                pace.spend(seconds)
+        assert pace.floor == floor, pass_ms_per_token
+        assert passes and min(passes) >= floor
+        # No pass is longer than a decode step, or than the quarter floor's where that is.
+        assert max(passes) * pass_ms_per_token <= max(20.0, floor * pass_ms_per_token) * 1.01
+        # Prefill kept its share of the time: the stall (0.2) of every decode step.
+        spent = sum(passes) * pass_ms_per_token / 1000
+        assert spent <= 0.2 * 0.020 * 400 + 2 * floor * pass_ms_per_token / 1000
+
+
 def test_a_pass_too_slow_for_the_stall_waits_for_its_credit() -> None:
-    """A pass of the floor (32 tokens) takes 10 ms, a decode step 1 ms: with a stall of 1.0
-    the prompt gets one pass of the floor every 10 steps (prefill takes about as long as the
-    decode steps beside it: the streams' step is 2x on average, not 11x every step); with a
-    stall of 0, one every 80 steps (``MIN_SHARE``: it still progresses)."""
-    for stall, every in ((1.0, 10), (0.0, 80)):
+    """A pass of the floor (here 8 tokens: a quarter of ``min_tokens``, which a decode step's
+    time does not fit) takes 2.5 ms, a decode step 1 ms: with a stall of 1.0 the prompt gets
+    one pass of the floor every 3 steps (the credit reaches the floor's 2.5 ms in the third:
+    the streams' step is 1.8x on average, not 3.5x every step); with a stall of 0, one every
+    20 steps (``MIN_SHARE``: it still progresses)."""
+    for stall, every in ((1.0, 3), (0.0, 20)):
         pace = PrefillPace(max_stall=stall, min_tokens=32, max_tokens=2048)
         pace.observe_prefill(32, 0.010)
         passes = []
@@ -512,7 +573,7 @@ def test_a_pass_too_slow_for_the_stall_waits_for_its_credit() -> None:
             pace.observe_decode(0.001)
             pace.earn()
             tokens = pace.budget(decoding=True)
-            assert tokens == 0 or tokens >= 32
+            assert tokens == 0 or tokens >= 8
             if tokens:
                 passes.append(step)
                 pace.observe_prefill(tokens, 0.010 * tokens / 32)
@@ -544,7 +605,9 @@ def test_the_budget_is_none_or_between_the_floor_and_the_chunk(
         pace.observe_prefill(tokens, seconds)
         pace.spend(seconds)
         budget = pace.budget(decoding=True)
-        assert budget == 0 or min(floor, chunk) <= budget <= chunk
+        least = max(1, math.ceil(min(floor, chunk) * FLOOR_FRACTION))
+        assert budget == 0 or least <= budget <= chunk
+        assert least <= pace.floor <= min(floor, chunk)
         assert math.isfinite(pace.credit)
         assert math.isfinite(pace.decode_seconds) and math.isfinite(pace.prefill_rate)
 

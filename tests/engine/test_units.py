@@ -97,6 +97,9 @@ def test_configs_reject_bad_values() -> None:
         SchedulerConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="max_prefill_wait"):
         SchedulerConfig(max_prefill_wait=float("nan"))
+    for seconds in (float("nan"), -1.0, float("inf")):
+        with pytest.raises(ValueError, match="max_prefill_pass"):
+            SchedulerConfig(max_prefill_pass=seconds)
     for stall in (float("nan"), -0.5):
         with pytest.raises(ValueError, match="max_prefill_stall"):
             SchedulerConfig(max_prefill_stall=stall)

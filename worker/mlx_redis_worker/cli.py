@@ -508,8 +508,9 @@ WORKER_FLAGS: dict[str, tuple[type, str]] = {
     ),
     "max_prefill_stall": (
         float,
-        "while sequences decode, a step's prefill may take about this many decode steps "
-        "(default 1.0; inf: a whole chunk each step, best burst throughput)",
+        "while sequences decode, prefill takes about this share of the engine's time "
+        "(default 0.2: streams keep ~0.8 of their speed beside another tenant's long prompts; "
+        "1.0: long prompts beside streams prefill faster; inf: a whole chunk each step)",
     ),
     "media_threads": (int, "threads decoding jobs' images and videos (default 2)"),
     "max_images": (int, "images in one job (default 16)"),

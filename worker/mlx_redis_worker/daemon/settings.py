@@ -109,10 +109,10 @@ class WorkerSettings:
     prefix: str = DEFAULT_PREFIX
     worker_id: str = field(default_factory=default_worker_id)
     max_concurrency: int = 32
-    # Stall-free scheduling: while sequences decode, one engine step's prefill may take about
-    # this many measured decode steps (inf: a whole prefill chunk beside every decode step,
-    # the best burst throughput; smaller: steadier streams beside long prompts).
-    max_prefill_stall: float = 1.0
+    # Stall-free scheduling: while sequences decode, prefill earns this many measured decode
+    # steps of time a step (inf: a whole prefill chunk beside every decode step, the best
+    # burst throughput; larger: long prompts beside streams prefill sooner, the streams slower).
+    max_prefill_stall: float = 0.2
     # What one job's format (response_format, or its tools' grammar) may cost (over any:
     # invalid_job naming it), in llguidance's units of work, then two wall-clock safety nets:
     # see GrammarLimits. Its defaults, written here so that reading settings does not import

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -50,7 +51,7 @@ GRAMMAR_LIMITS = tuple(limit.name for limit in fields(GrammarLimits))
 
 
 # How many measured decode steps one step's prefill may take beside decoding streams.
-DEFAULT_MAX_PREFILL_STALL = 1.0
+DEFAULT_MAX_PREFILL_STALL = 0.2
 
 
 @dataclass(slots=True)
@@ -70,10 +71,12 @@ class SchedulerConfig:
     and decode step time are measured as the engine runs), turned into a token budget of at
     least ``min_prefill_tokens`` (long prompts always progress) and at most
     ``prefill_step_size``, given first to the prompts with the fewest tokens left. With nothing
-    decoding, a pass prefills what the measured speed does in ``max_prefill_wait`` (at most a
-    whole chunk), so a request arriving meanwhile is admitted soon. Prompts of more than
-    ``prefill_step_size`` tokens to prefill hold at most ``prefill_batch_size - 1`` rows of the
-    prefill batch: one row stays for shorter prompts. A larger stall gives prompts arriving
+    decoding, a pass prefills what the measured speed does in ``max_prefill_pass`` seconds (at
+    most a whole chunk; 0: a whole chunk), so a request arriving meanwhile (another tenant's
+    chat beside a long prompt) waits at most about that long for its own prefill. Prompts of
+    more than ``prefill_step_size`` tokens to prefill and shorter ones prefill in lanes of
+    their own, each of ``prefill_batch_size`` rows (``PromptLane``). A larger stall gives
+    prompts arriving
     beside running streams their first tokens sooner; ``inf`` prefills a whole chunk each step.
     The bound protects a stream from work that came after it: while every decoding stream queued
     together with the prompts in prefill (one burst), a step may skip its decode and prefill
@@ -90,6 +93,7 @@ class SchedulerConfig:
     max_waiting_requests: int = 1024
     max_prefill_wait: float = 1.0
     max_prefill_stall: float = DEFAULT_MAX_PREFILL_STALL
+    max_prefill_pass: float = 0.1
     min_prefill_tokens: int = 32
     max_prompt_tokens: int = 32768
     max_logprobs: int = SamplingParams.MAX_LOGPROBS
@@ -119,6 +123,8 @@ class SchedulerConfig:
             raise ValueError("SchedulerConfig.max_waiting_requests must be >= 0")
         if not self.max_prefill_wait >= 0:  # NaN too
             raise ValueError("SchedulerConfig.max_prefill_wait must be >= 0")
+        if not 0 <= self.max_prefill_pass < math.inf:  # NaN too; 0: whole chunks
+            raise ValueError("SchedulerConfig.max_prefill_pass must be >= 0 and finite")
         if not self.max_prefill_stall >= 0:  # NaN too; inf: whole chunks
             raise ValueError("SchedulerConfig.max_prefill_stall must be >= 0 (inf allowed)")
         if not 0 <= self.max_logprobs <= SamplingParams.MAX_LOGPROBS:

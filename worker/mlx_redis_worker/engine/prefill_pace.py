@@ -6,8 +6,9 @@ prompts. Sarathi sizes the share from an offline profile; here it comes from wha
 does as the engine runs, since the same worker serves a 2-core CPU and an H100: an
 exponential moving average of the decode step's seconds and of prefill tokens per second, both
 measured on the engine thread. The budget is the tokens that fit in ``max_stall`` decode steps
-at the measured prefill speed, kept between ``min_tokens`` (a long prompt always progresses)
-and ``max_tokens`` (the prefill chunk).
+at the measured prefill speed, kept between a floor (a long prompt always progresses:
+``min_tokens``, fewer where such a pass would take longer than a decode step) and
+``max_tokens`` (the prefill chunk).
 
 The speed of a small chunk is lower than a large one's (a pass has fixed costs), so the budget
 found from it is conservative; the next step's budget grows toward the size whose pass takes
@@ -36,6 +37,11 @@ MIN_SHARE = 0.125
 # instead of in shares of the credit, each waiting for it (the pass beyond its credit is paid
 # back by the steps after it).
 SHORT_PASS_STEPS = 4.0
+
+# Where a pass of ``min_tokens`` takes longer than a steady decode step (deep in a long prompt,
+# where every token attends over the whole context), the floor shrinks to what fits in one
+# step, down to this fraction of ``min_tokens``: a stream's longest gap stays near two steps.
+FLOOR_FRACTION = 0.25
 
 # Weight of a new measurement: the budget follows a change of load within a few steps, and one
 # step slowed by something else (a grammar compile, the OS) moves it a third of the way.
@@ -73,10 +79,24 @@ class PrefillPace:
         26k-token prompt, sized as a whole chunk, took 5.2 s on tiny while others waited)."""
         return self._rates[self.lane] or self._rates[1 - self.lane]
 
+    @property
+    def floor(self) -> int:
+        """The fewest tokens a pass beside decoding takes: ``min_tokens``, or what the lane's
+        measured speed does in one steady decode step where that is less (at least
+        ``FLOOR_FRACTION`` of ``min_tokens``): beside a 26k-token prompt on tiny a pass of 32
+        tokens took two to eight decode steps, each a gap in every stream."""
+        least = max(1, math.ceil(self.min_tokens * FLOOR_FRACTION))
+        if self.prefill_rate <= 0.0 or self.decode_seconds <= 0.0:
+            return self.min_tokens
+        fits = self.prefill_rate * self.decode_seconds
+        if not math.isfinite(fits):
+            return self.min_tokens
+        return max(least, min(self.min_tokens, int(fits)))
+
     def budget(self, decoding: bool) -> int:
         """The prompt tokens this step may prefill. Beside decoding streams: the tokens the
         stall credit pays for at the measured speed (``earn``), 0 while that is less than
-        ``min_tokens`` (this step decodes only), the minimum until both speeds are measured.
+        the ``floor`` (this step decodes only), ``min_tokens`` until both speeds are measured.
         With nothing decoding: the tokens that take about ``max_pass_seconds`` at the measured
         speed, at most a whole chunk: on a slow machine, or deep into a long prompt (attention
         over its whole context), a whole chunk can take many seconds, and a request arriving
@@ -91,7 +111,7 @@ class PrefillPace:
             return self.min_tokens
         # Rounded: a credit capped at the floor's seconds pays for the floor exactly.
         tokens = round(self.prefill_rate * self.credit, 6)
-        if tokens < self.min_tokens:
+        if tokens < self.floor:
             return 0
         return int(min(self.max_tokens, tokens))
 
@@ -104,14 +124,14 @@ class PrefillPace:
     def earn(self) -> None:
         """A decode step runs while prompts wait for prefill: the credit grows by
         ``max_stall`` of a steady decode step (at least ``MIN_SHARE``: prompts always
-        progress), up to one pass of ``min_tokens`` or one stall,
+        progress), up to one pass of the ``floor`` or one stall,
         whichever takes longer: a pass waits for its credit instead of stretching every step
         (beside four long prompts deep in prefill on tiny, a pass of 32 tokens took 2x a
         decode step: each step was 3x)."""
         if math.isinf(self.max_stall) or self.decode_seconds <= 0.0:
             return
         share = max(self.max_stall, MIN_SHARE)
-        floor_seconds = self.min_tokens / self.prefill_rate if self.prefill_rate > 0.0 else 0.0
+        floor_seconds = self.floor / self.prefill_rate if self.prefill_rate > 0.0 else 0.0
         cap = max(floor_seconds, share * self.decode_seconds)
         credit = min(cap, self.credit + share * self.decode_seconds)
         if math.isfinite(credit):  # absurd measurements leave it as it was
