@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError, TryAgainError
 from redis.typing import EncodableT
 
-from mlx_redis_protocol.connection import RedisClient
+from mlx_redis_protocol.connection import RedisClient, refresh_slot_map
+
+# What a Cluster node answers a script that reached a key of a slot it no longer serves
+# (a failover or a resharding moved the slot since the caller read the slot map).
+NOT_LOCAL: Final = "non local key"
 
 # redis-py's script object per client and script (its SHA1 computed once), dropped with the
 # client: nothing is shared between clients, which may talk to different servers.
@@ -99,3 +103,47 @@ async def _load_script(redis: RedisClient, script: str, keys: Sequence[Sequence[
         if node is not None:
             nodes.add(node)
     await redis.execute_command("SCRIPT LOAD", script, target_nodes=list(nodes))
+
+
+async def run_script_on_nodes(
+    redis: RedisCluster,
+    script: str,
+    calls: Sequence[tuple[ClusterNode, Sequence[EncodableT]]],
+) -> list[Any]:
+    """Calls of a script that declares no keys, each on its node (``(node, args)``), in one
+    round trip to the nodes in parallel: a script flagged ``allow-cross-slot-keys`` that
+    reaches keys of several slots of its node, named in its arguments (Redis runs a call
+    with declared keys only when they share one slot).
+
+    A node missing the script is loaded it and the calls it answered NOSCRIPT are sent again,
+    as ``run_script_each`` does. A node that no longer serves a key a call reaches answers an
+    error after running the call up to that key: the slot map is read again and TryAgainError
+    raised (Redis unavailable for now), so the caller's retry, which such a script must
+    allow, goes to the key's node."""
+    sha = registered_script(redis, script).sha
+    replies = await _evalsha_on_nodes(redis, sha, calls)
+    missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if missing:
+        nodes = list({calls[index][0] for index in missing})
+        await redis.execute_command("SCRIPT LOAD", script, target_nodes=nodes)
+        resent = await _evalsha_on_nodes(redis, sha, [calls[index] for index in missing])
+        for index, reply in zip(missing, resent, strict=True):
+            replies[index] = reply
+    for reply in replies:
+        if isinstance(reply, ResponseError) and NOT_LOCAL in str(reply):
+            await refresh_slot_map(redis)
+            raise TryAgainError(f"a key moved to another node: {reply}")
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+async def _evalsha_on_nodes(
+    redis: RedisCluster, sha: str, calls: Sequence[tuple[ClusterNode, Sequence[EncodableT]]]
+) -> list[Any]:
+    async with redis.pipeline(transaction=False) as pipe:
+        for node, args in calls:
+            pipe.execute_command("EVALSHA", sha, 0, *args, target_nodes=node)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+    return replies

@@ -13,14 +13,15 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
 
-from redis.asyncio.cluster import RedisCluster
-from redis.crc import key_slot
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import SlotNotCoveredError
+from redis.typing import EncodableT
 
 from mlx_redis_protocol.codec_events import encode_event
 from mlx_redis_protocol.connection import RedisClient
 from mlx_redis_protocol.constants import DEFAULT_LOG_TTL_SECONDS, LOG_EVENT_FIELD, LOG_SEQ_FIELD
 from mlx_redis_protocol.keys import Keys
-from mlx_redis_protocol.lua import run_script, run_script_each
+from mlx_redis_protocol.lua import run_script, run_script_on_nodes
 from mlx_redis_protocol.messages import Event
 
 # The newest event a worker wrote to a log: its seq and whether it ends the request; seq -1
@@ -63,7 +64,7 @@ end
 # name this attempt and run), 2 refused (the log lacks events this attempt wrote before).
 #
 # Channels are passed as keys only so Redis Cluster routes the call by their hash tag; on a
-# Cluster one call carries only keys of one slot. `seq` is a field of its own so XREVRANGE
+# Cluster one call carries only keys of one slot (PUBLISH_EVENTS_ON_NODE: of one node). `seq` is a field of its own so XREVRANGE
 # COUNT 1 finds the newest without decoding; a terminal entry also gets `end`, for
 # BEGIN_ATTEMPT. Append before publish: whoever hears an event can find it logged.
 #
@@ -121,6 +122,29 @@ for i = 1, #KEYS / 3 do
 end
 return results
 """
+)
+
+# PUBLISH_EVENTS for one Cluster node: every event of a step whose request lives on that
+# node, whatever its slot, in one call (one call per slot would be a script call per request
+# and step, as many as there are deltas). Redis runs a call with declared keys only when they
+# share a slot, so this one declares none: ARGV[1] is the number N of key names, ARGV[2..N+1]
+# are PUBLISH_EVENTS' KEYS and the rest its ARGV, which local KEYS and ARGV hand to the same
+# script. The flag lets it reach keys of several slots, all of which must be the node's own:
+# one a node no longer serves (its slot moved) fails the call at that key, and the caller
+# reads the slot map again and sends it again (idempotent by seq, as PUBLISH_EVENTS is).
+PUBLISH_EVENTS_ON_NODE: Final = (
+    """#!lua flags=allow-cross-slot-keys
+local names = tonumber(ARGV[1])
+local keys, args = {}, {}
+for i = 1, names do
+  keys[i] = ARGV[i + 1]
+end
+for i = names + 2, #ARGV do
+  args[#args + 1] = ARGV[i]
+end
+local KEYS, ARGV = keys, args
+"""
+    + PUBLISH_EVENTS
 )
 
 # KEYS[1] log, KEYS[2] attempt key, KEYS[3] (optional) the finished marker; ARGV[1] attempt, ARGV[2]
@@ -214,9 +238,10 @@ async def publish_events(
     each request id to the token its attempt was begun with (``begin_attempt``); the queued
     marker (attempt 0) needs none.
 
-    One script call on a single server. On a Redis Cluster, one call per hash slot (a
-    request's keys share its slot), all sent together: one round trip in parallel to the
-    nodes involved. Safe to call again with the same events after an error (see the script).
+    One script call on a single server. On a Redis Cluster, one call per node holding some
+    of the requests (PUBLISH_EVENTS_ON_NODE), all sent together: one round trip in parallel
+    to the nodes involved. Safe to call again with the same events after an error (see the
+    script); on a Cluster, an error may follow a slot that moved, the slot map read again.
     """
     if ttl_seconds < 1:
         raise ValueError(f"ttl_seconds must be >= 1, got {ttl_seconds}")
@@ -227,16 +252,21 @@ async def publish_events(
         script_keys, script_args = publish_call(keys, events, ttl_seconds, runs, sharded=False)
         replies = await run_script(redis, PUBLISH_EVENTS, script_keys, script_args)
         return [Outcome(reply) for reply in replies]
-    by_slot: dict[int, list[int]] = {}
+    by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
     for index, event in enumerate(events):
-        by_slot.setdefault(key_slot(keys.log(event.request_id).encode()), []).append(index)
-    calls = [
-        publish_call(keys, [events[i] for i in indexes], ttl_seconds, runs, sharded=True)
-        for indexes in by_slot.values()
-    ]
-    per_slot = await run_script_each(redis, PUBLISH_EVENTS, calls)
+        node = redis.get_node_from_key(keys.log(event.request_id))
+        if node is None:  # only asked of replicas; a slot without a master raises
+            raise SlotNotCoveredError(f"no node serves {keys.log(event.request_id)}")
+        by_node.setdefault(node.name, (node, []))[1].append(index)
+    calls: list[tuple[ClusterNode, list[EncodableT]]] = []
+    for node, indexes in by_node.values():
+        script_keys, script_args = publish_call(
+            keys, [events[i] for i in indexes], ttl_seconds, runs, sharded=True
+        )
+        calls.append((node, [len(script_keys), *script_keys, *script_args]))
+    per_node = await run_script_on_nodes(redis, PUBLISH_EVENTS_ON_NODE, calls)
     outcomes: list[Outcome] = [Outcome.FENCED] * len(events)
-    for indexes, replies in zip(by_slot.values(), per_slot, strict=True):
+    for (_, indexes), replies in zip(by_node.values(), per_node, strict=True):
         for index, reply in zip(indexes, replies, strict=True):
             outcomes[index] = Outcome(reply)
     return outcomes
@@ -250,7 +280,8 @@ def publish_call(
     *,
     sharded: bool,
 ) -> tuple[list[str], list[bytes | int | str]]:
-    """KEYS and ARGV of one PUBLISH_EVENTS call (on a Cluster: events of one slot only)."""
+    """KEYS and ARGV of one PUBLISH_EVENTS call (on a Cluster, PUBLISH_EVENTS_ON_NODE takes
+    them as its ARGV: events of one node only)."""
     runs = runs or {}
     script_keys: list[str] = []
     script_args: list[bytes | int | str] = [ttl, "SPUBLISH" if sharded else "PUBLISH"]

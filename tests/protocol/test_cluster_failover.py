@@ -9,17 +9,20 @@ import time
 from contextlib import aclosing
 
 import pytest
+import redis
+from redis.crc import key_slot
 
 from mlx_redis_protocol.client import Client
 from mlx_redis_protocol.codec_job import decode_job
-from mlx_redis_protocol.connection import connect
+from mlx_redis_protocol.connection import connect, is_unavailable
 from mlx_redis_protocol.constants import JOB_FIELD
 from mlx_redis_protocol.errors import RedisUnavailable
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.messages import Event
+from mlx_redis_protocol.replay_log import Outcome, publish_events, read_log
 from mlx_redis_protocol.sync_client import SyncClient
 from mlx_redis_worker.local_redis import LocalCluster
-from tests.protocol.helpers import emit, text_events
+from tests.protocol.helpers import begin, delta, emit, run_of, text_events
 from tests.support.waiting import run
 
 
@@ -121,3 +124,73 @@ def test_a_cluster_that_stays_down_ends_commands_and_streams_with_redis_unavaila
     assert "may or may not have been queued" in submitting or "was not queued" in submitting
     assert "Redis unreachable" in following
     assert seconds < 20
+
+
+def move_slot(cluster: LocalCluster, key: str) -> None:
+    """Reshard ``key``'s slot, with its keys, to another master (as ``redis-cli --cluster
+    reshard`` does for each slot), telling every master of its new owner."""
+    slot = key_slot(key.encode())
+    source_port = cluster.primary_port(key)
+    masters = [node for node in cluster.nodes if node.process is not None]
+    source = next(node for node in masters if node.port == source_port)
+    target = next(node for node in masters if node.port != source_port)
+    clients = {node.port: redis.Redis(port=node.port) for node in masters}
+    try:
+        ids = {port: client.execute_command("CLUSTER", "MYID") for port, client in clients.items()}
+        clients[target.port].execute_command(
+            "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source.port]
+        )
+        clients[source.port].execute_command(
+            "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target.port]
+        )
+        moving = clients[source.port].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+        if moving:
+            clients[source.port].execute_command(
+                "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *moving
+            )
+        for client in clients.values():
+            client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target.port])
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_step_published_after_its_slot_moved_follows_it() -> None:
+    """A worker's events go as one script call per node, reaching keys its slot map says the
+    node serves. After a resharding moved a request's slot, the call that still goes to the
+    old node fails unavailable (the map read again); the next one lands on the new node, and
+    the log holds every event once, in order."""
+    keys = Keys("moved")
+    requests = [f"mv-{i}" for i in range(6)]
+    with LocalCluster() as cluster:
+
+        async def scenario() -> tuple[bool, list[Outcome], list[list[int]]]:
+            client = await connect(cluster.url)
+            try:
+                for rid in requests:
+                    await begin(client, keys, rid, 1)
+                await publish_events(
+                    client, keys, [delta(rid, 1, "a") for rid in requests], runs=runs(requests)
+                )
+                move_slot(cluster, keys.log(requests[0]))
+                step = [delta(rid, 2, "b") for rid in requests]
+                try:
+                    await publish_events(client, keys, step, runs=runs(requests))
+                    stale_failed = False
+                except Exception as exc:
+                    stale_failed = is_unavailable(exc)
+                outcomes = await publish_events(client, keys, step, runs=runs(requests))
+                logs = [[e.seq for e in await read_log(client, keys, rid)] for rid in requests]
+                return stale_failed, outcomes, logs
+            finally:
+                await client.aclose()
+
+        stale_failed, outcomes, logs = run(scenario())
+    assert stale_failed
+    assert outcomes == [Outcome.LOGGED] * len(requests)
+    assert logs == [[1, 2]] * len(requests)
+
+
+def runs(requests: list[str]) -> dict[str, str]:
+    return {rid: run_of(1) for rid in requests}

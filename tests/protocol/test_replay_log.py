@@ -15,6 +15,7 @@ from mlx_redis_protocol.replay_log import (
     DUPLICATE,
     FINISHED,
     PUBLISH_EVENTS,
+    PUBLISH_EVENTS_ON_NODE,
     REMEMBERED,
     STALE_ATTEMPT,
     Fence,
@@ -281,6 +282,14 @@ def test_the_spec_lists_the_script_the_code_runs() -> None:
     readme = (Path(replay_log.__file__).parents[1] / "README.md").read_text()
     listing = readme.split("```lua\n", 1)[1].split("```", 1)[0]
     assert textwrap.dedent(listing) == PUBLISH_EVENTS.lstrip("\n")
+
+
+def test_the_spec_lists_the_cluster_nodes_prologue_the_code_runs() -> None:
+    """The spec's per-node prologue is the one the code puts before PUBLISH_EVENTS."""
+    readme = (Path(replay_log.__file__).parents[1] / "README.md").read_text()
+    listing = readme.split("```\n   #!lua", 1)[1].split("```", 1)[0]
+    prologue = textwrap.dedent("   #!lua" + listing).removesuffix("-- then the script above\n")
+    assert prologue + PUBLISH_EVENTS == PUBLISH_EVENTS_ON_NODE
 
 
 def test_queued_markers_after_the_end_neither_hide_it_nor_renumber(

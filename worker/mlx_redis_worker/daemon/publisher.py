@@ -4,7 +4,7 @@ The engine calls ``on_step`` once per step with every streamed output; the event
 drafts until a flush gives them their ``seq`` and sends them all through the PUBLISH_EVENTS
 script, which appends each to its request's log and publishes it on its channel: one call per
 step on a single server (redis-py's packing and parsing cost per command, not per byte), one
-per hash slot on a Redis Cluster, pipelined. When Redis fails the flush keeps the numbered
+per node on a Redis Cluster, pipelined. When Redis fails the flush keeps the numbered
 batch and sends it again with backoff; the script writes nothing twice, so a batch that ran
 before its reply was lost is harmless. Meanwhile new deltas of a request merge into its unsent
 delta, so the buffer stays one delta plus one terminal event per request and no token and no
@@ -128,7 +128,7 @@ class _Draft:
 @dataclass(frozen=True, slots=True)
 class PublisherStats:
     steps: int  # engine steps whose outputs were handed over
-    round_trips: int  # flushes (one script call per hash slot each)
+    round_trips: int  # flushes (one script call per node on a Cluster each)
     events_published: int
     redis_failures: int  # flushes that failed and were sent again
     fenced: int  # requests whose events a newer attempt refused
@@ -384,7 +384,7 @@ class EventPublisher:
             self.abandon(request_id, lost=outcome)
 
     async def _send(self, events: list[Event], runs: Mapping[str, str]) -> list[Outcome]:
-        """One round trip (one script call per hash slot on a Cluster, pipelined)."""
+        """One round trip (one script call per node on a Cluster, pipelined)."""
         return await publish_events(
             self.redis, self.keys, events, ttl_seconds=self.log_ttl, runs=runs
         )
