@@ -82,14 +82,18 @@ def test_a_running_stream_gets_a_token_every_step_while_a_long_prompt_prefills(
     scheduler.add_request(Request("long", tokens_of_length(tokenizer, LONG, 1), greedy(2)))
     floor = math.ceil(SchedulerConfig().min_prefill_tokens * FLOOR_FRACTION)
     passes = 0
-    for step in range(1, 25):
+    step = 0
+    # Until its second pass: a pass slowed by the machine's load is paid back from the credit
+    # over more steps (24 steps held two passes on an idle machine, one under two CPU burners).
+    while passes < 2:
+        step += 1
+        assert step <= 400, "the long prompt did not progress"
         outputs = {o.request_id: o for o in scheduler.step().outputs}
         assert len(outputs["stream"].new_token_ids) == 1, f"step {step}: the stream stalled"
         assert "long" not in outputs
         tokens = prefilled_tokens(scheduler)
         assert tokens == 0 or tokens >= floor
         passes += tokens > 0
-    assert passes >= 2
     stats = scheduler.stats().prefill_pace
     assert stats is not None and stats.decode_step_seconds > 0
     assert stats.prefill_tokens_per_second > 0
