@@ -64,9 +64,10 @@ end
 # name this attempt and run), 2 refused (the log lacks events this attempt wrote before).
 #
 # Channels are passed as keys only so Redis Cluster routes the call by their hash tag; on a
-# Cluster one call carries only keys of one slot (PUBLISH_EVENTS_ON_NODE: of one node). `seq` is a field of its own so XREVRANGE
-# COUNT 1 finds the newest without decoding; a terminal entry also gets `end`, for
-# BEGIN_ATTEMPT. Append before publish: whoever hears an event can find it logged.
+# Cluster one call carries only keys of one slot (PUBLISH_EVENTS_ON_NODE: of one node). `seq`
+# is a field of its own so XREVRANGE COUNT 1 finds the newest without decoding; a terminal
+# entry also gets `end`, for BEGIN_ATTEMPT. Append before publish: whoever hears an event can
+# find it logged.
 #
 # Idempotent by seq: an event whose seq the log already holds is not written or published
 # again, so a call whose reply was lost (a timeout, a failover) can simply be sent again.
