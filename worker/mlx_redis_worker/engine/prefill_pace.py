@@ -85,12 +85,10 @@ class PrefillPace:
         measured speed does in one steady decode step where that is less (at least
         ``FLOOR_FRACTION`` of ``min_tokens``): beside a 26k-token prompt on tiny a pass of 32
         tokens took two to eight decode steps, each a gap in every stream."""
-        least = max(1, math.ceil(self.min_tokens * FLOOR_FRACTION))
-        if self.prefill_rate <= 0.0 or self.decode_seconds <= 0.0:
-            return self.min_tokens
         fits = self.prefill_rate * self.decode_seconds
-        if not math.isfinite(fits):
+        if not 0.0 < fits < math.inf:  # a speed not yet measured
             return self.min_tokens
+        least = max(1, math.ceil(self.min_tokens * FLOOR_FRACTION))
         return max(least, min(self.min_tokens, int(fits)))
 
     def budget(self, decoding: bool) -> int:

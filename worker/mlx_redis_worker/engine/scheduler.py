@@ -222,7 +222,7 @@ class Scheduler:
                     # speed (the other lane's pass could take all the slack and end nothing).
                     shortest = generator.shortest_prompt_left
                     fair_lane, self.pace.lane = self.pace.lane, generator.shortest_lane
-                    burst = self.pace.burst_budget(self._burst_slack())
+                    burst = self.pace.burst_budget(self._burst_slack(self.pace.lane))
                     if shortest is not None and burst >= max(budget, shortest):
                         decoding, budget = False, burst  # this step: the burst's prefill only
                         self.pace.burst_steps += 1
@@ -278,8 +278,9 @@ class Scheduler:
                 self._finish(sequence, "error", error=_describe(sequence.failure))
         return self._take_finished()
 
-    def _burst_slack(self) -> float:
-        """Seconds this step's prefill may take with no decode beside it.
+    def _burst_slack(self, burst_lane: int) -> float:
+        """Seconds this step's prefill may take with no decode beside it, prefilling
+        ``burst_lane`` (the generator's ``shortest_lane``).
 
         A burst: requests that queued together. A decoding stream and a prompt now in prefill
         are of one burst when the prompt was still waiting to start its prefill while the
@@ -299,7 +300,6 @@ class Scheduler:
         # prompt in the other lane, in prefill since before this burst, is not of it (it kept
         # every chat burst beside it from its burst steps: half the burst's prompts waited for
         # the stall credit).
-        burst_lane = self._generator.shortest_lane if self._generator is not None else 0
         for sequence in self.running.values():
             if sequence.request.first_token_time is None and (
                 self._in_long_lane(sequence) == bool(burst_lane)
