@@ -8,8 +8,8 @@ again. A call answered NOSCRIPT did not run, so sending it again is always safe.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final, TypeVar
 
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.commands.core import AsyncScript
@@ -21,6 +21,9 @@ from mlx_redis_protocol.connection import RedisClient, refresh_slot_map
 # What a Cluster node answers a script that reached a key of a slot it no longer serves
 # (a failover or a resharding moved the slot since the caller read the slot map).
 NOT_LOCAL: Final = "non local key"
+
+# One script call as a sender takes it: ``(keys, args)``, or ``(node, args)`` on a Cluster.
+CallT = TypeVar("CallT")
 
 # redis-py's script object per client and script (its SHA1 computed once), dropped with the
 # client: nothing is shared between clients, which may talk to different servers.
@@ -58,16 +61,31 @@ async def run_script_each(
     again once, after SCRIPT LOAD on the nodes that answered so.
     """
     sha = registered_script(redis, script).sha
-    replies = await _evalsha_pipelined(redis, sha, calls)
-    missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-    if missing:
-        await _load_script(redis, script, [calls[index][0] for index in missing])
-        resent = await _evalsha_pipelined(redis, sha, [calls[index] for index in missing])
-        for index, reply in zip(missing, resent, strict=True):
-            replies[index] = reply
+    replies = await _sent_again_where_missing(
+        calls,
+        lambda batch: _evalsha_pipelined(redis, sha, batch),
+        lambda batch: _load_script(redis, script, [keys for keys, _ in batch]),
+    )
     for reply in replies:
         if isinstance(reply, Exception):
             raise reply
+    return replies
+
+
+async def _sent_again_where_missing(
+    calls: Sequence[CallT],
+    send: Callable[[Sequence[CallT]], Awaitable[list[Any]]],
+    load: Callable[[Sequence[CallT]], Awaitable[object]],
+) -> list[Any]:
+    """``send(calls)``'s replies (errors as exceptions, not raised); the calls answered
+    NOSCRIPT are sent again once, after ``load`` put the script where they go."""
+    replies = await send(calls)
+    missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if missing:
+        again = [calls[index] for index in missing]
+        await load(again)
+        for index, reply in zip(missing, await send(again), strict=True):
+            replies[index] = reply
     return replies
 
 
@@ -121,14 +139,13 @@ async def run_script_on_nodes(
     raised (Redis unavailable for now), so the caller's retry, which such a script must
     allow, goes to the key's node."""
     sha = registered_script(redis, script).sha
-    replies = await _evalsha_on_nodes(redis, sha, calls)
-    missing = [index for index, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-    if missing:
-        nodes = list({calls[index][0] for index in missing})
-        await redis.execute_command("SCRIPT LOAD", script, target_nodes=nodes)
-        resent = await _evalsha_on_nodes(redis, sha, [calls[index] for index in missing])
-        for index, reply in zip(missing, resent, strict=True):
-            replies[index] = reply
+    replies = await _sent_again_where_missing(
+        calls,
+        lambda batch: _evalsha_on_nodes(redis, sha, batch),
+        lambda batch: redis.execute_command(
+            "SCRIPT LOAD", script, target_nodes=list({node for node, _ in batch})
+        ),
+    )
     for reply in replies:
         if isinstance(reply, ResponseError) and NOT_LOCAL in str(reply):
             await refresh_slot_map(redis)
