@@ -171,11 +171,8 @@ def check_connection_room(nodes: Sequence[str], load: FleetLoad) -> None:
     workers would fail one by one as Redis refused them, minutes into a run."""
     need = CONNECTIONS_PER_WORKER * load.workers + CONNECTIONS_PER_CLIENT * max(load.clients, 1)
     for url in nodes:
-        client = redis.Redis.from_url(url, socket_timeout=30)
-        try:
+        with redis.Redis.from_url(url, socket_timeout=30) as client:
             room = int(as_text(client.config_get("maxclients")["maxclients"]))
-        finally:
-            client.close()
         if room < need:
             raise RuntimeError(
                 f"Redis takes {room} clients, {load.workers} workers and {load.clients} load "
@@ -188,12 +185,9 @@ def redis_command_calls(nodes: Sequence[str]) -> Counter[str]:
     """``INFO commandstats`` calls by command, summed over every node."""
     calls: Counter[str] = Counter()
     for url in nodes:
-        client = redis.Redis.from_url(url, socket_timeout=30)
-        try:
+        with redis.Redis.from_url(url, socket_timeout=30) as client:
             for name, stats in client.info("commandstats").items():
                 calls[name.removeprefix("cmdstat_")] += int(stats["calls"])
-        finally:
-            client.close()
     return calls
 
 
@@ -201,12 +195,9 @@ def redis_node_cpu_seconds(nodes: Sequence[str]) -> list[float]:
     """Each node's ``INFO CPU`` user + sys so far."""
     seconds = []
     for url in nodes:
-        client = redis.Redis.from_url(url, socket_timeout=30)
-        try:
+        with redis.Redis.from_url(url, socket_timeout=30) as client:
             info = client.info("cpu")
             seconds.append(float(info["used_cpu_user"]) + float(info["used_cpu_sys"]))
-        finally:
-            client.close()
     return seconds
 
 
@@ -219,13 +210,10 @@ def node_of_key(nodes: Sequence[str], key: str) -> int | None:
     ``CLUSTER NODES``); None on one server."""
     slot = key_slot(key.encode())
     for index, url in enumerate(nodes):
-        client = redis.Redis.from_url(url, socket_timeout=30)
-        try:
+        with redis.Redis.from_url(url, socket_timeout=30) as client:
             if not client.info("cluster").get("cluster_enabled"):
                 return None
-            lines = as_text(client.execute_command("CLUSTER", "NODES")).splitlines()  # type: ignore[no-untyped-call]
-        finally:
-            client.close()
+            lines = as_text(client.execute_command("CLUSTER", "NODES")).splitlines()
         mine = next(line.split() for line in lines if "myself" in line.split()[2])
         for served in mine[8:]:
             if served.startswith("["):  # a slot being migrated
