@@ -96,13 +96,15 @@ def _joined_calls(events: Sequence[Event]) -> dict[int, dict[str, str]]:
 
 def _valid_calls(done: DoneEvent, events: Sequence[Event]) -> list[ToolCall]:
     """Every call of ``done`` validates against its function's schema, and the streamed
-    pieces made exactly these calls."""
+    pieces made exactly these calls; where ``max_tokens`` ended the output, one more call
+    may have been cut short (streamed in part, not in ``done``: protocol/README.md)."""
     for call in done.tool_calls:
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
-    joined = _joined_calls(events)
-    assert [joined[i] for i in sorted(joined)] == [
-        {"id": c.id, "name": c.name, "arguments": c.arguments} for c in done.tool_calls
-    ]
+    joined = [call for _, call in sorted(_joined_calls(events).items())]
+    complete = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in done.tool_calls]
+    if done.finish_reason == "length" and len(joined) == len(complete) + 1:
+        joined.pop()
+    assert joined == complete
     return list(done.tool_calls)
 
 
@@ -225,7 +227,8 @@ def test_tool_jobs_the_worker_cannot_run_are_invalid_jobs(
     jobs = [
         _job("unenforceable", tools=(unenforceable,), tool_choice=ToolChoice("required")),
         _job("with-format", response_format={"type": "json_object"}),
-        _job("after", tool_choice=ToolChoice("required")),
+        # One call, so that it ends well inside max_tokens.
+        _job("after", tool_choice=ToolChoice("required"), parallel_tool_calls=False),
     ]
 
     async def main() -> dict[str, tuple[Event, list[Event]]]:

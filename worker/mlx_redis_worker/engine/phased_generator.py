@@ -329,7 +329,9 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
                     segments.pop(0)
                     if (
                         _only_last_token(segments)
-                        and len(chunk) < width
+                        # A pass one wider than its budget, not a separate forward pass
+                        # of the last token in start_generation.
+                        and len(chunk) < self.prefill_step_size
                         and uid not in self.last_token_apart
                         and self._split_model is not None
                     ):
