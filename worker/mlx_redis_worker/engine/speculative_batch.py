@@ -255,6 +255,49 @@ class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
             return list(super().next())
         return self._verify(*drafts)
 
+    def _step(self) -> tuple[list[int], list[mx.array]]:
+        """mlx-lm's decode step (the contract ``next`` reads), with per-row work only in the
+        rows that need it. mlx-lm slices every row through the processors once one row has a
+        processor, and samples every row alone once one row has a sampler of its own: one
+        grammar row, or one stochastic request, turned a batch of 8 greedy rows and 4
+        constrained ones into some 60 small ops more a step (23 ms -> 32 ms on tiny, where 4
+        plain rows cost 27). Here the rows with processors are processed and written back into
+        the batch's logits, the batch is sampled by the shared sampler in one call, and the
+        rows with a sampler of their own are drawn by it and written over theirs."""
+        self._current_tokens = self._next_tokens
+        self._current_logprobs = self._next_logprobs
+        inputs = self._current_tokens
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        contexts: list[mx.array] = []
+        rows = range(len(self.uids))
+        processed = [e for e in rows if self.logits_processors and self.logits_processors[e]]
+        if processed:
+            outputs = []
+            for e in processed:
+                row = logits[e : e + 1]
+                context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
+                contexts.append(context)
+                for processor in self.logits_processors[e]:
+                    row = processor(context, row)
+                outputs.append(row)
+            logits = _written_over(logits, processed, outputs)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        shared = self.fallback_sampler
+        if self.samplers and len({id(sampler) for sampler in self.samplers}) == 1:
+            shared = self.samplers[0] or shared  # one sampler for every row
+        own = [e for e in rows if self.samplers and self.samplers[e] not in (None, shared)]
+        picks = [self.samplers[e](logprobs[e : e + 1]) for e in own]
+        sampled = _written_over(shared(logprobs), own, picks)
+        self._next_tokens = sampled
+        self._next_logprobs = list(logprobs)
+        # The next step computes while this one's tokens are handed out.
+        mx.async_eval(self._next_tokens, self._next_logprobs, contexts)  # type: ignore[no-untyped-call]
+        mx.eval(inputs, self._current_logprobs)
+        tokens: list[int] = inputs.tolist()  # type: ignore[assignment]
+        for row_tokens, token in zip(self.tokens, tokens, strict=True):
+            row_tokens.append(token)
+        return tokens, self._current_logprobs
+
     def filter(self, keep: list[int]) -> None:
         kept = {self.uids[i] for i in keep}
         gone = [uid for uid in self.uids if uid not in kept]
@@ -468,6 +511,16 @@ class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
                 cache.keys = cache.keys[..., : cache.offset, :]
                 cache.values = cache.values[..., : cache.offset, :]
         return list(caches)
+
+
+def _written_over(batch: mx.array, rows: list[int], values: list[mx.array]) -> mx.array:
+    """``batch`` with its ``rows`` replaced by ``values`` (one row each), in one op."""
+    if not rows:
+        return batch
+    if len(rows) == batch.shape[0]:
+        return mx.concatenate(values, axis=0)
+    batch[mx.array(rows)] = mx.concatenate(values, axis=0).astype(batch.dtype)
+    return batch
 
 
 def _greedy_verdict(targets: list[int], draft: list[int], logprobs: mx.array) -> _Verdict:
