@@ -18,7 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_redis_worker.engine.config import SchedulerConfig
-from mlx_redis_worker.engine.prefill_pace import FLOOR_FRACTION, SHORT_PASS_STEPS, PrefillPace
+from mlx_redis_worker.engine.prefill_pace import (
+    CHAT_SHARE,
+    FLOOR_FRACTION,
+    SHORT_PASS_STEPS,
+    PrefillPace,
+)
 from mlx_redis_worker.engine.request import Request, SamplingParams
 from mlx_redis_worker.engine.scheduler import Scheduler
 from tests.support.engines import MakeEngine, reference_tokens
@@ -583,6 +588,29 @@ def test_a_pass_too_slow_for_the_stall_waits_for_its_credit() -> None:
                 pace.observe_prefill(tokens, 0.010 * tokens / 32)
                 pace.spend(0.010 * tokens / 32)
         assert abs(len(passes) - 800 / every) <= 1, (stall, len(passes))
+
+
+def test_a_chat_prompt_s_pass_is_repaid_at_the_chat_share_a_long_one_s_at_the_stall() -> None:
+    """With a stall of 0.2, a decode step of 1 ms and a pass of 4 ms beside it: the steps
+    after the pass earn 1 ms each (``CHAT_SHARE``) while the next pass ends a chat-size
+    prompt: 4 steps repay it and the fifth earns the next pass; 0.2 ms each otherwise (20
+    steps to repay, 5 more to earn a pass of the 1-token floor): 8 chat
+    prompts beside another tenant's streams took 4 such passes, and their first tokens came
+    4-5x later than with nothing decoding."""
+    steps_to_repay = {}
+    for chat in (True, False):
+        pace = PrefillPace(max_stall=0.2, min_tokens=4, max_tokens=2048)
+        pace.observe_prefill(1000, 1.0)  # 1 token a ms: the floor's pass fits a step
+        pace.observe_decode(0.001)
+        pace.spend(0.004)
+        steps = 0
+        while pace.budget(decoding=True) == 0:
+            pace.observe_decode(0.001)
+            pace.earn(chat=chat)
+            steps += 1
+        steps_to_repay[chat] = steps
+    assert CHAT_SHARE == 1.0
+    assert steps_to_repay == {True: 4 + 1, False: 20 + 5}
 
 
 @settings(max_examples=300, deadline=None)

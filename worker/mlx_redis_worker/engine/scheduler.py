@@ -232,7 +232,7 @@ class Scheduler:
                 if decoding:
                     prefill_due = False
                     if generator.has_prefill_work:
-                        self.pace.earn()
+                        self.pace.earn(chat=self._chat_prompt_next(generator))
                         budget = self.pace.budget(decoding)
                         prefill_due = budget > 0
                     # One pass beside the steady batch's a step: a prompt's or a long-context
@@ -277,6 +277,12 @@ class Scheduler:
             for sequence in [s for s in self.running.values() if s.failure is not None]:
                 self._finish(sequence, "error", error=_describe(sequence.failure))
         return self._take_finished()
+
+    def _chat_prompt_next(self, generator: PhasedBatchGenerator) -> bool:
+        """Whether the next pass prefills the short lane and can end a prompt there within
+        a short pass (``PrefillPace.short_pass_tokens``): a chat-size prompt."""
+        left = generator.shortest_prompt_left
+        return self.pace.lane == 0 and left is not None and left <= self.pace.short_pass_tokens()
 
     def _burst_slack(self, burst_lane: int) -> float:
         """Seconds this step's prefill may take with no decode beside it, prefilling
