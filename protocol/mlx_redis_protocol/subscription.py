@@ -213,7 +213,10 @@ class _Follower:
         """Wait up to ``wait`` seconds for live events; returns what they released."""
         if inbox.empty():
             try:
-                first = await asyncio.wait_for(inbox.get(), wait)
+                # Not wait_for: on Python 3.11 it runs the get as a task of its own, a second
+                # task step on every live event (3.12's wait_for is this timeout).
+                async with asyncio.timeout(wait):
+                    first = await inbox.get()
             except TimeoutError:
                 return []
         else:
