@@ -135,6 +135,11 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         return min(left, default=None)
 
     @property
+    def long_prompts_in_prefill(self) -> bool:
+        """Whether a prompt of the long lane (more than a chunk) has tokens left."""
+        return bool(self._left_in(True))
+
+    @property
     def _prompt_rows(self) -> int:
         return len(self._prompt_batch) + len(self._other_lane.batch)
 
