@@ -613,6 +613,40 @@ def test_a_chat_prompt_s_pass_is_repaid_at_the_chat_share_a_long_one_s_at_the_st
     assert steps_to_repay == {True: 4 + 1, False: 20 + 5}
 
 
+def test_a_chat_prompt_earns_the_chat_share_only_while_no_long_prompt_prefills(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """Beside a stream, a chat prompt's steps earn ``CHAT_SHARE``; beside a long prompt in
+    prefill they earn the stall's share, since the long lane's passes would spend the credit
+    (on smollm2 a victim beside four 2,300-token prompts kept 0.66 of its speed, 0.91 with
+    this rule). The speeds are set, not measured, so the verdicts do not hang on the load."""
+    chunk = 64
+    scheduler = scheduler_over(tiny_model, on_a_stream, prefill_step_size=chunk)
+    tokenizer = tiny_model[1]
+    start_stream(scheduler, tokenizer)
+    scheduler.add_request(Request("long", tokens_of_length(tokenizer, 4 * chunk, 1), greedy(2)))
+    scheduler.add_request(Request("chat", tokens_of_length(tokenizer, 8, 2), greedy(2)))
+    generator = scheduler._generator
+    assert generator is not None
+
+    def chat_share_earned() -> bool:
+        scheduler._admit()  # into the generator, as a step begins
+        generator.prepare_pass()  # the queued prompts take their lanes' rows
+        pace = scheduler.pace = PrefillPace(max_stall=0.2, min_tokens=4, max_tokens=chunk)
+        pace.observe_prefill(1000, 1.0)  # short lane: a short pass is 40 tokens
+        pace.observe_decode(0.01)
+        pace.lane = 0
+        return scheduler._chat_prompt_next(generator)
+
+    assert not chat_share_earned()
+    assert generator.long_prompts_in_prefill
+    scheduler.abort_request("long")
+    assert not generator.long_prompts_in_prefill
+    assert chat_share_earned()
+    scheduler.abort_all()
+    scheduler.close()
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.floats(0.0, 100.0) | st.just(math.inf),
