@@ -84,6 +84,12 @@ def test_cli_runs_every_attacker_and_prints_the_table() -> None:
         row = rf"^\| {attacker} \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9]+ \| .*\|$"
         assert re.search(row, done.stdout, re.M), done.stdout
     assert re.search(r"^goals: .*: (met|NOT met)$", done.stdout, re.M), done.stdout
+    # Each phase is a tenant of its own inside its own quota: the floods before them spent
+    # the attacker key's 30 a minute, not these phases' (which then got 429 and attacked
+    # nothing).
+    for attacker in ("hostile schema", "nested anyof", "logprobs fanout", "many tools"):
+        row = re.search(rf"^\| {attacker} \|(.*)\|$", done.stdout, re.M)
+        assert row is not None and "429" not in row.group(1).split("|")[-1], done.stdout
     # The attackers are clients of their own, as on another host (Linux: all of 127/8 is lo).
     assert "connects from an address of its own (127.0.0.2, 127.0.0.3, …)" in done.stdout
 

@@ -13,9 +13,11 @@ Each attacker (``attackers``: huge header, huge body, read flood, resume flood, 
 schema, idle sockets, keep-alive sockets from 500 addresses, bodies just under 4 MiB with a
 key, 48 agent tools, the image attackers: image bombs, 50 MB images, image floods, and long
 uncached prompts inside the key's quota: about 2,300 tokens 4 at once, about 26k one at a
-time, each such phase under a fresh key of the same quota; ``--attackers`` picks some) is a
-process of its own at the lowest CPU priority, connecting from an address of its own
-(127.0.0.2, 127.0.0.3, …: one per attack phase), standing for a client on another host: the
+time; ``--attackers`` picks some) is a
+process of its own at the lowest CPU priority, under a fresh key of the attacker's quota (the
+resume flood under the attacker key, whose finished request it resumes), connecting from an
+address of its own (127.0.0.2, 127.0.0.3, …: one per attack phase), standing for a client on
+another host: the
 bench measures what its requests cost the gateway, Redis and the worker, not what sending
 them costs the attacker. Reported per attacker: the victim's tok/s, TTFT p50 and inter-token
 p99 (the gap between two of a stream's events with text, over all its streams) as ratios to
@@ -186,9 +188,11 @@ class Bench:
     own_request: str = ""
     attacks_run: int = 0  # numbers each attack phase's source address
     attackers: tuple[str, ...] = ()  # the attacks to run, in order (``attacks``' names)
-    # A fresh key (the attacker's quota) for each long-prompt phase, so that the floods' use
-    # of the attacker key does not turn a tenant inside its quota into one refused (429).
-    prompt_keys: list[str] = field(default_factory=list)
+    # A fresh key (the attacker's quota) for each attack phase but the resume flood's, so that
+    # one phase's use of the quota does not turn the next phase's tenant, inside its own
+    # quota, into one refused (429): the logprobs fanout got 429 x5 and nothing else after
+    # the nested-anyof phase had spent the shared key's 30 a minute.
+    phase_keys: list[str] = field(default_factory=list)
     prompt_files: dict[str, str] = field(default_factory=dict)  # long-prompt attack: its text
     # Waits until the worker holds no job; returns the seconds it waited.
     settle: Callable[[], Awaitable[float]] | None = None
@@ -201,11 +205,10 @@ async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
     prober = asyncio.create_task(_probe_health(bench.port, health))
     attacker = None
     if attack:
-        long_prompt = attack in LONG_PROMPT_ATTACKS
         attacker = Attacker(
             attack,
             bench.port,
-            bench.prompt_keys.pop() if long_prompt else bench.attacker_key,
+            bench.attacker_key if attack == "resume-flood" else bench.phase_keys.pop(),
             bench.own_request,
             bench.idle_sockets,
             source(bench.attacks_run),
@@ -432,17 +435,20 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
         keys = Path(directory) / "keys.toml"
         victim = add_key(keys, "victim", requests_per_minute=None, max_concurrent=None)
         attacker = add_key(
-            keys, "attacker", requests_per_minute=30, max_concurrent=ATTACKER_MAX_CONCURRENT
+            keys,
+            "attacker",
+            requests_per_minute=QUOTA_PER_MINUTE,
+            max_concurrent=ATTACKER_MAX_CONCURRENT,
         )
-        long_phases = args.repeat * sum(name in LONG_PROMPT_ATTACKS for name in chosen)
-        prompt_keys = [
+        fresh_phases = args.repeat * sum(name != "resume-flood" for name in chosen)
+        phase_keys = [
             add_key(
                 keys,
-                f"prompts{index}",
+                f"attacker{index}",
                 requests_per_minute=QUOTA_PER_MINUTE,
                 max_concurrent=ATTACKER_MAX_CONCURRENT,
             )
-            for index in range(long_phases)
+            for index in range(fresh_phases)
         ]
         prompt_files = {}
         for name in set(chosen) & set(LONG_PROMPT_ATTACKS):
@@ -494,7 +500,7 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
                 args.max_tokens,
                 args.idle_sockets,
                 attackers=chosen,
-                prompt_keys=prompt_keys,
+                phase_keys=phase_keys,
                 prompt_files=prompt_files,
                 settle=functools.partial(_settle, client, worker.worker_id),
                 attack_lead=args.attack_lead,
