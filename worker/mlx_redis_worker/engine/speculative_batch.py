@@ -258,12 +258,12 @@ class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
     def _step(self) -> tuple[list[int], list[mx.array]]:
         """mlx-lm's decode step (the contract ``next`` reads), with per-row work only in the
         rows that need it. mlx-lm slices every row through the processors once one row has a
-        processor, and samples every row alone once one row has a sampler of its own: one
-        grammar row, or one stochastic request, turned a batch of 8 greedy rows and 4
-        constrained ones into some 60 small ops more a step (23 ms -> 32 ms on tiny, where 4
-        plain rows cost 27). Here the rows with processors are processed and written back into
-        the batch's logits, the batch is sampled by the shared sampler in one call, and the
-        rows with a sampler of their own are drawn by it and written over theirs."""
+        processor, and samples every row alone once one row has a sampler of its own (a
+        grammar row, a stochastic request): on tiny, 8 greedy rows beside 4 constrained ones at
+        temperature 1 stepped in 34.2 ms, 31.5 ms here. Here the rows with processors are
+        processed and written back into the batch's logits, the batch is sampled by the shared
+        sampler in one call, and the rows with a sampler of their own are drawn by it and
+        written over theirs."""
         self._current_tokens = self._next_tokens
         self._current_logprobs = self._next_logprobs
         inputs = self._current_tokens
