@@ -274,11 +274,8 @@ class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
         if processed:
             outputs = []
             for e in processed:
-                row = logits[e : e + 1]
-                context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
+                row, context = self._processed_row(e, inputs[e : e + 1], logits[e : e + 1])
                 contexts.append(context)
-                for processor in self.logits_processors[e]:
-                    row = processor(context, row)
                 outputs.append(row)
             logits = _written_over(logits, processed, outputs)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -408,12 +405,17 @@ class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
     def _plain_row(self, e: int, inputs: mx.array, logits: mx.array) -> mx.array:
         """Position 0 of row ``e`` through its logits processors, as mlx-lm's step does."""
         row = logits[e : e + 1, 0]
-        processors = self.logits_processors[e] if self.logits_processors else ()
-        if processors:
-            context = self._token_context[e].update_and_fetch(inputs[e : e + 1, 0])
-            for processor in processors:
-                row = processor(context, row)
+        if self.logits_processors and self.logits_processors[e]:
+            row, _ = self._processed_row(e, inputs[e : e + 1, 0], row)
         return row - mx.logsumexp(row, axis=-1, keepdims=True)
+
+    def _processed_row(self, e: int, token: mx.array, row: mx.array) -> tuple[mx.array, mx.array]:
+        """Row ``e``'s logits ``row`` through its logits processors, its token context first
+        extended by the ``token`` it feeds; and that context."""
+        context = self._token_context[e].update_and_fetch(token)
+        for processor in self.logits_processors[e]:
+            row = processor(context, row)
+        return row, context
 
     def _fix_cache(self, width: int, accepted: list[int]) -> None:
         """Keep each row's pending token and accepted drafts in the KV cache, nothing after."""
