@@ -9,22 +9,20 @@ runs beside it, or none (the baseline); a prober asks ``/health`` every 0.1 s th
 Phases alternate with baselines (base, A, base, B, …, base), so each attacker's ratio is
 against the baselines on either side of it, in the same run.
 
-Each attacker (``attackers``: huge header, huge body, read flood, resume flood, hostile
-schema, idle sockets, keep-alive sockets from 500 addresses, bodies just under 4 MiB with a
-key, 48 agent tools, the image attackers: image bombs, 50 MB images, image floods, and long
-uncached prompts inside the key's quota: about 2,300 tokens 4 at once, about 26k one at a
-time; ``--attackers`` picks some) is a
-process of its own at the lowest CPU priority, under a fresh key of the attacker's quota (the
-resume flood under the attacker key, whose finished request it resumes), connecting from an
-address of its own (127.0.0.2, 127.0.0.3, …: one per attack phase), standing for a client on
-another host: the
-bench measures what its requests cost the gateway, Redis and the worker, not what sending
-them costs the attacker. Reported per attacker: the victim's tok/s, TTFT p50 and inter-token
-p99 (the gap between two of a stream's events with text, over all its streams) as ratios to
-the baselines (goals: tok/s ≥ 0.8, inter-token p99 ≤ 2.5), ``/health`` p99 (goal < 1 s), the
-cores the gateway, Redis (when the bench started it), the worker and the attacker used
-(Linux), how many exchanges a second the attacker made, and what it got back (statuses, and
-how many of its streams it read to the end).
+Each attacker (``attackers``: huge header, huge body, read flood, resume flood, hostile schema,
+idle sockets, keep-alive sockets from 500 addresses, bodies just under 4 MiB with a key, 48
+agent tools, the image attackers: image bombs, 50 MB images, image floods, and long uncached
+prompts inside the key's quota: about 2,300 tokens 4 at once, about 26k one at a time;
+``--attackers`` picks some) is a process of its own at the lowest CPU priority, under a fresh
+key of the attacker's quota (the resume flood under the attacker key, whose finished request it
+resumes), connecting from an address of its own (127.0.0.2, 127.0.0.3, …: one per attack
+phase), standing for a client on another host: the bench measures what its requests cost the
+gateway, Redis and the worker, not what sending them costs the attacker. Reported per attacker:
+the victim's tok/s, TTFT p50 and inter-token p99 (the gap between two of a stream's events with
+text, over all its streams) as ratios to the baselines (goals: tok/s ≥ 0.8, inter-token p99 ≤
+2.5), ``/health`` p99 (goal < 1 s), the cores the gateway, Redis (when the bench started it),
+the worker and the attacker used (Linux), how many exchanges a second the attacker made, and
+what it got back (statuses, and how many of its streams it read to the end).
 """
 
 from __future__ import annotations
@@ -68,6 +66,9 @@ from mlx_redis_worker.bench.worker_process import start_worker, stop_worker, wai
 from mlx_redis_worker.local_redis import free_port, local_redis
 from mlx_redis_worker.models import load_model
 
+# Attacks run under the attacker key itself (the resume flood resumes that key's finished
+# request); every other attack phase gets a fresh key of the same quota (``Bench.phase_keys``).
+ATTACKER_KEY_PHASES = frozenset({"resume-flood"})
 TOKENS_GOAL = 0.8  # victim tok/s under attack / alone
 GAP_GOAL = 2.5  # victim inter-token p99 under attack / alone
 HEALTH_GOAL_S = 1.0  # /health p99
@@ -208,7 +209,7 @@ async def _phase(bench: Bench, attack: str, prompts: list[str]) -> Phase:
         attacker = Attacker(
             attack,
             bench.port,
-            bench.attacker_key if attack == "resume-flood" else bench.phase_keys.pop(),
+            bench.attacker_key if attack in ATTACKER_KEY_PHASES else bench.phase_keys.pop(),
             bench.own_request,
             bench.idle_sockets,
             source(bench.attacks_run),
@@ -440,7 +441,7 @@ def run_isolation_bench(args: argparse.Namespace) -> int:
             requests_per_minute=QUOTA_PER_MINUTE,
             max_concurrent=ATTACKER_MAX_CONCURRENT,
         )
-        fresh_phases = args.repeat * sum(name != "resume-flood" for name in chosen)
+        fresh_phases = args.repeat * sum(name not in ATTACKER_KEY_PHASES for name in chosen)
         phase_keys = [
             add_key(
                 keys,
