@@ -8,6 +8,7 @@ cells before it masked, its own positions), and the rows beside it must not noti
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -26,16 +27,27 @@ SHORT = [(2, 12, 3), (7, 9, 4), (13, 14, 3), (18, 120, 4), (25, 10, 3), (30, 8, 
 
 # No stall bound: each prompt prefills in the step it arrives at, so what happens at each step
 # does not depend on this machine's measured speeds.
+# Copies so costly that no vacancy is compacted for its rent (only for a copy-join), and free
+# ones (every vacancy compacted at the next step).
+COSTLY_COPIES = 1.0
+FREE_COPIES = 0.0
+
 CONFIG = SchedulerConfig(
     enable_prefix_cache=False, max_num_seqs=8, prefill_batch_size=8, max_prefill_stall=math.inf
 )
 
 
 def run(
-    tiny_model: Any, stream: Any, requests: list[tuple[int, Request]], steps: int
+    tiny_model: Any,
+    stream: Any,
+    requests: list[tuple[int, Request]],
+    steps: int,
+    copy_seconds_per_cell: float = COSTLY_COPIES,
 ) -> tuple[dict[str, list[int]], RowSlotCounters, list[tuple[int, int]]]:
     """Step a scheduler, adding each request at its step: every request's tokens, the slot
-    counters, and (live rows, rows in the cache) of the decode batches after each step."""
+    counters, and (live rows, rows in the cache) of the decode batches after each step. The
+    copy speed the batches weigh vacancies against is set before every step, so what they
+    decide does not depend on this machine's timings."""
     model, tokenizer = tiny_model
     scheduler = Scheduler(model, tokenizer, CONFIG)
     scheduler.attach_stream(stream)
@@ -43,6 +55,7 @@ def run(
     tokens: dict[str, list[int]] = {request.request_id: [] for _, request in requests}
     shapes: list[tuple[int, int]] = []
     for step in range(steps):
+        generator.slot_counters.copy_seconds_per_cell = copy_seconds_per_cell
         for at, request in requests:
             if at == step:
                 scheduler.add_request(request)
@@ -91,12 +104,39 @@ def test_rows_join_and_leave_in_place_and_every_request_keeps_its_tokens(
         assert together[f"short{i}"] == by_itself[f"short{i}"], f"short{i}"
         assert len(by_itself[f"short{i}"]) == generated
 
-    # Short chats joined vacancies the earlier ones left; the long prompt could not.
+    # Short chats joined vacancies the earlier ones left; the long prompt could not (its
+    # join compacted the batch first). The old batch copied twice per short request (12).
     assert counters.joined_in_place >= 3
     assert counters.joined_by_copy >= 1
-    # Far fewer copies than rows leaving (7), and the vacancies were all compacted once the
-    # short requests were gone: the streams alone again, with no rows but theirs.
-    assert counters.joined_by_copy + counters.compactions < len(SHORT)
-    assert counters.compactions >= 1
+    assert counters.joined_by_copy + counters.compactions <= 4
     assert any(cached > live for live, cached in shapes)
+
+
+def test_vacancies_are_compacted_once_they_cost_more_than_the_copy(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    _, tokenizer = tiny_model
+    streams = [
+        (
+            0,
+            Request(
+                f"stream{i}", tokens_of_length(tokenizer, STREAM_PROMPT, i), endless(tokenizer)
+            ),
+        )
+        for i in range(STREAMS)
+    ]
+    shorts = [
+        (at, Request(f"short{i}", tokens_of_length(tokenizer, prompt, 20 + i), greedy(generated)))
+        for i, (at, prompt, generated) in enumerate(SHORT)
+    ]
+    together, counters, shapes = run(
+        tiny_model, on_a_stream, streams + shorts, STEPS, copy_seconds_per_cell=FREE_COPIES
+    )
+    alone, _, _ = run(tiny_model, on_a_stream, streams, STEPS)
+    for i in range(STREAMS):
+        assert together[f"stream{i}"] == alone[f"stream{i}"][: len(together[f"stream{i}"])]
+    # A vacancy lasts until the next step's compaction at most: never two steps in a row.
+    for (live, cached), (next_live, next_cached) in itertools.pairwise(shapes):
+        assert not (cached > live and next_cached > next_live and next_live >= live)
+    assert counters.compactions >= 3
     assert shapes[-1] == (STREAMS, STREAMS)

@@ -14,11 +14,13 @@ feeds it token 0 and drops its logits (so mlx-lm's step and ours run unchanged).
 group whose contexts fit the batch's window (no longer than the batch's longest) is written
 into vacancies, each row right-aligned with the batch and the cells before it masked as left
 padding. A vacancy still costs a row's decode work each step, so vacancies are compacted
-(mlx-lm's filter, one copy) once the work they wasted adds up to ``COMPACT_AFTER`` steps of
-the whole batch: rent, then buy, as a filter costs about a step. A group that cannot join in
-place (no room, a context longer than the window, or caches other than ``BatchKVCache``:
-rotating windows, state-space layers) compacts the batch and joins by mlx-lm's extend, as
-before.
+(mlx-lm's filter, one copy) once the work they took (their share of each step's time) adds up
+to what the copy takes (measured at each compaction, per cell copied): rent, then buy. Where
+rows are costly and copies cheap (a wide batch on a CPU) that is a step or two; where copies
+are costly (long contexts, a GPU's cheap rows) vacancies wait longer for joiners. A group
+that cannot join in place (no room, a context longer than the window, or caches other than
+``BatchKVCache``: rotating windows, state-space layers) compacts the batch and joins by
+mlx-lm's extend, as before.
 
 Rows keep mlx-lm's order everywhere outside the forward pass: ``uids``, ``tokens`` and every
 per-row list hold live rows only; ``cache_rows`` maps each to its row of the cache.
@@ -26,6 +28,7 @@ per-row list hold live rows only; ``cache_rows`` maps each to its row of the cac
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +36,8 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
-# Whole-batch steps of wasted decode work after which vacancies are compacted.
-COMPACT_AFTER = 1.0
+# Weight of the latest compaction in the measured copy speed.
+COPY_SMOOTHING = 0.3
 
 
 @dataclass(slots=True)
@@ -45,6 +48,18 @@ class RowSlotCounters:
     joined_in_place: int = 0
     joined_by_copy: int = 0
     compactions: int = 0
+    # Seconds a compaction took per cell it copied (a live row's window), measured on this
+    # machine: what keeping vacancies is weighed against. None before the first one.
+    copy_seconds_per_cell: float | None = None
+
+    def observe_copy(self, seconds: float, cells: int) -> None:
+        if cells <= 0:
+            return
+        measured = seconds / cells
+        last = self.copy_seconds_per_cell
+        self.copy_seconds_per_cell = (
+            measured if last is None else last + COPY_SMOOTHING * (measured - last)
+        )
 
 
 class SlottedGenerationBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
@@ -59,8 +74,9 @@ class SlottedGenerationBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm i
         self._cache_row_index: mx.array | None = None
         # Rows of the cache (live and vacant) while there are vacancies.
         self._capacity = 0
-        # Whole-batch steps of decode work the vacancies have taken so far.
-        self._wasted = 0.0
+        # Seconds of decode work the vacancies have taken (their share of each step's time).
+        self._rent = 0.0
+        self._last_step_seconds = 0.0
         # Shared by a generator's decode batches (it hands its own in).
         self.slot_counters = RowSlotCounters()
         super().__init__(*args, **kwargs)
@@ -85,15 +101,20 @@ class SlottedGenerationBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm i
     def _feed_vacancies(self, inputs: mx.array, cache: Any = None) -> mx.array:
         index = self._cache_row_index
         assert index is not None
-        self._wasted += (self._capacity - len(self.uids)) / self._capacity
         fed = mx.zeros((self._capacity, *inputs.shape[1:]), dtype=inputs.dtype)
         fed[index] = inputs
         return self._model(fed, cache=cache)[index]  # type: ignore[no-any-return]
 
     def next(self) -> list[Any]:
-        if self.cache_rows is not None and self._wasted >= COMPACT_AFTER:
+        if self.cache_rows is not None and self._rent >= self._compaction_seconds():
             self.compact()
-        return super().next()  # type: ignore[no-any-return]
+        started = time.perf_counter()
+        responses: list[Any] = super().next()
+        self._last_step_seconds = time.perf_counter() - started
+        if self.cache_rows is not None:
+            vacant = self._capacity - len(self.uids)
+            self._rent += self._last_step_seconds * vacant / self._capacity
+        return responses
 
     def filter(self, keep: list[int]) -> None:
         if not keep or not self._slottable(self.prompt_cache):
@@ -136,9 +157,15 @@ class SlottedGenerationBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm i
         """Drop the vacancies from the cache (one copy of the live rows)."""
         if self.cache_rows is None:
             return
-        for cache in self.prompt_cache:
+        caches = self.prompt_cache
+        mx.eval(self._next_tokens)  # the last step's work first: the copy is timed alone
+        started = time.perf_counter()
+        for cache in caches:
             cache.filter(self.cache_rows)
-        self.slot_counters.compactions += 1
+        mx.eval([cache.state[:2] for cache in caches])
+        counters = self.slot_counters
+        counters.compactions += 1
+        counters.observe_copy(time.perf_counter() - started, len(self.uids) * caches[0]._idx)
         self._set_rows(None)
 
     def extract_cache(self, idx: int) -> list[Any]:
@@ -158,7 +185,16 @@ class SlottedGenerationBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm i
         self._cache_row_index = None if rows is None else mx.array(rows)
         self._capacity = capacity if rows is not None else 0
         if rows is None or len(rows) == capacity:
-            self._wasted = 0.0  # no vacancy left: nothing to compact for (a join filled them)
+            self._rent = 0.0  # no vacancy left: nothing to compact for (a join filled them)
+
+    def _compaction_seconds(self) -> float:
+        """What compacting the cache would take now: the measured copy speed times the live
+        rows' cells, or (before any was measured) a decode step."""
+        per_cell = self.slot_counters.copy_seconds_per_cell
+        if per_cell is None:
+            return self._last_step_seconds
+        window: int = self.prompt_cache[0]._idx
+        return per_cell * len(self.uids) * window
 
     def _vacancies_for(self, batch: Any) -> list[int] | None:
         """The vacancies ``batch``'s rows can be written into, or None."""
