@@ -87,3 +87,48 @@ def test_an_oversized_body_with_no_key_or_a_wrong_one_is_refused_from_its_head(
     for wrong in ("", "mlxw-not-a-key"):
         status, _, answer = send_head(gateway, 3 * 1024 * 1024, wrong)
         assert status == 413, answer
+
+
+def test_invalid_requests_of_a_key_count_as_its_requests_and_a_refused_key_goes_unread(
+    lone_gateways: GatewayFactory, tmp_path: Path
+) -> None:
+    """A request refused as invalid (400: here a picture for a model that takes none, the
+    image flood's request) or for a model no worker serves (404) takes one of its key's
+    requests, like an oversized body; and a key this gateway knows is out of requests gets its
+    429 from the head, its body unread (before: each such body was read and parsed, 1 MB of
+    JSON at a time, as fast as the key could send them)."""
+    keys = tmp_path / "keys.toml"
+    secret = add_key(keys, key_name("pictures"), "--requests-per-minute", "2")
+    gateway = lone_gateways.start("--api-keys", str(keys), "--event-timeout", "5")
+    with redis.Redis.from_url(lone_gateways.redis_url) as plain:
+        write_heartbeat_sync(
+            plain, Keys(lone_gateways.prefix), "stand-in", heartbeat("stand-in", "tiny").encode()
+        )
+
+    def chat(model: str, content: object) -> bytes:
+        message = {"role": "user", "content": content}
+        return json.dumps({"model": model, "max_tokens": 1, "messages": [message]}).encode()
+
+    picture = [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+    ]
+    for body, status_wanted, code in (
+        (chat("tiny", picture), 400, "invalid_job"),
+        (chat("nobody-serves-this", "hi"), 404, "model_not_found"),
+    ):
+        status, _, answer = send_head(gateway, len(body), secret, body)
+        assert status == status_wanted, answer
+        error = answer["error"]
+        assert isinstance(error, dict) and error["code"] == code
+    # The two refusals took the key's two requests of this minute: a valid request is a 429.
+    valid = chat("tiny", "hi")
+    status, _, answer = send_head(gateway, len(valid), secret, valid)
+    assert status == 429, answer
+    # Now the gateway knows: the head alone is answered (nothing of the body is sent).
+    status, headers, answer = send_head(gateway, len(valid), secret)
+    assert status == 429, answer
+    error = answer["error"]
+    assert isinstance(error, dict) and error["code"] == "rate_limit_exceeded"
+    assert "prompt counts" not in str(error["message"])
+    assert float(headers["retry-after"]) > 0

@@ -62,6 +62,9 @@ PING_SECONDS: Final = 15
 # How long a request aborted for its client's leaving is followed to its end, for its token
 # charge to be settled by its usage (past that it keeps what it was charged).
 SETTLE_AFTER_ABORT_SECONDS: Final = 10.0
+# Refusals of a keyed request before its admission that count as one of the key's requests:
+# invalid (400) and a model no worker serves (404).
+REFUSALS_CHARGED: Final = frozenset({400, 404})
 
 
 class Gateway:
@@ -137,12 +140,33 @@ class Gateway:
         except ApiError:
             return  # no key, or a wrong one: only the address's cool-down counts it
         assert key is not None
+        await self._charge_refused(key)
+
+    @asynccontextmanager
+    async def screening(self, key: ApiKey | None) -> AsyncIterator[None]:
+        """A request's body read and checked, before its key's quota admits it. A key this
+        gateway knows is refused (it came back before its Retry-After, or holds all its
+        slots here) gets its 429 before its body is read; a request refused as invalid (400)
+        or for a model no worker serves (404) counts as one of its key's requests, like a
+        body refused for its size: a key cannot make the gateway read, parse and refuse
+        bodies (a picture for a text model: 1 MB of JSON each) faster than it may send
+        requests."""
+        if key is not None:
+            await self.quotas.refuse_known(key)
+        try:
+            yield
+        except ApiError as error:
+            if key is not None and error.status in REFUSALS_CHARGED:
+                await self._charge_refused(key)
+            raise
+
+    async def _charge_refused(self, key: ApiKey) -> None:
         lease = f"refused-{uuid.uuid4().hex}"
         try:
             if await self.quotas.admit(key, lease) is None:
                 await self.quotas.release(lease)
         except (RedisUnavailable, *REDIS_FAILURES) as exc:
-            log.warning("refused_body_not_charged", api_key=key.name, error=describe(exc))
+            log.warning("refused_request_not_charged", api_key=key.name, error=describe(exc))
 
     async def json_body(self, request: Request) -> Any:
         require_json(request)

@@ -234,8 +234,24 @@ class Quotas:
         """``admit``, with a refusal raised as OpenAI's 429: its ``type`` names the limit
         (``requests`` or ``tokens``), with ``Retry-After`` and the ``x-ratelimit-*`` headers."""
         refusal = await self.admit(key, lease_id, holder, tokens)
-        if refusal is None:
+        if refusal is not None:
+            await self._refuse(key, refusal, tokens)
+
+    async def refuse_known(self, key: ApiKey) -> None:
+        """The 429 a request of ``key`` would get from what this gateway already knows (the
+        key came back before its Retry-After, or holds all its slots here), raised before the
+        request's body is read; nothing when Redis would have to decide."""
+        if (key.requests_per_minute, key.tokens_per_minute) == (None, None) and (
+            key.max_concurrent is None
+        ):
             return
+        refusal = self._known_refusal(key, None)
+        if refusal is not None:
+            await self._refuse(key, refusal, tokens=None)
+
+    async def _refuse(self, key: ApiKey, refusal: Refusal, tokens: int | None) -> None:
+        """Raise ``refusal`` as the 429 (after the early-retry hold); ``tokens``: the request's
+        prompt bound, None when its body was not read."""
         if refusal.early and refusal.reason != "concurrency":
             hold = min(refusal.retry_after, EARLY_RETRY_HOLD_SECONDS)
             await asyncio.sleep(hold)
@@ -248,11 +264,11 @@ class Quotas:
             )
         elif refusal.reason == "tokens":
             kind = "tokens"
+            counts = "" if tokens is None else f", this request's prompt counts up to {tokens}"
             message = (
                 f"Rate limit reached for API key {key.name!r} on tokens per minute: limit "
                 f"{key.tokens_per_minute}, left {max(0, math.floor(refusal.standing.tokens or 0))}"
-                f", this request's prompt counts up to {tokens}. "
-                f"Retry in {refusal.retry_after:.1f} s."
+                f"{counts}. Retry in {refusal.retry_after:.1f} s."
             )
         else:
             message = (

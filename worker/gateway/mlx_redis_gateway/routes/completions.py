@@ -44,15 +44,16 @@ class CompletionRoutes:
     async def _complete(self, request: Request, kind: Kind) -> Response:
         gateway = self.gateway
         key = gateway.auth.api_key(request)
-        accepted = parse_request(
-            kind,
-            await gateway.json_body(request),
-            limits=gateway.settings.limits,
-            user_key=key.name if key is not None else None,
-            counts=gateway.settings.counts,
-        )
-        await gateway.check_served(accepted.model)
-        await gateway.check_media(accepted)
+        async with gateway.screening(key):
+            accepted = parse_request(
+                kind,
+                await gateway.json_body(request),
+                limits=gateway.settings.limits,
+                user_key=key.name if key is not None else None,
+                counts=gateway.settings.counts,
+            )
+            await gateway.check_served(accepted.model)
+            await gateway.check_media(accepted)
         if accepted.choices:
             return await self._fan_out(request, accepted, key)
         return await gateway.serve(request, accepted, key)

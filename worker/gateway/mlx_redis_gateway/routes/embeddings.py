@@ -29,12 +29,13 @@ class EmbeddingRoutes:
     async def create(self, request: Request) -> Response:
         gateway = self.gateway
         key = gateway.auth.api_key(request)
-        accepted = parse_embedding_request(
-            await gateway.json_body(request),
-            limits=gateway.settings.limits,
-            user_key=key.name if key is not None else None,
-        )
-        await gateway.check_served(accepted.model)
+        async with gateway.screening(key):
+            accepted = parse_embedding_request(
+                await gateway.json_body(request),
+                limits=gateway.settings.limits,
+                user_key=key.name if key is not None else None,
+            )
+            await gateway.check_served(accepted.model)
         request_id = accepted.job.request_id
         if key is not None:
             tokens = prompt_token_bound(accepted.job)

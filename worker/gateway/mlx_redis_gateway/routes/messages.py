@@ -73,13 +73,14 @@ class MessageRoutes:
         gateway = self.gateway
         check_version(request)
         key = gateway.auth.api_key(request)
-        accepted = parse_messages_request(
-            await gateway.json_body(request),
-            limits=gateway.settings.limits,
-            user_key=key.name if key is not None else None,
-            count_only=count_only,
-            counts=gateway.settings.counts,
-        )
-        await gateway.check_served(accepted.model)
-        await gateway.check_media(accepted)
+        async with gateway.screening(key):
+            accepted = parse_messages_request(
+                await gateway.json_body(request),
+                limits=gateway.settings.limits,
+                user_key=key.name if key is not None else None,
+                count_only=count_only,
+                counts=gateway.settings.counts,
+            )
+            await gateway.check_served(accepted.model)
+            await gateway.check_media(accepted)
         return accepted, key

@@ -53,27 +53,28 @@ class ResponseRoutes:
     async def create(self, request: Request) -> Response:
         gateway = self.gateway
         key = gateway.auth.api_key(request)
-        body = await gateway.json_body(request)
         context: list[dict[str, Any]] = []
-        previous = previous_response_id(body)
-        if previous is not None:
-            stored = await self._stored(key, previous) if is_response_id(previous) else None
-            if stored is None:
-                raise previous_not_found(previous)
-            context = stored.conversation()
-        parsed = parse_responses_request(
-            body,
-            limits=gateway.settings.limits,
-            user_key=key.name if key is not None else None,
-            context=context,
-            counts=gateway.settings.counts,
-        )
-        self._check_storable(parsed, context)
-        accepted, echoed = parsed.accepted, parsed.echoed
+        async with gateway.screening(key):
+            body = await gateway.json_body(request)
+            previous = previous_response_id(body)
+            if previous is not None:
+                stored = await self._stored(key, previous) if is_response_id(previous) else None
+                if stored is None:
+                    raise previous_not_found(previous)
+                context = stored.conversation()
+            parsed = parse_responses_request(
+                body,
+                limits=gateway.settings.limits,
+                user_key=key.name if key is not None else None,
+                context=context,
+                counts=gateway.settings.counts,
+            )
+            self._check_storable(parsed, context)
+            accepted, echoed = parsed.accepted, parsed.echoed
+            await gateway.check_served(accepted.model)
+            await gateway.check_media(accepted)
         # Said from the first event on: a gateway that keeps nothing never claims it will.
         echoed["store"] = parsed.store and gateway.settings.store.enabled
-        await gateway.check_served(accepted.model)
-        await gateway.check_media(accepted)
         request_id = accepted.request_id
         shape = await gateway.admit_and_submit(accepted, key)
         created = time.time()
