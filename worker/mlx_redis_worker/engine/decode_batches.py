@@ -34,6 +34,7 @@ from mlx_lm.generate import GenerationBatch
 # The least credit a side batch earns a step, whatever the share (a stall bound of 0): every
 # stream keeps progressing (the same floor as prompts in prefill).
 from mlx_redis_worker.engine.prefill_pace import MIN_SHARE
+from mlx_redis_worker.engine.row_slots import SlottedGenerationBatch
 
 # Rows share a batch while padding them to the longest context costs at most this share of
 # their step (weights plus their own contexts).
@@ -42,7 +43,7 @@ PADDING_SHARE = 0.25
 
 @dataclass(eq=False, slots=True)
 class DecodeBatch:
-    batch: GenerationBatch
+    batch: SlottedGenerationBatch
     # Steady steps of credit earned toward this batch's next pass (side batches only).
     credit: float = 0.0
     # The plan that last ran this batch: of the side batches due, the longest unrun goes.
@@ -69,7 +70,7 @@ class DecodeBatches:
 
     def __init__(
         self,
-        make_empty: Callable[[], GenerationBatch],
+        make_empty: Callable[[], SlottedGenerationBatch],
         *,
         weight_bytes: int | None,
         share: float,
@@ -89,7 +90,7 @@ class DecodeBatches:
     def __len__(self) -> int:
         return sum(len(part.batch) for part in self._batches)
 
-    def __iter__(self) -> Iterator[GenerationBatch]:
+    def __iter__(self) -> Iterator[SlottedGenerationBatch]:
         return (part.batch for part in self._batches)
 
     @property
@@ -204,9 +205,9 @@ class DecodeBatches:
         return max(part.contexts(self.max_kv_size), default=0)
 
     def _cost(self, part: DecodeBatch) -> float:
-        """A pass's bytes in tokens of KV cache: the weights, and every row padded to the
-        longest context."""
-        return self.weight_tokens + len(part.batch) * self._longest(part)
+        """A pass's bytes in tokens of KV cache: the weights, and every row (vacancies too)
+        padded to the longest context."""
+        return self.weight_tokens + part.batch.rows_in_cache * self._longest(part)
 
     def _waste(self, a: DecodeBatch, b: DecodeBatch) -> float:
         contexts = a.contexts(self.max_kv_size) + b.contexts(self.max_kv_size)

@@ -38,6 +38,7 @@ from mlx_lm.generate import (
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_redis_worker.engine.decode_batches import DecodeBatches, DecodePlan
+from mlx_redis_worker.engine.row_slots import SlottedGenerationBatch
 from mlx_redis_worker.engine.vision import token_embeddings, vision_model_of
 
 _FIELDS = (
@@ -239,8 +240,8 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         """The decode batches (forward passes) the running sequences are grouped in."""
         return self._decode_batches.count
 
-    def _empty_decode_batch(self) -> GenerationBatch:
-        return GenerationBatch.empty(self.model, self.sampler)
+    def _empty_decode_batch(self) -> SlottedGenerationBatch:
+        return SlottedGenerationBatch.empty(self.model, self.sampler)  # type: ignore[no-any-return]
 
     @property
     def num_prefilling(self) -> int:

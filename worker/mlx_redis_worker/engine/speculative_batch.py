@@ -50,6 +50,7 @@ from mlx_redis_worker.engine.config import DraftModel
 from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator
 from mlx_redis_worker.engine.prompt import model_vocab_size
 from mlx_redis_worker.engine.prompt_lookup import PromptLookup
+from mlx_redis_worker.engine.row_slots import RowSlotCounters, SlottedGenerationBatch
 from mlx_redis_worker.engine.sampling import CategoricalSampler
 
 # Acceptance (accepted / drafted, averaged over recent verify steps) under which a sequence
@@ -235,7 +236,7 @@ class _Verdict:
     next_logprobs: mx.array
 
 
-class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
+class SpeculativeGenerationBatch(SlottedGenerationBatch):
     Response = SpeculativeResponse
     # mlx-lm's: the token each row feeds next (sampled, not yet in the cache) and its logprobs.
     _next_tokens: mx.array
@@ -253,6 +254,7 @@ class SpeculativeGenerationBatch(GenerationBatch):  # type: ignore[misc]
         drafts = self._drafts() if self.uids else None
         if drafts is None:
             return list(super().next())
+        self.compact()  # a verify pass trims and shifts every cache row: live rows only
         return self._verify(*drafts)
 
     def _step(self) -> tuple[list[int], list[mx.array]]:
@@ -584,12 +586,15 @@ class SpeculativeBatchGenerator(PhasedBatchGenerator):
         self._speculation_max_batch = max_batch
         # Shared by every decode batch: a sequence speculates in whichever batch it is.
         self.speculating: dict[int, SpeculativeSequence] = {}
+        self.slot_counters = RowSlotCounters()
 
-    def _empty_decode_batch(self) -> GenerationBatch:
+    def _empty_decode_batch(self) -> SlottedGenerationBatch:
+        batch: SpeculativeGenerationBatch
         batch = SpeculativeGenerationBatch.empty(self.model, self.sampler)
         batch.counters = self._speculation_counters
         batch.max_batch = self._speculation_max_batch
         batch.speculating = self.speculating
+        batch.slot_counters = self.slot_counters
         return batch
 
     def speculate(self, uid: int, sequence: SpeculativeSequence) -> None:
