@@ -12,7 +12,9 @@ from mlx_redis_worker.bench.scheduler_bench import run_scheduler
 
 def test_replay_yields_one_output_per_token_or_per_request(tiny_model: Any) -> None:
     _, tokenizer = tiny_model
-    tokens = make_prompts(tokenizer, 3, 16, seed=3)
+    # More sequences than the scheduler admits in one step: the later ones start later and
+    # still get every token.
+    tokens = make_prompts(tokenizer, 12, 16, seed=3)
     # run_scheduler raises when the scheduler's outputs do not match the replayed tokens.
     assert run_scheduler(tokenizer, tokens, stream_interval=1) > 0
     assert run_scheduler(tokenizer, tokens, stream_interval=17) > 0

@@ -17,7 +17,11 @@ from mlx_redis_worker.engine import (
     SamplingParams,
     SchedulerConfig,
 )
-from mlx_redis_worker.engine.text_stream import TextStream
+from mlx_redis_worker.engine.text_stream import (
+    CachedBPEDetokenizer,
+    TextStream,
+    stream_detokenizer,
+)
 from tests.support.engines import detokenized
 
 
@@ -110,6 +114,46 @@ def test_configs_reject_bad_values() -> None:
     assert (defaults.model_name, defaults.scheduler_config) == ("", None)
     assert (defaults.step_interval, defaults.stream_interval) == (0.001, 1)
     assert defaults.gpu_memory_utilization == 0.9
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    picks=st.lists(
+        st.one_of(
+            st.integers(min_value=0, max_value=4100).map(lambda i: ("id", i)),
+            st.integers(min_value=0, max_value=255).map(lambda i: ("byte", i)),
+            st.just(("space", 0)),
+        ),
+        max_size=40,
+    )
+)
+def test_cached_detokenizer_gives_mlx_lm_text_token_for_token(
+    tiny_model: Any, picks: list[tuple[str, int]]
+) -> None:
+    """The engine's byte-level BPE detokenizer (bytes looked up per token) emits exactly the
+    segments mlx-lm's does after every token, and the same text at the end: any ids of the
+    vocabulary, the one-byte tokens often (a character's bytes split across tokens), the lone
+    space (held back for the next token), and ids past the token map (4096 here)."""
+    _, tokenizer = tiny_model
+    one_byte = [i for i, text in enumerate(tokenizer.detokenizer.tokenmap) if len(text) == 1]
+    assert len(one_byte) >= 256
+    space = tokenizer.detokenizer.tokenmap.index("\u0120")  # GPT-2's byte for " "
+    pick = {"id": lambda i: i, "byte": one_byte.__getitem__, "space": lambda _: space}
+    tokens = [pick[kind](value) for kind, value in picks]
+    table: dict[int, Any] = {}
+    for _ in range(2):  # the second time from the table the first filled
+        ours, theirs = stream_detokenizer(tokenizer, table), tokenizer.detokenizer
+        assert isinstance(ours, CachedBPEDetokenizer)
+        for token in tokens:
+            ours.add_token(token)
+            theirs.add_token(token)
+            assert ours.last_segment == theirs.last_segment
+        ours.finalize()
+        theirs.finalize()
+        assert (ours.last_segment, ours.text) == (theirs.last_segment, theirs.text)
+        assert ours.tokens == theirs.tokens == tokens
 
 
 WORDS = st.sampled_from(

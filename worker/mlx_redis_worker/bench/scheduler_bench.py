@@ -33,12 +33,15 @@ class ReplayGenerator:
     def __init__(self, tokens: list[list[int]]) -> None:
         self._tokens = tokens
         self._uids: list[int] = []
-        self._step = 0
+        # Each sequence's next token (the scheduler admits a few sequences a step: each starts
+        # at its own first token and ends at its own last).
+        self._next: list[int] = []
         self.last_decode_plan = DecodePlan()  # one batch, every step
 
     def insert_segments(self, segments: list[list[list[int]]], **_: Any) -> list[int]:
         uid = len(self._uids)
         self._uids.append(uid)
+        self._next.append(0)
         return [uid]
 
     has_prefill_work = False
@@ -46,7 +49,7 @@ class ReplayGenerator:
 
     @property
     def num_decoding(self) -> int:
-        return len(self._uids)
+        return sum(n < len(self._tokens[uid]) for uid, n in enumerate(self._next))
 
     def prefill(self, budget: int | None = None) -> list[Any]:
         return []
@@ -55,12 +58,15 @@ class ReplayGenerator:
         return []
 
     def decode(self, sides: bool = True) -> list[Any]:
-        step, self._step = self._step, self._step + 1
-        reason = "length" if step == len(self._tokens[0]) - 1 else None
-        return [
-            SpeculativeResponse(uid, self._tokens[uid][step], None, reason, None, None)
-            for uid in self._uids
-        ]
+        responses = []
+        for uid in self._uids:
+            step, tokens = self._next[uid], self._tokens[uid]
+            if step == len(tokens):
+                continue  # finished
+            self._next[uid] = step + 1
+            reason = "length" if step == len(tokens) - 1 else None
+            responses.append(SpeculativeResponse(uid, tokens[step], None, reason, None, None))
+        return responses
 
     def close(self) -> None:
         pass

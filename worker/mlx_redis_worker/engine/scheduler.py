@@ -63,7 +63,7 @@ from mlx_redis_worker.engine.stats import (
     SpeculationStats,
 )
 from mlx_redis_worker.engine.structured import GrammarCompiler
-from mlx_redis_worker.engine.text_stream import TextStream
+from mlx_redis_worker.engine.text_stream import TextStream, TokenText, stream_detokenizer
 from mlx_redis_worker.engine.token_bytes import TokenBytes
 from mlx_redis_worker.engine.vision import vision_model_of
 from mlx_redis_worker.engine.vision_queue import VisionQueue
@@ -111,6 +111,8 @@ class Scheduler:
         # The constrained rows of the batch, their masks computed together.
         self.grammar_rows = GrammarBatch(self.grammars.stats, self.grammars.vocab_size)
         self.token_bytes = TokenBytes(tokenizer)
+        # Each token's bytes for the requests' detokenizers (see CachedBPEDetokenizer).
+        self._token_text: dict[int, TokenText] = {}
         vision = vision_model_of(model)
         # Image requests between admission and their prefill (a vision-language model's).
         self.vision_queue = VisionQueue(vision) if vision is not None else None
@@ -145,7 +147,10 @@ class Scheduler:
             )
         sequence = Sequence(
             request=request,
-            text=TextStream(self.tokenizer.detokenizer, request.sampling_params.stop),
+            text=TextStream(
+                stream_detokenizer(self.tokenizer, self._token_text),
+                request.sampling_params.stop,
+            ),
             stream_state=RequestStreamState(request.stream_interval),
         )
         self.waiting.append(sequence)
