@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import itertools
 import json
+from dataclasses import replace
 import statistics
 import sys
 import time
@@ -420,6 +421,13 @@ def main() -> None:
         help="sys.setswitchinterval (s) for the whole run: how long the event loop's thread may"
         " wait for the GIL the engine thread holds (CPython's default 0.005)",
     )
+    parser.add_argument(
+        "--max-prefill-pass",
+        type=float,
+        default=None,
+        help="SchedulerConfig.max_prefill_pass (s; 0: whole chunks): how long a prefill pass"
+        " with nothing decoding may take, so how many groups a burst's prompts start in",
+    )
     args = parser.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -434,6 +442,8 @@ def main() -> None:
         config = SchedulerConfig(
             max_num_seqs=max(batches), prefill_batch_size=max(batches), enable_prefix_cache=False
         )
+        if args.max_prefill_pass is not None:
+            config = replace(config, max_prefill_pass=args.max_prefill_pass)
         engine = EngineCore(model, tokenizer, EngineConfig(scheduler_config=config))
         warm = prompts(2, args.prompt_tokens, SHAPES[name]["vocab_size"], 0)
         raw_decode(model, warm, 8)
