@@ -18,10 +18,10 @@ import argparse
 import asyncio
 import itertools
 import json
-from dataclasses import replace
 import statistics
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
