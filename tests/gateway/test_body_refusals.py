@@ -40,6 +40,21 @@ def send_head(
         return status, headers, json.loads(answer)
 
 
+def keyed_gateway(
+    lone_gateways: GatewayFactory, tmp_path: Path, name: str
+) -> tuple[GatewayProcess, str]:
+    """A gateway with one key of 2 requests a minute, and a stand-in worker of ``tiny`` (a
+    heartbeat: nothing runs the jobs); the gateway and the key's secret."""
+    keys = tmp_path / "keys.toml"
+    secret = add_key(keys, key_name(name), "--requests-per-minute", "2")
+    gateway = lone_gateways.start("--api-keys", str(keys), "--event-timeout", "5")
+    with redis.Redis.from_url(lone_gateways.redis_url) as plain:
+        write_heartbeat_sync(
+            plain, Keys(lone_gateways.prefix), "stand-in", heartbeat("stand-in", "tiny").encode()
+        )
+    return gateway, secret
+
+
 def test_the_default_body_limit_follows_the_job_limit() -> None:
     assert DEFAULT_HTTP_LIMITS.max_body_bytes == BODY_LIMIT
 
@@ -47,13 +62,7 @@ def test_the_default_body_limit_follows_the_job_limit() -> None:
 def test_oversized_bodies_of_a_key_are_refused_unread_and_count_as_its_requests(
     lone_gateways: GatewayFactory, tmp_path: Path
 ) -> None:
-    keys = tmp_path / "keys.toml"
-    secret = add_key(keys, key_name("uploader"), "--requests-per-minute", "2")
-    gateway = lone_gateways.start("--api-keys", str(keys), "--event-timeout", "5")
-    with redis.Redis.from_url(lone_gateways.redis_url) as plain:
-        write_heartbeat_sync(
-            plain, Keys(lone_gateways.prefix), "stand-in", heartbeat("stand-in", "tiny").encode()
-        )
+    gateway, secret = keyed_gateway(lone_gateways, tmp_path, "uploader")
     # 3 MiB: under the old fixed 4 MiB limit, over what a job can hold. Nothing of it is
     # sent: the answer comes from the head alone.
     refusals = [send_head(gateway, 3 * 1024 * 1024, secret) for _ in range(2)]
@@ -97,13 +106,7 @@ def test_invalid_requests_of_a_key_count_as_its_requests_and_a_refused_key_goes_
     requests, like an oversized body; and a key this gateway knows is out of requests gets its
     429 from the head, its body unread (before: each such body was read and parsed, 1 MB of
     JSON at a time, as fast as the key could send them)."""
-    keys = tmp_path / "keys.toml"
-    secret = add_key(keys, key_name("pictures"), "--requests-per-minute", "2")
-    gateway = lone_gateways.start("--api-keys", str(keys), "--event-timeout", "5")
-    with redis.Redis.from_url(lone_gateways.redis_url) as plain:
-        write_heartbeat_sync(
-            plain, Keys(lone_gateways.prefix), "stand-in", heartbeat("stand-in", "tiny").encode()
-        )
+    gateway, secret = keyed_gateway(lone_gateways, tmp_path, "pictures")
 
     def chat(model: str, content: object) -> bytes:
         message = {"role": "user", "content": content}
