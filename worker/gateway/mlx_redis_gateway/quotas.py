@@ -240,11 +240,8 @@ class Quotas:
     async def refuse_known(self, key: ApiKey) -> None:
         """The 429 a request of ``key`` would get from what this gateway already knows (the
         key came back before its Retry-After, or holds all its slots here), raised before the
-        request's body is read; nothing when Redis would have to decide."""
-        if (key.requests_per_minute, key.tokens_per_minute) == (None, None) and (
-            key.max_concurrent is None
-        ):
-            return
+        request's body is read; nothing when Redis would have to decide (a key without
+        limits is never refused)."""
         refusal = self._known_refusal(key, None)
         if refusal is not None:
             await self._refuse(key, refusal, tokens=None)
