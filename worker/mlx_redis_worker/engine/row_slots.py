@@ -118,7 +118,8 @@ class SlottedGenerationBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm i
 
     def filter(self, keep: list[int]) -> None:
         if not keep or not self._slottable(self.prompt_cache):
-            self.compact()
+            if keep:  # no row kept: mlx-lm drops the whole cache, nothing to copy
+                self.compact()
             super().filter(keep)
             self._set_rows(None)
             return
