@@ -68,39 +68,44 @@ def run(
     return tokens, generator.slot_counters, shapes
 
 
+def stream_requests(tokenizer: Any) -> list[tuple[int, Request]]:
+    """The long streams, new requests each call (a request is spent by the run it is in)."""
+    return [
+        (
+            0,
+            Request(
+                f"stream{i}", tokens_of_length(tokenizer, STREAM_PROMPT, i), endless(tokenizer)
+            ),
+        )
+        for i in range(STREAMS)
+    ]
+
+
+def short_request(tokenizer: Any, i: int) -> Request:
+    _, prompt, generated = SHORT[i]
+    return Request(f"short{i}", tokens_of_length(tokenizer, prompt, 20 + i), greedy(generated))
+
+
+def short_requests(tokenizer: Any) -> list[tuple[int, Request]]:
+    return [(at, short_request(tokenizer, i)) for i, (at, _, _) in enumerate(SHORT)]
+
+
 def test_rows_join_and_leave_in_place_and_every_request_keeps_its_tokens(
     tiny_model: Any, on_a_stream: Any
 ) -> None:
     _, tokenizer = tiny_model
-
-    def streams() -> list[tuple[int, Request]]:
-        return [
-            (
-                0,
-                Request(
-                    f"stream{i}", tokens_of_length(tokenizer, STREAM_PROMPT, i), endless(tokenizer)
-                ),
-            )
-            for i in range(STREAMS)
-        ]
-
-    def short(i: int) -> Request:
-        _, prompt, generated = SHORT[i]
-        return Request(f"short{i}", tokens_of_length(tokenizer, prompt, 20 + i), greedy(generated))
-
     together, counters, shapes = run(
-        tiny_model,
-        on_a_stream,
-        streams() + [(at, short(i)) for i, (at, _, _) in enumerate(SHORT)],
-        STEPS,
+        tiny_model, on_a_stream, stream_requests(tokenizer) + short_requests(tokenizer), STEPS
     )
-    alone, _, _ = run(tiny_model, on_a_stream, streams(), STEPS)
+    alone, _, _ = run(tiny_model, on_a_stream, stream_requests(tokenizer), STEPS)
     for i in range(STREAMS):
         name = f"stream{i}"
         assert together[name] == alone[name][: len(together[name])]
         assert len(together[name]) >= STEPS - 4
     for i, (_, _, generated) in enumerate(SHORT):
-        by_itself, _, _ = run(tiny_model, on_a_stream, [(0, short(i))], generated + 4)
+        by_itself, _, _ = run(
+            tiny_model, on_a_stream, [(0, short_request(tokenizer, i))], generated + 4
+        )
         assert together[f"short{i}"] == by_itself[f"short{i}"], f"short{i}"
         assert len(by_itself[f"short{i}"]) == generated
 
@@ -116,23 +121,14 @@ def test_vacancies_are_compacted_once_they_cost_more_than_the_copy(
     tiny_model: Any, on_a_stream: Any
 ) -> None:
     _, tokenizer = tiny_model
-    streams = [
-        (
-            0,
-            Request(
-                f"stream{i}", tokens_of_length(tokenizer, STREAM_PROMPT, i), endless(tokenizer)
-            ),
-        )
-        for i in range(STREAMS)
-    ]
-    shorts = [
-        (at, Request(f"short{i}", tokens_of_length(tokenizer, prompt, 20 + i), greedy(generated)))
-        for i, (at, prompt, generated) in enumerate(SHORT)
-    ]
     together, counters, shapes = run(
-        tiny_model, on_a_stream, streams + shorts, STEPS, copy_seconds_per_cell=FREE_COPIES
+        tiny_model,
+        on_a_stream,
+        stream_requests(tokenizer) + short_requests(tokenizer),
+        STEPS,
+        copy_seconds_per_cell=FREE_COPIES,
     )
-    alone, _, _ = run(tiny_model, on_a_stream, streams, STEPS)
+    alone, _, _ = run(tiny_model, on_a_stream, stream_requests(tokenizer), STEPS)
     for i in range(STREAMS):
         assert together[f"stream{i}"] == alone[f"stream{i}"][: len(together[f"stream{i}"])]
     # A vacancy lasts until the next step's compaction at most: never two steps in a row.
