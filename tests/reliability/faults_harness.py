@@ -80,14 +80,16 @@ async def drive(
     prefix: str,
     specs: Sequence[JobSpec],
     *,
-    workers: int,
+    workers: Sequence[object],
     fault: Fault | None = None,
     event_timeout: float = 60.0,
     submit_concurrency: int = 32,
 ) -> Driven:
     """Submit every entry concurrently through one Client, follow every readable request with
     a stream of that same Client, run ``fault`` once everything is queued, then ask the
-    workers for their stats (``ctl stats``)."""
+    workers for their stats (``ctl stats``). ``workers`` is read when the stats are asked for:
+    a fault may start another worker (the OOM scenario's late one), and the stats then wait for
+    it too."""
     started = time.monotonic()
     progress = Progress(followed=sum(spec.rid is not None for spec in specs))
     followed: dict[str, Followed] = {}
@@ -129,7 +131,7 @@ async def drive(
         # next beat lands on the promoted replica, and its subscription is being restored. The
         # figures are read once every started worker heartbeats and answers a ping again, so a
         # miss below means a worker that stays dead or deaf for 30 s.
-        heartbeats = await _until_all_answer(client, workers, seconds=30)
+        heartbeats = await _until_all_answer(client, len(workers), seconds=30)
         try:
             replies = await client.stats(timeout=5)
             stats = [dict(reply.result or {}) for reply in replies]
@@ -197,7 +199,7 @@ def run_stage(stage: Stage, title: str, directory: Path) -> Outcome:
                 stage.url,
                 stage.prefix,
                 stage.specs,
-                workers=len(stage.workers),
+                workers=stage.workers,
                 fault=stage.fault,
                 event_timeout=stage.event_timeout,
             )

@@ -58,7 +58,14 @@ def run_oom(config: FaultConfig) -> DriverResult:
             )
             freed = time.monotonic()
             await asyncio.to_thread(late.wait_ready)
-            return {**found, "late_ready_after_free": time.monotonic() - freed}
+            ready_after = time.monotonic() - freed
+            # "Ready" means reachable: a broadcast sent at once counts and reaches it.
+            pinged = {reply.worker_id for reply in await client.ping(timeout=10)}
+            return {
+                **found,
+                "late_ready_after_free": ready_after,
+                "late_answered_ping_at_ready": late.worker_id in pinged,
+            }
 
         stage = stage_for(config, server.url, fault=out_of_memory)
         stage.workers += workers_for(config, server.url, directory)
@@ -70,6 +77,8 @@ def run_oom(config: FaultConfig) -> DriverResult:
             f"Redis was not held full: filled {values['filled']}, "
             f"{values['probe_writes_accepted']} probe writes accepted while held"
         )
+    if not values["late_answered_ping_at_ready"]:
+        result.problems.append("the worker started while full missed a ping sent at its ready")
     if refusals < 2 * max(failing, 1):
         result.problems.append(
             f"{failing} redis_failing lines for {refusals} OOM refusals: not logged per burst"
@@ -88,6 +97,7 @@ def run_oom(config: FaultConfig) -> DriverResult:
             "worker started while Redis was full: seconds to worker_ready after the free",
             values["late_ready_after_free"],
         ),
+        ("it answered a ping sent at its ready", values["late_answered_ping_at_ready"]),
     ]
     return result
 

@@ -97,6 +97,8 @@ class ControlListener:
         self.stats = stats
         self.handled = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        # Set once both channels are subscribed: a command sent after it reaches this worker.
+        self.listening = asyncio.Event()
 
     async def listen(self) -> None:
         """Serve until cancelled. The hub re-subscribes after Redis comes back; commands sent
@@ -109,6 +111,7 @@ class ControlListener:
                 lambda: subscribed.enter_async_context(self.hub.listen(*channels)),
                 "control channel",
             )
+            self.listening.set()
             while True:
                 data = await inbox.get()
                 if data is not MISSED:

@@ -56,6 +56,9 @@ log = structlog.get_logger(__name__)
 # How often the abort markers of running jobs are checked: the marker alone stops a job
 # within this (the abort command is the faster path).
 ABORT_POLL_SECONDS = 0.5
+# How long "ready" waits for the worker to be reachable (registered, control subscribed):
+# beyond it (Redis failing meanwhile) the worker says ready anyway and says which is missing.
+READY_REACHABLE_SECONDS = 30.0
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 WORKER_VERSION = version("mlx-redis-worker")
 
@@ -100,6 +103,8 @@ class Serving:
         # Supervised tasks down now (failed, waiting to restart): see ``supervise``.
         self.down: set[str] = set()
         self.registry = RegistrySchedule(settings.heartbeat_interval)
+        # Set at the first registration: from then on broadcasts (ctl stats, ping) count us.
+        self.registered = asyncio.Event()
 
     @property
     def in_flight(self) -> int:
@@ -160,8 +165,10 @@ class Serving:
                 self._periodic(settings.reclaim_interval, lane.reclaim, f"reclaim {lane.name}")
             )
         models = [lane.name for lane in self.lanes]
+        unreachable = await self._until_reachable(control)
         log.info(
             "worker_ready",
+            unreachable=unreachable or None,
             worker_id=settings.worker_id,
             backlog=sum(len(lane.backlog) for lane in self.lanes),
             models=models,
@@ -180,6 +187,26 @@ class Serving:
             return EXIT_ID_HELD
         await self._leave()
         return 0
+
+    async def _until_reachable(self, control: ControlListener) -> list[str]:
+        """Wait until broadcasts count this worker (it is in the registry) and reach it (the
+        control channel is subscribed), so that a `ctl stats` sent after "ready" includes it;
+        bounded by ``READY_REACHABLE_SECONDS`` and by a stop. What is still missing then."""
+        waits = {"registry": self.registered, "control channel": control.listening}
+
+        async def until_reachable() -> None:
+            for event in waits.values():
+                await event.wait()
+
+        async def until_stopped() -> None:
+            await self._stop.wait()
+
+        tasks = [asyncio.create_task(until_reachable()), asyncio.create_task(until_stopped())]
+        await asyncio.wait(
+            tasks, timeout=READY_REACHABLE_SECONDS, return_when=asyncio.FIRST_COMPLETED
+        )
+        await _cancel(tasks)
+        return [name for name, event in waits.items() if not event.is_set()]
 
     def _engines_running(self) -> bool:
         return all(lane.engine.is_running() for lane in self.lanes)
@@ -335,6 +362,7 @@ class Serving:
                 list(models),
             )
             self.registry.registered(models, registration.workers, time.monotonic())
+            self.registered.set()
             for key in registration.replaced:
                 log.warning("registry_key_repaired", key=key, found="a key of another type")
 
