@@ -128,9 +128,6 @@ class Serving:
             self._periodic(settings.heartbeat_interval, self._heartbeat),
             self._periodic(settings.activity_interval, self._activity),
             self._periodic(ABORT_POLL_SECONDS, self._stop_aborted),
-            self._supervised(
-                "watchdog", functools.partial(self.notifier.keep_alive, self._engines_running)
-            ),
         ]
         background += [
             self._periodic(
@@ -176,6 +173,12 @@ class Serving:
             max_concurrency=settings.max_concurrency,
         )
         self.notifier.ready(status=f"serving {', '.join(models)} as {settings.worker_id}")
+        # systemd arms the watchdog once start-up completes (READY=1): its pings follow it.
+        background.append(
+            self._supervised(
+                "watchdog", functools.partial(self.notifier.keep_alive, self._engines_running)
+            )
+        )
         on_ready()
         await self._stop.wait()
         log.info("worker_stopping", in_flight=self.in_flight)
