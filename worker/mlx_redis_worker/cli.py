@@ -103,6 +103,14 @@ def _add_bench_commands(commands: Any) -> None:
         help="mixed prompt lengths drawn from MIN..MAX (seeded) instead of --prompt-tokens each",
     )
     engine.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also run the streamed load with every request asking for N top logprobs a "
+        "token, and print its tok/s against the same load without",
+    )
+    engine.add_argument(
         "--max-prefill-stall",
         type=float,
         default=None,

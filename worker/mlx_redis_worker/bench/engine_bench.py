@@ -207,20 +207,28 @@ async def stream_burst(engine: Any, prompts: list[list[int]], params: Any) -> Pa
     return PathResult("", len(prompts), tokens, time.perf_counter() - start, first_token)
 
 
-def run_engine_async(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> PathResult:
+def run_engine_async(
+    engine: EngineCore, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None
+) -> PathResult:
+    """The streamed path; with ``logprobs``, every request asks for that many alternatives a
+    token (the path named ``logprobs_path``)."""
+
     async def scenario() -> PathResult:
         before = engine.stats()
-        result = await stream_burst(
-            engine, prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        )
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs)
+        result = await stream_burst(engine, prompts, params)
         await engine.stop()
-        result.path = "engine add_request + stream_outputs"
+        result.path = (
+            ASYNC_PATH if logprobs is None else f"{LOGPROBS_PATH} {logprobs} (same engine)"
+        )
         result.engine_host_us = engine_host_us(before, engine.stats())
         return result
 
     return asyncio.run(scenario())
 
 
+ASYNC_PATH = "engine add_request + stream_outputs"
+LOGPROBS_PATH = "engine streamed with top logprobs"
 VLLM_MLX_PATH = "vllm-mlx 0.6 EngineCore add_request + stream_outputs"
 
 
@@ -333,6 +341,10 @@ def run_bench(args: argparse.Namespace) -> int:
         ("sync", lambda p: run_engine_sync(engine, p, args.max_tokens)),
         ("async", lambda p: run_engine_async(engine, p, args.max_tokens)),
     ]
+    if args.logprobs is not None:
+        paths.append(
+            ("logprobs", lambda p: run_engine_async(engine, p, args.max_tokens, args.logprobs))
+        )
     vllm: VllmMlxProcess | None = None
     if args.against == "vllm-mlx" and "vllm-mlx" not in (args.skip or "").split(","):
         vllm = VllmMlxProcess(args.model, args.max_tokens, max(levels))
@@ -426,6 +438,13 @@ def format_ratios(runs: list[list[PathResult]], levels: list[int]) -> str:
                     f"  concurrency {level}: {ours[0].path} / raw BatchGenerator tok/s = "
                     f"{ratio(ours, raw):.3f}"
                 )
+    for level in levels:
+        ours, logprobs = find("engine add_request", level), find(LOGPROBS_PATH, level)
+        if ours and logprobs:
+            lines.append(
+                f"  concurrency {level}: {logprobs[0].path} / without tok/s = "
+                f"{ratio(logprobs, ours):.3f}"
+            )
     for level in levels:
         ours, vllm = find("engine add_request", level), find("vllm-mlx", level)
         if ours and vllm:
