@@ -182,6 +182,53 @@ def test_logprobs_with_top_alternatives(engine: EngineCore) -> None:
         assert values == sorted(values, reverse=True)
 
 
+def test_logprobs_of_rows_in_one_step_are_each_rows_own(
+    tiny_model: Any, make_engine: MakeEngine
+) -> None:
+    """The step's logprobs are computed for all its rows together: rows asking for 0, 2 and 20
+    alternatives beside one asking for none and a sampled one each get their own, equal to
+    the same request's alone (a mixed-up row, or a top count taken from another row, fails)."""
+    asked = [0, 2, None, 20, 5]
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.0 if i != 4 else 1.0, seed=7, logprobs=top)
+        for i, top in enumerate(asked)
+    ]
+
+    async def streamed(engine: EngineCore, indices: list[int]) -> list[tuple[list[int], Any]]:
+        """Each request's tokens and its outputs' logprobs joined (None where none came)."""
+        ids = [await engine.add_request(PROMPTS[i], params[i]) for i in indices]
+        streams = await asyncio.gather(*(collect(engine, request_id) for request_id in ids))
+        await engine.stop()
+        return [
+            (
+                stream[-1].output_token_ids,
+                None
+                if all(o.logprobs is None for o in stream)
+                else [entry for o in stream for entry in o.logprobs or []],
+            )
+            for stream in streams
+        ]
+
+    together = run(streamed(make_engine(tiny_model, max_num_seqs=8), list(range(len(asked)))))
+    for index, top in enumerate(asked):
+        ((alone_tokens, alone),) = run(streamed(make_engine(tiny_model, max_num_seqs=8), [index]))
+        tokens, ours = together[index]
+        assert tokens == alone_tokens
+        if top is None:
+            assert ours is None
+            continue
+        assert ours is not None and alone is not None
+        assert len(ours) == len(tokens) == 6
+        for entry, single, token in zip(ours, alone, tokens, strict=True):
+            assert entry.token_id == token
+            assert entry.logprob == pytest.approx(single.logprob, abs=1e-4)
+            assert len(entry.top_logprobs) == top
+            assert [t for t, _ in entry.top_logprobs] == [t for t, _ in single.top_logprobs]
+            values = [v for _, v in entry.top_logprobs]
+            assert values == sorted(values, reverse=True)
+            assert values == pytest.approx([v for _, v in single.top_logprobs], abs=1e-4)
+
+
 def test_penalties_change_a_repetitive_continuation(
     tiny_model: Any, make_engine: MakeEngine
 ) -> None:

@@ -39,7 +39,7 @@ from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator, Split
 from mlx_redis_worker.engine.prefill_pace import PrefillPace
 from mlx_redis_worker.engine.prefix_cache import SHARED_PREFIX, Admission, PrefixCache
 from mlx_redis_worker.engine.prompt import model_vocab_size
-from mlx_redis_worker.engine.request import Request, RequestOutput, RequestStatus
+from mlx_redis_worker.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from mlx_redis_worker.engine.sampling import (
     CategoricalSampler,
     Sampler,
@@ -49,7 +49,7 @@ from mlx_redis_worker.engine.sampling import (
     guard_processor,
     guard_sampler,
 )
-from mlx_redis_worker.engine.sequence import Sequence, token_logprob
+from mlx_redis_worker.engine.sequence import Sequence, token_logprobs
 from mlx_redis_worker.engine.speculative_batch import (
     ModelDrafter,
     SpeculationCounters,
@@ -273,10 +273,11 @@ class Scheduler:
                 return self._take_finished()
             finally:
                 self.model_seconds += time.perf_counter() - started
-            for response in generated:
+            logprobs = self._logprobs_of(generated)
+            for index, response in enumerate(generated):
                 sequence = self.running.get(response.uid)
                 if sequence is not None:
-                    self._on_token(sequence, response)
+                    self._on_token(sequence, response, logprobs.get(index))
             if decoding:
                 self._last_decode = time.monotonic()
             for sequence in [s for s in self.running.values() if s.failure is not None]:
@@ -490,7 +491,31 @@ class Scheduler:
             except Exception as exc:
                 sequence.fail(exc)
 
-    def _on_token(self, sequence: Sequence, response: Any) -> None:
+    def _logprobs_of(self, generated: list[Any]) -> dict[int, TokenLogprob]:
+        """The logprobs of each token in ``generated`` (by its index there) whose request asked
+        for them, computed together (``token_logprobs``); a failure fails those sequences."""
+        wanted: list[tuple[int, Sequence, tuple[mx.array, int, int]]] = []
+        for index, response in enumerate(generated):
+            sequence = self.running.get(response.uid)
+            # A "stop" is a stop token, not output (``_on_token``).
+            if sequence is None or response.finish_reason == "stop":
+                continue
+            top = sequence.request.sampling_params.logprobs
+            if top is not None:
+                wanted.append((index, sequence, (response.logprobs, int(response.token), top)))
+        if not wanted:
+            return {}
+        try:
+            entries = token_logprobs([row for _, _, row in wanted], self.token_bytes)
+        except Exception as exc:
+            for _, sequence, _ in wanted:
+                sequence.fail(exc)
+            return {}
+        return {index: entry for (index, _, _), entry in zip(wanted, entries, strict=True)}
+
+    def _on_token(
+        self, sequence: Sequence, response: Any, logprob: TokenLogprob | None = None
+    ) -> None:
         # Runs for every token of every sequence: kept to the few operations each token needs.
         request = sequence.request
         if request.first_token_time is None:
@@ -503,15 +528,8 @@ class Scheduler:
                 token = int(response.token)
                 transcript = request.transcript
                 transcript.token_ids.append(token)
-                if request.sampling_params.logprobs is not None:
-                    sequence.pending_logprobs.append(
-                        token_logprob(
-                            response.logprobs,
-                            token,
-                            request.sampling_params.logprobs,
-                            self.token_bytes,
-                        )
-                    )
+                if logprob is not None:
+                    sequence.pending_logprobs.append(logprob)
                 text = sequence.text.add_token(token)
                 if text:
                     transcript.text_parts.append(text)

@@ -103,19 +103,46 @@ class Sequence:
         )
 
 
-def token_logprob(
-    logprobs: mx.array, token: int, top: int, token_bytes: TokenBytes | None = None
+def token_logprobs(
+    rows: list[tuple[mx.array, int, int]], token_bytes: TokenBytes | None = None
+) -> list[TokenLogprob]:
+    """For each row (its log-probabilities over the vocabulary, the sampled token, how many
+    top alternatives): the token's logprob and, for a top > 0, the top likeliest tokens', with
+    their bytes when ``token_bytes`` is given. All rows in one evaluation: row by row, each
+    token cost four device round trips and an ``argpartition`` of its own (tiny, every request
+    asking for 20: 0.81-0.85 of the tok/s without, against 0.89-0.97 together)."""
+    stacked = mx.stack([logprobs for logprobs, _, _ in rows])
+    tokens = mx.array([[token] for _, token, _ in rows])
+    chosen = mx.take_along_axis(stacked, tokens, axis=-1)[:, 0]
+    most = min(max(top for _, _, top in rows), stacked.shape[-1])
+    if most == 0:
+        mx.eval(chosen)
+        return [
+            _entry(token, logprob, [], token_bytes)
+            for (_, token, _), logprob in zip(rows, cast(list[float], chosen.tolist()), strict=True)
+        ]
+    indices = mx.argpartition(-stacked, kth=most - 1, axis=-1)[:, :most]
+    values = mx.take_along_axis(stacked, indices, axis=-1)
+    mx.eval(chosen, indices, values)
+    entries = []
+    for (_, token, top), logprob, ids, row_values in zip(
+        rows,
+        cast(list[float], chosen.tolist()),
+        cast(list[list[int]], indices.tolist()),
+        cast(list[list[float]], values.tolist()),
+        strict=True,
+    ):
+        # The row's ``most`` likeliest hold its ``top`` likeliest: sorted, the first ones.
+        best = sorted(zip(ids, row_values, strict=True), key=lambda pair: -pair[1])[:top]
+        entries.append(_entry(token, logprob, best, token_bytes))
+    return entries
+
+
+def _entry(
+    token: int, logprob: float, top: list[tuple[int, float]], token_bytes: TokenBytes | None
 ) -> TokenLogprob:
-    """The sampled token's logprob and, for ``top > 0``, the ``top`` likeliest tokens'; with
-    their bytes when ``token_bytes`` is given."""
-    entry = TokenLogprob(token_id=token, logprob=cast(float, logprobs[token].item()))
-    if top > 0:
-        top = min(top, logprobs.shape[-1])
-        indices = mx.argpartition(-logprobs, kth=top - 1)[:top]
-        ids = cast(list[int], indices.tolist())
-        values = cast(list[float], logprobs[indices].tolist())
-        entry.top_logprobs = sorted(zip(ids, values, strict=True), key=lambda pair: -pair[1])
+    entry = TokenLogprob(token_id=token, logprob=logprob, top_logprobs=top)
     if token_bytes is not None:
         entry.token_bytes = token_bytes(token)
-        entry.top_token_bytes = [token_bytes(alternative) for alternative, _ in entry.top_logprobs]
+        entry.top_token_bytes = [token_bytes(alternative) for alternative, _ in top]
     return entry
