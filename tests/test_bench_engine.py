@@ -75,18 +75,20 @@ def test_a_mixed_length_burst_runs_every_path_on_the_same_prompts() -> None:
     assert "| 4 | raw mlx-lm BatchGenerator | 12 |" in out.stdout
 
 
-def test_logprobs_run_as_a_path_of_their_own_against_the_same_load_without() -> None:
+def test_logprobs_and_sampling_run_as_paths_of_their_own_against_the_same_load_without() -> None:
     out = mlx_worker(
         "bench", "engine", "--model", "tiny", "--concurrency", "4", "--max-tokens", "3",
         "--repeat", "1", "--skip", "sequential,batch,sync", "--logprobs", "20",
+        "--temperature", "1",
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     assert "| 4 | engine add_request + stream_outputs | 12 |" in out.stdout
-    assert "| 4 | engine streamed with top logprobs 20 (same engine) | 12 |" in out.stdout
-    assert (
-        "concurrency 4: engine streamed with top logprobs 20 (same engine) / without tok/s = "
-        in out.stdout
-    )
+    for variant in ("top logprobs 20", "temperature 1"):
+        assert f"| 4 | engine streamed with {variant} (same engine) |" in out.stdout
+        assert (
+            f"concurrency 4: engine streamed with {variant} (same engine) / without tok/s = "
+            in out.stdout
+        )
 
 
 def test_prompt_lengths_must_be_a_range() -> None:

@@ -111,6 +111,14 @@ def _add_bench_commands(commands: Any) -> None:
         "token, and print its tok/s against the same load without",
     )
     engine.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help="also run the streamed load sampled at temperature T (each request its own "
+        "sampler), and print its tok/s against the same load greedy",
+    )
+    engine.add_argument(
         "--max-prefill-stall",
         type=float,
         default=None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import multiprocessing
 import multiprocessing.connection
 import random
@@ -207,20 +208,35 @@ async def stream_burst(engine: Any, prompts: list[list[int]], params: Any) -> Pa
     return PathResult("", len(prompts), tokens, time.perf_counter() - start, first_token)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """The streamed load again with other sampling parameters (``--logprobs``,
+    ``--temperature``), timed against the same load without them."""
+
+    name: str
+    logprobs: int | None = None
+    temperature: float = 0.0
+
+    @property
+    def path(self) -> str:
+        return f"{VARIANT_PATH}{self.name} (same engine)"
+
+
 def run_engine_async(
-    engine: EngineCore, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None
+    engine: EngineCore, prompts: list[list[int]], max_tokens: int, variant: Variant | None = None
 ) -> PathResult:
-    """The streamed path; with ``logprobs``, every request asks for that many alternatives a
-    token (the path named ``logprobs_path``)."""
+    """The streamed path, greedy; with ``variant``, its sampling parameters."""
 
     async def scenario() -> PathResult:
         before = engine.stats()
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        if variant is not None:
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=variant.temperature, logprobs=variant.logprobs
+            )
         result = await stream_burst(engine, prompts, params)
         await engine.stop()
-        result.path = (
-            ASYNC_PATH if logprobs is None else f"{LOGPROBS_PATH} {logprobs} (same engine)"
-        )
+        result.path = ASYNC_PATH if variant is None else variant.path
         result.engine_host_us = engine_host_us(before, engine.stats())
         return result
 
@@ -228,7 +244,7 @@ def run_engine_async(
 
 
 ASYNC_PATH = "engine add_request + stream_outputs"
-LOGPROBS_PATH = "engine streamed with top logprobs"
+VARIANT_PATH = "engine streamed with "
 VLLM_MLX_PATH = "vllm-mlx 0.6 EngineCore add_request + stream_outputs"
 
 
@@ -341,9 +357,19 @@ def run_bench(args: argparse.Namespace) -> int:
         ("sync", lambda p: run_engine_sync(engine, p, args.max_tokens)),
         ("async", lambda p: run_engine_async(engine, p, args.max_tokens)),
     ]
+    variants = []
     if args.logprobs is not None:
+        variants.append(Variant(f"top logprobs {args.logprobs}", logprobs=args.logprobs))
+    if args.temperature is not None:
+        variants.append(Variant(f"temperature {args.temperature:g}", temperature=args.temperature))
+    for variant in variants:
         paths.append(
-            ("logprobs", lambda p: run_engine_async(engine, p, args.max_tokens, args.logprobs))
+            (
+                variant.name,
+                functools.partial(
+                    run_engine_async, engine, max_tokens=args.max_tokens, variant=variant
+                ),
+            )
         )
     vllm: VllmMlxProcess | None = None
     if args.against == "vllm-mlx" and "vllm-mlx" not in (args.skip or "").split(","):
@@ -439,12 +465,13 @@ def format_ratios(runs: list[list[PathResult]], levels: list[int]) -> str:
                     f"{ratio(ours, raw):.3f}"
                 )
     for level in levels:
-        ours, logprobs = find("engine add_request", level), find(LOGPROBS_PATH, level)
-        if ours and logprobs:
-            lines.append(
-                f"  concurrency {level}: {logprobs[0].path} / without tok/s = "
-                f"{ratio(logprobs, ours):.3f}"
-            )
+        ours = find("engine add_request", level)
+        for variant in (r for r in runs if r[0].concurrency == level):
+            if ours and variant[0].path.startswith(VARIANT_PATH):
+                lines.append(
+                    f"  concurrency {level}: {variant[0].path} / without tok/s = "
+                    f"{ratio(variant, ours):.3f}"
+                )
     for level in levels:
         ours, vllm = find("engine add_request", level), find("vllm-mlx", level)
         if ours and vllm:
