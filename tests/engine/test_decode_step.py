@@ -11,6 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_redis_worker.engine import speculative_batch
 from mlx_redis_worker.engine.config import SchedulerConfig
 from mlx_redis_worker.engine.request import Request, ResponseFormat, SamplingParams
 from mlx_redis_worker.engine.scheduler import Scheduler
@@ -75,3 +76,55 @@ def test_greedy_rows_are_sampled_in_one_call_beside_rows_with_their_own(
     # call of one row for each greedy row, every step).
     assert rows_per_call.count(1) <= GREEDY_ROWS
     assert sum(rows > GREEDY_ROWS for rows in rows_per_call) >= STEPS - 3
+
+
+def test_sampled_rows_are_drawn_in_one_call_and_each_draws_what_it_draws_alone(
+    tiny_model: Any, on_a_stream: Any, monkeypatch: Any
+) -> None:
+    """Rows of their own seeded samplers (temperatures, top-k, top-p) beside greedy rows and a
+    constrained one: a decode step draws all the plain categorical rows in one call, and each
+    row's tokens are the ones it samples alone (the same key, the same draw)."""
+    model, tokenizer = tiny_model
+    config = SchedulerConfig(enable_prefix_cache=False, max_num_seqs=8, prefill_batch_size=8)
+    sampled = {
+        "hot": SamplingParams(max_tokens=STEPS, temperature=1.5, seed=1),
+        "cool": SamplingParams(max_tokens=STEPS, temperature=0.4, seed=2),
+        "top-k": SamplingParams(max_tokens=STEPS, temperature=1.0, top_k=5, seed=3),
+        "top-p": SamplingParams(max_tokens=STEPS, temperature=1.0, top_p=0.8, seed=4),
+    }
+    greedy = SamplingParams(max_tokens=STEPS, temperature=0.0)
+    calls: list[int] = []
+    drawn = speculative_batch.draw_rows
+
+    def counted(samplers: Any, logprobs: mx.array) -> mx.array:
+        calls.append(len(samplers))
+        return drawn(samplers, logprobs)
+
+    monkeypatch.setattr(speculative_batch, "draw_rows", counted)
+
+    def run(names: list[str], crowded: bool) -> dict[str, list[int]]:
+        scheduler = Scheduler(model, tokenizer, config)
+        scheduler.attach_stream(on_a_stream)
+        for name in names:
+            prompt = tokens_of_length(tokenizer, 20, list(sampled).index(name))
+            scheduler.add_request(Request(name, prompt, sampled[name]))
+        if crowded:
+            for i in range(2):
+                prompt = tokens_of_length(tokenizer, 20, 10 + i)
+                scheduler.add_request(Request(f"greedy{i}", prompt, greedy))
+            json_object = ResponseFormat(type="json_object")
+            params = SamplingParams(max_tokens=STEPS, temperature=0.7, response_format=json_object)
+            request = Request("constrained", tokens_of_length(tokenizer, 20, 20), params)
+            request.grammar = scheduler.grammars.compile(json_object)
+            scheduler.add_request(request)
+        tokens = greedy_tokens(scheduler, names)
+        scheduler.abort_all()
+        scheduler.close()
+        return tokens
+
+    together = run(list(sampled), crowded=True)
+    assert calls and max(calls) == len(sampled)  # every plain categorical row in one call
+    assert sum(n == len(sampled) for n in calls) >= STEPS - 3
+    for name in sampled:
+        assert together[name] == run([name], crowded=False)[name], name
+    assert len({tuple(tokens) for tokens in together.values()}) == len(sampled)

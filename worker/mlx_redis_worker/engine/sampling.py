@@ -9,7 +9,7 @@ requests get ``None`` so BatchGenerator can argmax the whole batch in one call. 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
@@ -28,6 +28,22 @@ def build_sampler(params: SamplingParams) -> CategoricalSampler | None:
     return CategoricalSampler(params)
 
 
+# A filter of mlx-lm's by name, and its setting: top_p, min_p (floats) or top_k (an int).
+Filter = tuple[str, float]
+
+
+def _filtered(logprobs: mx.array, name: str, setting: float) -> mx.array:
+    if name == "top_p":
+        filtered: mx.array = apply_top_p(logprobs, setting)
+    elif name == "min_p":
+        filtered = apply_min_p(logprobs, setting, 1)
+    elif int(setting) < logprobs.shape[-1]:
+        filtered = apply_top_k(logprobs, int(setting))
+    else:  # k at or above the vocabulary keeps every token: no filter (mlx-lm refuses it)
+        filtered = logprobs
+    return filtered
+
+
 class CategoricalSampler:
     """Samples from the request's filtered, tempered distribution with its own PRNG key.
 
@@ -36,21 +52,19 @@ class CategoricalSampler:
     exactly the distribution it would sample from without speculation.
     """
 
-    __slots__ = ("_filters", "_inverse_temperature", "_key")
+    __slots__ = ("_key", "filters", "inverse_temperature")
 
     def __init__(self, params: SamplingParams) -> None:
-        filters: list[Callable[[mx.array], mx.array]] = []
+        # mlx-lm's filters, in the order they apply (top-p, min-p, top-k), with their settings.
+        filters: list[Filter] = []
         if 0.0 < params.top_p < 1.0:
-            filters.append(lambda x: apply_top_p(x, params.top_p))
+            filters.append(("top_p", params.top_p))
         if params.min_p > 0.0:
-            filters.append(lambda x: apply_min_p(x, params.min_p, 1))
+            filters.append(("min_p", params.min_p))
         if params.top_k > 0:
-            # k at or above the vocabulary keeps every token, i.e. no filter (mlx-lm refuses it).
-            filters.append(
-                lambda x: apply_top_k(x, params.top_k) if params.top_k < x.shape[-1] else x
-            )
-        self._filters = filters
-        self._inverse_temperature = 1.0 / params.temperature
+            filters.append(("top_k", params.top_k))
+        self.filters = tuple(filters)
+        self.inverse_temperature = 1.0 / params.temperature
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._key = mx.random.key(seed)
 
@@ -60,13 +74,60 @@ class CategoricalSampler:
 
     def logits(self, logprobs: mx.array) -> mx.array:
         """The logits whose softmax is the distribution this sampler draws from."""
-        for apply_filter in self._filters:
-            logprobs = apply_filter(logprobs)
-        return logprobs * self._inverse_temperature
+        for name, setting in self.filters:
+            logprobs = _filtered(logprobs, name, setting)
+        return logprobs * self.inverse_temperature
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         step_key = self.next_key()
         return mx.random.categorical(self.logits(logprobs), key=step_key)
+
+
+def draw_rows(samplers: Sequence[CategoricalSampler], logprobs: mx.array) -> mx.array:
+    """Row ``i`` of ``logprobs`` ([rows, vocab]) drawn by ``samplers[i]``: the token that
+    ``samplers[i](logprobs[i : i + 1])`` draws (the same key, the same uniform, the same
+    inverse-CDF search MLX runs for one row), for all rows in one computation. Row by row, each
+    draw was a dozen small operations: on tiny, 32 rows at temperature 1 decoded at 0.72 of
+    greedy's tok/s."""
+    logits = logprobs
+    # Each filter row-wise, so rows of one filter and setting (most share the defaults) are
+    # filtered together, in each sampler's order.
+    for stage in range(max(len(sampler.filters) for sampler in samplers)):
+        groups: dict[Filter, list[int]] = {}
+        for row, sampler in enumerate(samplers):
+            if stage < len(sampler.filters):
+                groups.setdefault(sampler.filters[stage], []).append(row)
+        for (name, setting), rows in groups.items():
+            if len(rows) == len(samplers):
+                logits = _filtered(logits, name, setting)
+                continue
+            if logits is logprobs:
+                logits = mx.array(logprobs)  # a copy: the caller's array stays as it is
+            index = mx.array(rows)
+            logits[index] = _filtered(logits[index], name, setting)
+    scales = mx.array([sampler.inverse_temperature for sampler in samplers])
+    logits = logits * scales[:, None]
+    keys = mx.stack([sampler.next_key() for sampler in samplers])
+    return _inverse_cdf_rows(logits, _ROW_UNIFORMS(keys)[:, 0])
+
+
+# One uniform a row, each from its row's key: MLX's one-row categorical draws exactly this.
+_ROW_UNIFORMS = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))
+
+
+def _inverse_cdf_rows(logits: mx.array, uniforms: mx.array) -> mx.array:
+    """MLX's categorical sampling of a single row (``categorical_inverse_cdf``) for each row:
+    the index where ``uniform * total`` falls in the row's exclusive cumulative weights (its
+    weights ``exp(x - max)``, or 1 at each maximum of a row whose maximum is infinite)."""
+    x = logits.astype(mx.float32)
+    top = mx.max(x, axis=-1, keepdims=True)
+    weights = mx.where(mx.isinf(top), (x == top).astype(mx.float32), mx.exp(x - top))
+    cdf = mx.cumsum(weights, axis=-1, inclusive=False)
+    point = uniforms[:, None] * mx.sum(weights, axis=-1, keepdims=True)
+    # The weights are not negative, so the cdf is sorted: searchsorted(cdf, point, "right") is
+    # the count of cells at or below the point (all of them where a row is NaN, as MLX's).
+    below = mx.sum(cdf <= point, axis=-1)
+    return (mx.where(below == 0, x.shape[-1], below) - 1).astype(mx.uint32)
 
 
 def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
@@ -90,17 +151,28 @@ def build_stop_sequences(eos_token_ids: Iterable[int], params: SamplingParams) -
     return StopSequences([(token,) for token in sorted(stop_ids)])
 
 
-def guard_sampler(sampler: Sampler, on_error: Callable[[BaseException], None]) -> Sampler:
-    """Contain a sampler failure to its own sequence (greedy stand-in, request failed after)."""
+class GuardedSampler:
+    """A sequence's sampler with its failures contained to the sequence (a greedy stand-in,
+    the request failed after); ``sampler`` stays reachable so a step can draw every
+    categorical row together (``draw_rows``)."""
 
-    def guarded(logprobs: mx.array) -> mx.array:
+    __slots__ = ("on_error", "sampler")
+
+    def __init__(self, sampler: Sampler, on_error: Callable[[BaseException], None]) -> None:
+        self.sampler = sampler
+        self.on_error = on_error
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
         try:
-            return sampler(logprobs)
+            return self.sampler(logprobs)
         except Exception as exc:
-            on_error(exc)
+            self.on_error(exc)
             return mx.argmax(logprobs, axis=-1)
 
-    return guarded
+    @property
+    def categorical(self) -> CategoricalSampler | None:
+        """The plain categorical sampler inside, if that is what it guards."""
+        return self.sampler if isinstance(self.sampler, CategoricalSampler) else None
 
 
 def guard_processor(

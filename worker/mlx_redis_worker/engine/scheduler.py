@@ -42,12 +42,12 @@ from mlx_redis_worker.engine.prompt import model_vocab_size
 from mlx_redis_worker.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from mlx_redis_worker.engine.sampling import (
     CategoricalSampler,
+    GuardedSampler,
     Sampler,
     build_logits_processors,
     build_sampler,
     build_stop_sequences,
     guard_processor,
-    guard_sampler,
 )
 from mlx_redis_worker.engine.sequence import Sequence, token_logprobs
 from mlx_redis_worker.engine.speculative_batch import (
@@ -442,7 +442,7 @@ class Scheduler:
             max_tokens=[params.max_tokens],
             caches=[admission.cache],
             all_tokens=[prompt[: admission.cached_tokens]],
-            samplers=[guard_sampler(sampler, sequence.fail) if sampler else None],
+            samplers=[GuardedSampler(sampler, sequence.fail) if sampler else None],
             logits_processors=[[guard_processor(p, sequence.fail) for p in processors]],
             stop_sequences=[build_stop_sequences(self.eos_token_ids, params)],
         )

@@ -51,7 +51,7 @@ from mlx_redis_worker.engine.phased_generator import PhasedBatchGenerator
 from mlx_redis_worker.engine.prompt import model_vocab_size
 from mlx_redis_worker.engine.prompt_lookup import PromptLookup
 from mlx_redis_worker.engine.row_slots import RowSlotCounters, SlottedGenerationBatch
-from mlx_redis_worker.engine.sampling import CategoricalSampler
+from mlx_redis_worker.engine.sampling import CategoricalSampler, GuardedSampler, draw_rows
 
 # Acceptance (accepted / drafted, averaged over recent verify steps) under which a sequence
 # pauses drafting: a verify row then yields about 1.4 tokens for up to 5 positions of compute.
@@ -285,8 +285,7 @@ class SpeculativeGenerationBatch(SlottedGenerationBatch):
         if self.samplers and len({id(sampler) for sampler in self.samplers}) == 1:
             shared = self.samplers[0] or shared  # one sampler for every row
         own = [e for e in rows if self.samplers and self.samplers[e] not in (None, shared)]
-        picks = [self.samplers[e](logprobs[e : e + 1]) for e in own]
-        sampled = _written_over(shared(logprobs), own, picks)
+        sampled = self._draw(shared(logprobs), logprobs, own)
         self._next_tokens = sampled
         self._next_logprobs = list(logprobs)
         # The next step computes while this one's tokens are handed out.
@@ -296,6 +295,30 @@ class SpeculativeGenerationBatch(SlottedGenerationBatch):
         for row_tokens, token in zip(self.tokens, tokens, strict=True):
             row_tokens.append(token)
         return tokens, self._current_logprobs
+
+    def _draw(self, sampled: mx.array, logprobs: mx.array, own: list[int]) -> mx.array:
+        """``sampled`` with the ``own`` rows drawn by their own samplers: every plain
+        categorical one together (``draw_rows``), the others (a grammar row's) one by one."""
+        guarded = [self.samplers[e] for e in own]
+        categorical = [
+            sampler.categorical if isinstance(sampler, GuardedSampler) else None
+            for sampler in guarded
+        ]
+        together = [e for e, c in zip(own, categorical, strict=True) if c is not None]
+        alone = [e for e, c in zip(own, categorical, strict=True) if c is None]
+        if len(together) < 2:
+            alone, together = own, []
+        sampled = _written_over(
+            sampled, alone, [self.samplers[e](logprobs[e : e + 1]) for e in alone]
+        )
+        if not together:
+            return sampled
+        samplers = [c for c in categorical if c is not None]
+        try:
+            drawn = draw_rows(samplers, logprobs[mx.array(together)])
+        except Exception:  # a filter's failure: each row's own sampler contains its own
+            drawn = mx.concatenate([self.samplers[e](logprobs[e : e + 1]) for e in together])
+        return _written_over(sampled, together, [drawn])
 
     def filter(self, keep: list[int]) -> None:
         kept = {self.uids[i] for i in keep}
@@ -518,7 +541,8 @@ class SpeculativeGenerationBatch(SlottedGenerationBatch):
 
 
 def _written_over(batch: mx.array, rows: list[int], values: list[mx.array]) -> mx.array:
-    """``batch`` with its ``rows`` replaced by ``values`` (one row each), in one op."""
+    """``batch`` with its ``rows`` replaced by ``values`` (concatenated, a row each), in one
+    op."""
     if not rows:
         return batch
     if len(rows) == batch.shape[0]:
