@@ -30,6 +30,15 @@ def greedy_tokens(scheduler: Scheduler, names: list[str]) -> dict[str, list[int]
     return tokens
 
 
+def add_constrained(scheduler: Scheduler, prompt: list[int], *, temperature: float) -> None:
+    """A request constrained to a JSON object: a row with a grammar processor of its own."""
+    json_object = ResponseFormat(type="json_object")
+    params = SamplingParams(max_tokens=STEPS, temperature=temperature, response_format=json_object)
+    request = Request("constrained", prompt, params)
+    request.grammar = scheduler.grammars.compile(json_object)
+    scheduler.add_request(request)
+
+
 def test_greedy_rows_are_sampled_in_one_call_beside_rows_with_their_own(
     tiny_model: Any, on_a_stream: Any
 ) -> None:
@@ -55,13 +64,7 @@ def test_greedy_rows_are_sampled_in_one_call_beside_rows_with_their_own(
         if with_others:
             sampled = SamplingParams(max_tokens=STEPS, temperature=0.8, seed=7)
             scheduler.add_request(Request("sampled", tokens_of_length(tokenizer, 20, 9), sampled))
-            json_object = ResponseFormat(type="json_object")
-            constrained = SamplingParams(
-                max_tokens=STEPS, temperature=0.0, response_format=json_object
-            )
-            request = Request("constrained", tokens_of_length(tokenizer, 20, 11), constrained)
-            request.grammar = scheduler.grammars.compile(json_object)
-            scheduler.add_request(request)
+            add_constrained(scheduler, tokens_of_length(tokenizer, 20, 11), temperature=0.0)
         tokens = greedy_tokens(scheduler, names)
         scheduler.abort_all()
         scheduler.close()
@@ -112,11 +115,7 @@ def test_sampled_rows_are_drawn_in_one_call_and_each_draws_what_it_draws_alone(
             for i in range(2):
                 prompt = tokens_of_length(tokenizer, 20, 10 + i)
                 scheduler.add_request(Request(f"greedy{i}", prompt, greedy))
-            json_object = ResponseFormat(type="json_object")
-            params = SamplingParams(max_tokens=STEPS, temperature=0.7, response_format=json_object)
-            request = Request("constrained", tokens_of_length(tokenizer, 20, 20), params)
-            request.grammar = scheduler.grammars.compile(json_object)
-            scheduler.add_request(request)
+            add_constrained(scheduler, tokens_of_length(tokenizer, 20, 20), temperature=0.7)
         tokens = greedy_tokens(scheduler, names)
         scheduler.abort_all()
         scheduler.close()
