@@ -13,6 +13,7 @@ from mlx_redis_worker.bench.engine_bench import (
     PathResult,
     format_ratios,
     make_burst,
+    make_chat_prompts,
 )
 from tests.support.processes import mlx_worker
 
@@ -89,6 +90,15 @@ def test_logprobs_and_sampling_run_as_paths_of_their_own_against_the_same_load_w
             f"concurrency 4: engine streamed with {variant} (same engine) / without tok/s = "
             in out.stdout
         )
+
+
+def test_chat_prompts_are_distinct_questions_through_the_chat_template(tiny_model: Any) -> None:
+    _, tokenizer = tiny_model
+    prompts = make_chat_prompts(tokenizer, 12, seed=12)
+    assert len({tuple(p) for p in prompts}) == 12
+    assert prompts == make_chat_prompts(tokenizer, 12, seed=12)
+    text = tokenizer.decode(prompts[3])
+    assert "Tell me a story about" in text and "number 3." in text
 
 
 def test_prompt_lengths_must_be_a_range() -> None:

@@ -111,6 +111,12 @@ def _add_bench_commands(commands: Any) -> None:
         "token, and print its tok/s against the same load without",
     )
     engine.add_argument(
+        "--chat-prompts",
+        action="store_true",
+        help="chat questions through the model's chat template instead of random tokens "
+        "(--prompt-tokens and --prompt-lengths then do not apply)",
+    )
+    engine.add_argument(
         "--temperature",
         type=float,
         default=None,

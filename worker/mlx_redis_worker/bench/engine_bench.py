@@ -87,6 +87,26 @@ def make_prompts(tokenizer: Any, count: int, length: int, seed: int = 0) -> list
     return [[rng.choice(vocab) for _ in range(length)] for _ in range(count)]
 
 
+CHAT_TOPICS = (
+    "dragons", "the ocean", "a lighthouse keeper", "bread", "the moon", "a lost key",
+    "winter in a small town", "a robot learning to paint", "rivers", "an old library",
+)  # fmt: skip
+
+
+def make_chat_prompts(tokenizer: Any, count: int, seed: int = 0) -> list[list[int]]:
+    """Distinct chat questions through the model's chat template: what a sampled request
+    usually is (a trained model's next-token distribution after them is peaked, unlike after
+    random tokens, which is what top-p's cost depends on)."""
+    rng = random.Random(seed)
+    prompts = []
+    for index in range(count):
+        topic = CHAT_TOPICS[(index + rng.randrange(len(CHAT_TOPICS))) % len(CHAT_TOPICS)]
+        question = f"Tell me a story about {topic}, number {index}."
+        messages = [{"role": "user", "content": question}]
+        prompts.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
+    return prompts
+
+
 def make_burst(
     tokenizer: Any, count: int, length: int, lengths: tuple[int, int] | None, seed: int
 ) -> list[list[int]]:
@@ -391,7 +411,10 @@ def run_bench(args: argparse.Namespace) -> int:
     runs: list[list[PathResult]] = []  # one list per (level, path), in rotation order
     try:
         for level in levels:
-            prompts = make_burst(tokenizer, level, args.prompt_tokens, lengths, seed=level)
+            if args.chat_prompts:
+                prompts = make_chat_prompts(tokenizer, level, seed=level)
+            else:
+                prompts = make_burst(tokenizer, level, args.prompt_tokens, lengths, seed=level)
             chosen = [
                 run_path
                 for name, run_path in paths
