@@ -115,34 +115,30 @@ def token_logprobs(
     tokens = mx.array([[token] for _, token, _ in rows])
     chosen = mx.take_along_axis(stacked, tokens, axis=-1)[:, 0]
     most = min(max(top for _, _, top in rows), stacked.shape[-1])
-    if most == 0:
+    tops: list[tuple[list[int], list[float]]]
+    if most == 0:  # `logprobs` without alternatives: no partition of the vocabulary
         mx.eval(chosen)
-        return [
-            _entry(token, logprob, [], token_bytes)
-            for (_, token, _), logprob in zip(rows, cast(list[float], chosen.tolist()), strict=True)
-        ]
-    indices = mx.argpartition(-stacked, kth=most - 1, axis=-1)[:, :most]
-    values = mx.take_along_axis(stacked, indices, axis=-1)
-    mx.eval(chosen, indices, values)
+        tops = [([], [])] * len(rows)
+    else:
+        indices = mx.argpartition(-stacked, kth=most - 1, axis=-1)[:, :most]
+        values = mx.take_along_axis(stacked, indices, axis=-1)
+        mx.eval(chosen, indices, values)
+        tops = list(
+            zip(
+                cast(list[list[int]], indices.tolist()),
+                cast(list[list[float]], values.tolist()),
+                strict=True,
+            )
+        )
     entries = []
-    for (_, token, top), logprob, ids, row_values in zip(
-        rows,
-        cast(list[float], chosen.tolist()),
-        cast(list[list[int]], indices.tolist()),
-        cast(list[list[float]], values.tolist()),
-        strict=True,
+    for (_, token, top), logprob, (ids, row_values) in zip(
+        rows, cast(list[float], chosen.tolist()), tops, strict=True
     ):
         # The row's ``most`` likeliest hold its ``top`` likeliest: sorted, the first ones.
         best = sorted(zip(ids, row_values, strict=True), key=lambda pair: -pair[1])[:top]
-        entries.append(_entry(token, logprob, best, token_bytes))
+        entry = TokenLogprob(token_id=token, logprob=logprob, top_logprobs=best)
+        if token_bytes is not None:
+            entry.token_bytes = token_bytes(token)
+            entry.top_token_bytes = [token_bytes(alternative) for alternative, _ in best]
+        entries.append(entry)
     return entries
-
-
-def _entry(
-    token: int, logprob: float, top: list[tuple[int, float]], token_bytes: TokenBytes | None
-) -> TokenLogprob:
-    entry = TokenLogprob(token_id=token, logprob=logprob, top_logprobs=top)
-    if token_bytes is not None:
-        entry.token_bytes = token_bytes(token)
-        entry.top_token_bytes = [token_bytes(alternative) for alternative, _ in top]
-    return entry
