@@ -247,13 +247,13 @@ def run_engine_async(
 ) -> PathResult:
     """The streamed path, greedy; with ``variant``, its sampling parameters."""
 
+    sampling = variant or Variant("greedy")
+
     async def scenario() -> PathResult:
         before = engine.stats()
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        if variant is not None:
-            params = SamplingParams(
-                max_tokens=max_tokens, temperature=variant.temperature, logprobs=variant.logprobs
-            )
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=sampling.temperature, logprobs=sampling.logprobs
+        )
         result = await stream_burst(engine, prompts, params)
         await engine.stop()
         result.path = ASYNC_PATH if variant is None else variant.path
@@ -488,9 +488,10 @@ def format_ratios(runs: list[list[PathResult]], levels: list[int]) -> str:
                     f"{ratio(ours, raw):.3f}"
                 )
     for level in levels:
-        ours = find("engine add_request", level)
+        if (ours := find("engine add_request", level)) is None:
+            continue
         for variant in (r for r in runs if r[0].concurrency == level):
-            if ours and variant[0].path.startswith(VARIANT_PATH):
+            if variant[0].path.startswith(VARIANT_PATH):
                 lines.append(
                     f"  concurrency {level}: {variant[0].path} / without tok/s = "
                     f"{ratio(variant, ours):.3f}"
