@@ -299,23 +299,23 @@ class SpeculativeGenerationBatch(SlottedGenerationBatch):
     def _draw(self, sampled: mx.array, logprobs: mx.array, own: list[int]) -> mx.array:
         """``sampled`` with the ``own`` rows drawn by their own samplers: every plain
         categorical one together (``draw_rows``), the others (a grammar row's) one by one."""
-        guarded = [self.samplers[e] for e in own]
-        categorical = [
-            sampler.categorical if isinstance(sampler, GuardedSampler) else None
-            for sampler in guarded
-        ]
-        together = [e for e, c in zip(own, categorical, strict=True) if c is not None]
-        alone = [e for e, c in zip(own, categorical, strict=True) if c is None]
-        if len(together) < 2:
-            alone, together = own, []
+        plain = {
+            e: categorical
+            for e in own
+            if isinstance(sampler := self.samplers[e], GuardedSampler)
+            and (categorical := sampler.categorical) is not None
+        }
+        if len(plain) < 2:
+            plain = {}  # one row alone: its own call is the same draw
+        alone = [e for e in own if e not in plain]
         sampled = _written_over(
             sampled, alone, [self.samplers[e](logprobs[e : e + 1]) for e in alone]
         )
-        if not together:
+        if not plain:
             return sampled
-        samplers = [c for c in categorical if c is not None]
+        together = list(plain)
         try:
-            drawn = draw_rows(samplers, logprobs[mx.array(together)])
+            drawn = draw_rows(list(plain.values()), logprobs[mx.array(together)])
         except Exception:  # a filter's failure: each row's own sampler contains its own
             drawn = mx.concatenate([self.samplers[e](logprobs[e : e + 1]) for e in together])
         return _written_over(sampled, together, [drawn])
