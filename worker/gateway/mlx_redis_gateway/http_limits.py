@@ -321,7 +321,18 @@ def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
             )
             self.transport.write(head.encode() + body)
             self.transport.pause_reading()
-            self._hold_timer = self.loop.call_later(cooling, self._reset)
+            self._hold_timer = self.loop.call_later(cooling, self._end_hold)
+
+        def _end_hold(self) -> None:
+            """Reset the held connection once its address's cool-down has ended: a loop's
+            timer may fire a little early (libuv counts whole milliseconds), and a client
+            that reconnects at once must find the address served."""
+            assert self._held_for is not None
+            remaining = cooldowns.cooling(self._held_for)
+            if remaining > 0:
+                self._hold_timer = self.loop.call_later(remaining, self._end_hold)
+                return
+            self._reset()
 
         def _reset(self) -> None:
             sock = self.transport.get_extra_info("socket")
