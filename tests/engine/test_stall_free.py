@@ -357,6 +357,64 @@ def test_a_burst_s_prefill_runs_without_decode_steps_between_its_groups(
     scheduler.close()
 
 
+def wide_burst(tiny_model: Any, stream: Any, **config: Any) -> tuple[Scheduler, list[str]]:
+    """Twelve prompts of 30 tokens arriving together into a prompt batch of twelve rows, with
+    a chunk (64) that holds two of them: a pass bounded by a chunk in all takes two rows."""
+    scheduler = scheduler_over(
+        tiny_model,
+        stream,
+        max_num_seqs=16,
+        prefill_batch_size=12,
+        prefill_step_size=64,
+        **config,
+    )
+    return scheduler, add_burst(scheduler, tiny_model[1], [30] * 12)
+
+
+def test_a_burst_of_short_prompts_starts_in_one_pass_where_its_speed_allows(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """With nothing decoding and the prefill speed measured, a pass that ends every short
+    prompt in prefill (each row's chunk at most ``prefill_step_size``, 360 tokens in all) is
+    taken whole where it fits in ``max_prefill_wait``: the burst's twelve streams start, and
+    decode, together (a pass bounded by a chunk in all started them two by two, six groups)."""
+    scheduler, names = wide_burst(tiny_model, on_a_stream)
+    scheduler.pace.observe_prefill(10_000, 1.0)  # measured: 360 tokens take 36 ms
+    firsts, _ = burst_firsts(scheduler, names)
+    assert sorted(firsts.values()) == [1] * 12
+    assert prefilled_tokens(scheduler) == 12 * 30
+    scheduler.abort_all()
+    scheduler.close()
+
+
+def test_a_burst_s_step_ends_the_rest_of_its_short_prompts_in_one_pass(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """The first pass of a fresh engine (speed not measured) takes a chunk, two rows; the
+    next step, a burst step, ends the other ten in one pass (each row's chunk within the
+    chunk size, the pass within the burst's slack), not two by two."""
+    scheduler, names = wide_burst(tiny_model, on_a_stream)
+    firsts, _ = burst_firsts(scheduler, names)
+    assert sorted(firsts.values()) == [1] * 2 + [2] * 10
+    assert scheduler.pace.burst_steps == 1
+    scheduler.abort_all()
+    scheduler.close()
+
+
+def test_a_whole_pass_that_would_outlast_max_prefill_wait_is_not_taken(
+    tiny_model: Any, on_a_stream: Any
+) -> None:
+    """The same burst where the measured speed says the whole pass (360 tokens) takes longer
+    than ``max_prefill_wait``: passes stay a chunk (two rows) each, and a request arriving
+    meanwhile waits for one of those, not for the whole burst's prefill."""
+    scheduler, _ = wide_burst(tiny_model, on_a_stream, max_prefill_wait=0.1, max_prefill_pass=0.0)
+    scheduler.pace.observe_prefill(1_000, 1.0)  # 360 tokens take 0.36 s
+    scheduler.step()
+    assert prefilled_tokens(scheduler) == 2 * 30
+    scheduler.abort_all()
+    scheduler.close()
+
+
 def test_a_chat_burst_beside_another_tenant_s_long_prompt_keeps_its_burst_steps(
     tiny_model: Any, on_a_stream: Any
 ) -> None:

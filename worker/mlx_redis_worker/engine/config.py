@@ -73,7 +73,10 @@ class SchedulerConfig:
     ``prefill_step_size``, given first to the prompts with the fewest tokens left. With nothing
     decoding, a pass prefills what the measured speed does in ``max_prefill_pass`` seconds (at
     most a whole chunk; 0: a whole chunk), so a request arriving meanwhile (another tenant's
-    chat beside a long prompt) waits at most about that long for its own prefill. Prompts of
+    chat beside a long prompt) waits at most about that long for its own prefill; where one
+    pass ends every short prompt in prefill (each row's chunk at most ``prefill_step_size``,
+    as mlx-lm's) within ``max_prefill_wait``, it takes that pass, and a burst's streams start
+    and finish together (``Scheduler._whole_pass``). Prompts of
     more than ``prefill_step_size`` tokens to prefill and shorter ones prefill in lanes of
     their own, each of ``prefill_batch_size`` rows (``PromptLane``). A larger stall gives
     prompts arriving

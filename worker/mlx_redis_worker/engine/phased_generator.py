@@ -135,6 +135,17 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         left += [_tokens_left(queued[1]) for queued in self._queued_to_take()]
         return min(left, default=None)
 
+    def pass_ending_lane(self, long: bool) -> int:
+        """The tokens of one pass that ends the prompt of every row of that lane with prompt
+        left (each row padded to the longest, as a pass computes them), or 0 where some prompt
+        cannot end in one pass (more than a chunk left, or a segment boundary before its end:
+        a pass takes one segment) or none is left."""
+        rows = [p[0] for p in self._lane(long).processing if _has_prompt_left(p[0])]
+        if not rows or not all(_one_segment_left(segments) for segments in rows):
+            return 0
+        longest = max(_tokens_left(segments) for segments in rows)
+        return len(rows) * longest if longest <= self.prefill_step_size else 0
+
     @property
     def long_prompts_in_prefill(self) -> bool:
         """Whether a prompt of the long lane (more than a chunk) has tokens left."""
@@ -694,6 +705,11 @@ def _has_prompt_left(segments: list[list[int]]) -> bool:
 def _tokens_left(segments: list[list[int]]) -> int:
     """The prompt tokens a sequence has yet to prefill (its last one included)."""
     return sum(len(segment) for segment in segments)
+
+
+def _one_segment_left(segments: list[list[int]]) -> bool:
+    """One segment is left to prefill (the last token apart from it or not)."""
+    return len(segments) == 1 or (len(segments) == 2 and _only_last_token(segments[1:]))
 
 
 def _only_last_token(segments: list[list[int]]) -> bool:

@@ -158,6 +158,12 @@ class PrefillPace:
             return 0
         return int(min(self.max_tokens, self.prefill_rate * slack))
 
+    def seconds_for(self, tokens: int) -> float:
+        """The seconds a pass of ``tokens`` takes at the measured speed (inf before it is
+        measured)."""
+        rate = self.prefill_rate
+        return tokens / rate if rate > 0.0 else math.inf
+
     def observe_decode(self, seconds: float) -> None:
         if seconds > 0.0 and math.isfinite(seconds):
             self.decode_seconds = _average(self.decode_seconds, seconds)

@@ -222,12 +222,16 @@ class Scheduler:
                 if generator.has_prefill_work:
                     self.pace.lane = generator.prepare_pass()
                 budget = self.pace.budget(decoding)
+                if not decoding and generator.has_prefill_work:
+                    whole = self._whole_pass(generator, self.config.max_prefill_wait)
+                    budget = max(budget, whole)
                 if decoding and generator.has_prefill_work:
                     # A burst's step prefills the lane of the prompt it ends, at that lane's
                     # speed (the other lane's pass could take all the slack and end nothing).
                     shortest = generator.shortest_prompt_left
                     fair_lane, self.pace.lane = self.pace.lane, generator.shortest_lane
-                    burst = self.pace.burst_budget(self._burst_slack(self.pace.lane))
+                    slack = self._burst_slack(self.pace.lane)
+                    burst = max(self.pace.burst_budget(slack), self._whole_pass(generator, slack))
                     if shortest is not None and burst >= max(budget, shortest):
                         decoding, budget = False, burst  # this step: the burst's prefill only
                         self.pace.burst_steps += 1
@@ -283,6 +287,23 @@ class Scheduler:
             for sequence in [s for s in self.running.values() if s.failure is not None]:
                 self._finish(sequence, "error", error=_describe(sequence.failure))
         return self._take_finished()
+
+    def _whole_pass(self, generator: PhasedBatchGenerator, slack: float) -> int:
+        """The tokens of one pass that ends every short prompt in prefill (each row's chunk
+        up to ``prefill_step_size``, as mlx-lm's), where the measured speed says it takes at
+        most ``slack`` seconds; 0 otherwise, or when the pass is the long lane's.
+
+        Prompts that start decoding together finish together. Bounded by time alone (a pass
+        of ``max_prefill_pass``, a burst step of at most a chunk in all), a burst of 128
+        short prompts on an H100 (8B) started in three groups: its first streams waited
+        for the others' prefill in their decode window, and the groups left the batch apart
+        (9 partial cache removals instead of one). A request arriving meanwhile waits for
+        this pass, at most ``slack`` (``max_prefill_wait`` with nothing decoding, the
+        burst's own slack in a burst step); long prompts keep the time bound."""
+        if self.pace.lane != 0:
+            return 0
+        tokens = generator.pass_ending_lane(long=False)
+        return tokens if tokens and self.pace.seconds_for(tokens) <= slack else 0
 
     def _chat_prompt_next(self, generator: PhasedBatchGenerator) -> bool:
         """Whether the next pass prefills the short lane and can end a prompt there within
