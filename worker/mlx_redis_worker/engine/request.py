@@ -37,6 +37,10 @@ class ResponseFormat:
     # What the request sent that this format enforces, as its errors name it: its
     # ``response_format``, or its ``tools`` (the grammar of their calls). Not in ``key``.
     subject: str = "response_format"
+    # ``source()``, made once: a new 112 KiB schema was dumped to JSON three times (its key,
+    # its size, llguidance's parse of the dict), holding the GIL for ~6 ms of every compile
+    # while other tenants' steps waited for it.
+    _source: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         needs = {"json_schema": "schema", "regex": "pattern", "grammar": "lark"}
@@ -49,17 +53,24 @@ class ResponseFormat:
                 rule = "needs" if name == wanted else "does not take"
                 raise ValueError(f"response_format {self.type!r} {rule} {name!r}")
 
+    def source(self) -> str:
+        """The format as given: its schema as compact JSON (keys in the schema's order), its
+        pattern or its Lark grammar; empty for ``json_object``."""
+        if self._source is None:
+            if self.type == "json_schema":
+                text = json.dumps(self.schema, separators=(",", ":"), default=str)
+            else:
+                text = self.pattern or self.lark or ""
+            object.__setattr__(self, "_source", text)  # frozen: a cache, not a field
+            return text
+        return self._source
+
     def key(self) -> str:
         """The hash of the format as given: its compiled grammar's cache key. Key order counts:
         llguidance emits an object's properties in the schema's order, so the same schema
         with its properties in another order is another grammar (sorting the keys here would
         hand a request the order of whichever variant was compiled first)."""
-        canonical = json.dumps(
-            [self.type, self.schema, self.pattern, self.lark],
-            separators=(",", ":"),
-            default=str,
-        )
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        return hashlib.sha256(f"{self.type}\n{self.source()}".encode()).hexdigest()
 
 
 SpeculativeMethod = Literal["prompt_lookup", "draft_model"]
