@@ -145,8 +145,8 @@ def _grammar_of(response_format: ResponseFormat) -> str:
     if response_format.type == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
     if response_format.type == "json_schema":
-        # Its text, not the dict: llguidance parses text without the GIL's help (a 112 KiB
-        # schema: 2 ms, against 8 ms converting the dict while holding the GIL).
+        # Its text, not the dict: for a 112 KiB schema, 2 ms of which other threads wait
+        # 0.8 for the GIL, against 8 ms and 4.6 converting the dict.
         return LLMatcher.grammar_from_json_schema(response_format.source(), overrides=_JSON_OPTIONS)
     if response_format.type == "regex":
         return LLMatcher.grammar_from_regex(response_format.pattern or "")
