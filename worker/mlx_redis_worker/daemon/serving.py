@@ -50,6 +50,7 @@ from mlx_redis_worker.daemon.publisher import EventPublisher
 from mlx_redis_worker.daemon.registration import RegistrySchedule
 from mlx_redis_worker.daemon.settings import WorkerSettings
 from mlx_redis_worker.engine.stats import plain
+from mlx_redis_worker.heap import freeze_start_up_heap
 
 log = structlog.get_logger(__name__)
 
@@ -163,9 +164,11 @@ class Serving:
             )
         models = [lane.name for lane in self.lanes]
         unreachable = await self._until_reachable(control)
+        frozen = freeze_start_up_heap()
         log.info(
             "worker_ready",
             unreachable=unreachable or None,
+            frozen_objects=frozen,
             worker_id=settings.worker_id,
             backlog=sum(len(lane.backlog) for lane in self.lanes),
             models=models,
