@@ -44,6 +44,9 @@ def test_the_gateway_is_ready_once_it_listens_pings_the_watchdog_and_says_stoppi
         assert f"STATUS=serving on 127.0.0.1:{gateway.port}" in lines
         # By READY=1 the socket listens: what systemd starts after it can connect at once.
         socket.create_connection(("127.0.0.1", gateway.port), timeout=5).close()
+        # Its start-up heap is out of the full collections.
+        listening = [e for e in gateway.log_events() if e.get("event") == "gateway_listening"]
+        assert listening and listening[0]["frozen_objects"] > 10_000, gateway.log_tail()
         # Pings every WATCHDOG_USEC / 2 = 0.5 s, from the event loop.
         wait_until(lambda: notify.lines().count("WATCHDOG=1") >= 3, 10, "three watchdog pings")
         process.send_signal(signal.SIGTERM)

@@ -9,10 +9,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from mlx_redis_worker.local_redis import free_port
 from tests.support.environment import clean_environment
-from tests.support.processes import WORKER_COMMAND
+from tests.support.processes import WORKER_COMMAND, json_lines
 from tests.support.waiting import wait_until
 
 
@@ -85,6 +86,11 @@ class GatewayProcess:
         if not self.log_path.exists():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def log_events(self) -> list[dict[str, Any]]:
+        """The JSON log lines of every run."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return json_lines(text)
 
 
 class GatewayFactory:

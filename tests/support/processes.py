@@ -170,7 +170,7 @@ class WorkerProcess:
 
     def serving(self) -> bool:
         """Whether this run (since the last start) logged ``worker_ready``."""
-        events = _json_lines(self._log_since_start())
+        events = json_lines(self._log_since_start())
         return any(event.get("event") == "worker_ready" for event in events)
 
     def heartbeat_alive(self) -> bool:
@@ -245,7 +245,7 @@ class WorkerProcess:
 
     def log_events(self) -> list[dict[str, Any]]:
         """The JSON log lines of every run."""
-        return _json_lines(self.log_text())
+        return json_lines(self.log_text())
 
     def _log_since_start(self) -> str:
         if not self.log_path.exists():
@@ -255,7 +255,7 @@ class WorkerProcess:
             return log.read().decode(errors="replace")
 
 
-def _json_lines(text: str) -> list[dict[str, Any]]:
+def json_lines(text: str) -> list[dict[str, Any]]:
     """The JSON objects of a log; other lines, and a last line still being written, skipped."""
     events = []
     for line in text.splitlines():

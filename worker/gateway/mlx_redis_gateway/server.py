@@ -14,11 +14,15 @@ import asyncio
 import contextlib
 import socket
 
+import structlog
 import uvicorn
 from starlette.applications import Starlette
 
 from mlx_redis_gateway.http_limits import HttpLimits, guarded_protocol
+from mlx_redis_protocol.heap import freeze_start_up_heap
 from mlx_redis_protocol.sd_notify import Notifier
+
+log = structlog.get_logger(__name__)
 
 
 class NotifyingServer(uvicorn.Server):
@@ -31,6 +35,7 @@ class NotifyingServer(uvicorn.Server):
         await super().startup(sockets)
         if self.should_exit:  # the lifespan or the bind failed: never ready
             return
+        log.info("gateway_listening", frozen_objects=freeze_start_up_heap())
         self.notifier.ready(status=f"serving on {self.config.host}:{self.config.port}")
         # Healthy while the loop runs: a gateway that cannot reach Redis answers 503s and
         # recovers on its own; a restart would not help it.

@@ -29,6 +29,7 @@ from mlx_redis_protocol.activity import Activity
 from mlx_redis_protocol.connection import RedisClient, get_each
 from mlx_redis_protocol.constants import DEFAULT_ABORT_TTL_SECONDS
 from mlx_redis_protocol.control import abort_marker, marker_stops
+from mlx_redis_protocol.heap import freeze_start_up_heap
 from mlx_redis_protocol.heartbeat import Heartbeat
 from mlx_redis_protocol.keys import Keys
 from mlx_redis_protocol.redis_retry import (
@@ -50,7 +51,6 @@ from mlx_redis_worker.daemon.publisher import EventPublisher
 from mlx_redis_worker.daemon.registration import RegistrySchedule
 from mlx_redis_worker.daemon.settings import WorkerSettings
 from mlx_redis_worker.engine.stats import plain
-from mlx_redis_worker.heap import freeze_start_up_heap
 
 log = structlog.get_logger(__name__)
 

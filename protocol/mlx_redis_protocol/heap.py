@@ -1,4 +1,5 @@
-"""The start-up heap, kept out of the cycle collector's full passes."""
+"""A long-running process's start-up heap, kept out of the cycle collector's full passes (the
+worker and the gateway freeze theirs when they are ready to serve)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def freeze_start_up_heap() -> int:
     wait: a pause in every stream whenever CPython decides on one. Frozen, the same collection
     takes 0.3-0.4 ms. Objects made later are collected as before, and frozen ones are still
     freed when their last reference goes; only cycles among them would stay, and the
-    collection first clears the ones start-up left."""
+    collection first clears the ones start-up left. The gateway's start-up heap (its modules,
+    no model) is about 54,000 objects, 14 ms a full collection."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
