@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 from types import SimpleNamespace
 from typing import Any
 
@@ -232,6 +233,33 @@ def test_registries_are_independent() -> None:
     assert samples(first)["mlxw_ttft_seconds_count{model=tiny}"] == 1
     # (A labelled histogram shows no sample until its label is first observed.)
     assert samples(second).get("mlxw_ttft_seconds_count{model=tiny}", 0) == 0
+
+
+def test_the_process_s_garbage_collections_are_timed_while_the_metrics_run() -> None:
+    """Each collection holds the GIL (every stream waits): its count, seconds and longest by
+    generation, from the collector's own hook, counted between start and close only."""
+    m = metrics({}, None)
+    gc.collect()  # before start: not counted
+    m.collections.install()
+    try:
+        gc.collect()
+        gc.collect()
+        during = m.collections.totals()[2].collections
+    finally:
+        m.collections.remove()
+    gc.collect()  # after close: not counted
+    asyncio.run(m.refresh_now())
+    found = samples(m)
+    assert during >= 2  # (the interpreter may add one of its own)
+    assert found["mlxw_gc_collections_total{generation=2}"] == during
+    assert found["mlxw_gc_pause_seconds_total{generation=2}"] > 0
+    longest = found["mlxw_gc_pause_longest_seconds{generation=2}"]
+    assert 0 < longest <= found["mlxw_gc_pause_seconds_total{generation=2}"]
+    assert {"0", "1", "2"} == {
+        name.split("generation=")[1].rstrip("}")
+        for name in found
+        if name.startswith("mlxw_gc_collections_total")
+    }
 
 
 def test_a_real_engine_run_gives_each_speculative_method_its_series(tiny_model: Any) -> None:

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mlx_redis_protocol.heap import CollectionPauses, GenerationPauses
 from mlx_redis_protocol.messages import Usage
 from mlx_redis_protocol.redis_retry import REDIS_FAILURES, describe
 from mlx_redis_worker.daemon.fair_queue import FairQueue
@@ -83,6 +84,8 @@ class Snapshot:
     models: tuple[ModelSnapshot, ...] = ()
     redis_round_trips: int = 0
     taken_at: float = 0.0
+    # The process's garbage collections by generation (each a pause of every thread).
+    collections: tuple[GenerationPauses, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,15 +121,19 @@ class Metrics:
         )
         self._server: WSGIServer | None = None
         self._thread: Thread | None = None
+        self.collections = CollectionPauses()
 
     def start(self) -> None:
-        """Serve ``/metrics`` on ``127.0.0.1:port`` from a daemon thread."""
+        """Serve ``/metrics`` on ``127.0.0.1:port`` from a daemon thread, and time the
+        process's garbage collections from now on."""
+        self.collections.install()
         self._server, self._thread = start_http_server(
             self.port, addr=METRICS_ADDRESS, registry=self.registry
         )
         log.info("metrics_serving", address=f"http://{METRICS_ADDRESS}:{self.port}/metrics")
 
     def close(self) -> None:
+        self.collections.remove()
         server, self._server = self._server, None
         if server is not None:
             server.shutdown()
@@ -148,6 +155,7 @@ class Metrics:
             models=tuple([await _model_snapshot(source) for source in sources]),
             redis_round_trips=publisher.round_trips,
             taken_at=time.time(),
+            collections=self.collections.totals(),
         )
 
 
@@ -333,6 +341,7 @@ def _families(snapshot: Snapshot) -> Iterator[Metric]:
     yield jobs
     yield from _speculative_families(snapshot)
     yield from _tenant_families(snapshot)
+    yield from _collection_families(snapshot)
     yield CounterMetricFamily(
         "mlxw_redis_round_trips",
         "Pipelines the event publisher sent to Redis (one per engine step at most).",
@@ -382,3 +391,29 @@ def _int_or_none(value: Any) -> int | None:
         return None if value is None else int(value)
     except (TypeError, ValueError):
         return None
+
+
+def _collection_families(snapshot: Snapshot) -> Iterator[Metric]:
+    collections = CounterMetricFamily(
+        "mlxw_gc_collections",
+        "The process's garbage collections by generation (2: full).",
+        labels=["generation"],
+    )
+    pauses = CounterMetricFamily(
+        "mlxw_gc_pause_seconds",
+        "Seconds spent in them: each holds the GIL, so every stream waits.",
+        labels=["generation"],
+    )
+    longest = GaugeMetricFamily(
+        "mlxw_gc_pause_longest_seconds",
+        "The longest one since the worker started.",
+        labels=["generation"],
+    )
+    for pause in snapshot.collections:
+        generation = [str(pause.generation)]
+        collections.add_metric(generation, pause.collections)
+        pauses.add_metric(generation, pause.seconds)
+        longest.add_metric(generation, pause.longest)
+    yield collections
+    yield pauses
+    yield longest
