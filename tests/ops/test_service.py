@@ -139,6 +139,8 @@ METRIC_SAMPLES = (
     f"mlxw_engine_model_seconds_total{{{LABEL}}}",
     f"mlxw_prefix_cache_hit_rate{{{LABEL}}}",
     "mlxw_redis_round_trips_total",
+    'mlxw_gc_collections_total{generation="0"}',
+    'mlxw_gc_pause_longest_seconds{generation="2"}',
 )
 
 
@@ -197,6 +199,9 @@ def test_metrics_endpoint_after_a_job(
     assert sample("mlxw_engine_steps_total") >= 8
     assert sample("mlxw_engine_thread_cpu_seconds_total") > 0
     assert samples["mlxw_redis_round_trips_total"] >= 1
+    # A served job allocates enough for young collections, each timed.
+    assert samples['mlxw_gc_collections_total{generation="0"}'] > 0
+    assert samples['mlxw_gc_pause_seconds_total{generation="0"}'] > 0
     assert sample("mlxw_group_pending") == 0
     assert sample("mlxw_group_lag") == 0
     assert 0 <= sample("mlxw_prefix_cache_hit_rate") <= 1
