@@ -135,12 +135,12 @@ class PhasedBatchGenerator(BatchGenerator):  # type: ignore[misc]  # mlx-lm is u
         left += [_tokens_left(queued[1]) for queued in self._queued_to_take()]
         return min(left, default=None)
 
-    def pass_ending_lane(self, long: bool) -> int:
-        """The tokens of one pass that ends the prompt of every row of that lane with prompt
-        left (each row padded to the longest, as a pass computes them), or 0 where some prompt
-        cannot end in one pass (more than a chunk left, or a segment boundary before its end:
-        a pass takes one segment) or none is left."""
-        rows = [p[0] for p in self._lane(long).processing if _has_prompt_left(p[0])]
+    def pass_ending_short_lane(self) -> int:
+        """The tokens of one pass that ends the prompt of every row of the short lane with
+        prompt left (each row padded to the longest, as a pass computes them), or 0 where some
+        prompt cannot end in one pass (a segment boundary before its end: a pass takes one
+        segment; more than a chunk left) or none is left."""
+        rows = [p[0] for p in self._lane(False).processing if _has_prompt_left(p[0])]
         if not rows or not all(_one_segment_left(segments) for segments in rows):
             return 0
         longest = max(_tokens_left(segments) for segments in rows)

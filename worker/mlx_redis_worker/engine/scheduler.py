@@ -302,7 +302,7 @@ class Scheduler:
         burst's own slack in a burst step); long prompts keep the time bound."""
         if self.pace.lane != 0:
             return 0
-        tokens = generator.pass_ending_lane(long=False)
+        tokens = generator.pass_ending_short_lane()
         return tokens if tokens and self.pace.seconds_for(tokens) <= slack else 0
 
     def _chat_prompt_next(self, generator: PhasedBatchGenerator) -> bool:
