@@ -15,6 +15,7 @@ default stream, for jobs that name no model (and for producers that predate mode
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from mlx_redis_protocol.constants import DEFAULT_PREFIX
@@ -166,6 +167,13 @@ class Keys:
         """The request's current attempt number: the fence against a stale worker's events."""
         return f"{self.prefix}:attempt:{{{_checked(request_id, 'request id')}}}"
 
+    def event_keys(self, request_id: str) -> tuple[bytes, bytes, bytes]:
+        """The keys every one of a request's events is published under (its channel, log and
+        attempt key), encoded; made once a request (a bounded cache): a worker publishes an
+        event per token, and validating the id and encoding three names for each was a
+        tenth of its event loop's time a token."""
+        return _event_keys(self.prefix, request_id)
+
     def finished(self, request_id: str) -> str:
         """The marker that a request finished: kept for the idempotency window, longer than
         its log, so a job queued again under the id does not run again."""
@@ -258,6 +266,21 @@ class Keys:
         if tag == self.jobs:
             return name
         return f"{head}{{{placeholder}}}{_TAIL_PLACEHOLDERS.get(kind, tail)}"
+
+
+# Requests whose event keys are kept: more than a worker (or a fleet's publisher in one
+# process) streams at once, a few hundred bytes each.
+EVENT_KEYS_CACHED = 4096
+
+
+@functools.lru_cache(maxsize=EVENT_KEYS_CACHED)
+def _event_keys(prefix: str, request_id: str) -> tuple[bytes, bytes, bytes]:
+    keys = Keys(prefix)
+    return (
+        keys.out(request_id).encode(),
+        keys.log(request_id).encode(),
+        keys.attempt(request_id).encode(),
+    )
 
 
 def _checked(value: str, what: str) -> str:

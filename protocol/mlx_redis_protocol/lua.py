@@ -14,7 +14,7 @@ from typing import Any, Final, TypeVar
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, ResponseError, TryAgainError
-from redis.typing import EncodableT
+from redis.typing import EncodableT, KeyT
 
 from mlx_redis_protocol.connection import RedisClient, refresh_slot_map
 
@@ -41,7 +41,7 @@ def registered_script(redis: RedisClient, script: str) -> AsyncScript:
 
 
 async def run_script(
-    redis: RedisClient, script: str, keys: Sequence[str], args: Sequence[EncodableT]
+    redis: RedisClient, script: str, keys: Sequence[KeyT], args: Sequence[EncodableT]
 ) -> Any:
     """One call of a Lua script by its SHA1; redis-py loads it (SCRIPT LOAD) where missing."""
     return await registered_script(redis, script)(keys, args)
@@ -50,7 +50,7 @@ async def run_script(
 async def run_script_each(
     redis: RedisClient,
     script: str,
-    calls: Sequence[tuple[Sequence[str], Sequence[EncodableT]]],
+    calls: Sequence[tuple[Sequence[KeyT], Sequence[EncodableT]]],
 ) -> list[Any]:
     """Several calls of one Lua script (``(keys, args)`` each) in one round trip: a pipeline,
     on a Cluster split per node and sent to them in parallel. Every call must have keys.
@@ -90,7 +90,7 @@ async def _sent_again_where_missing(
 
 
 async def _evalsha_pipelined(
-    redis: RedisClient, sha: str, calls: Sequence[tuple[Sequence[str], Sequence[EncodableT]]]
+    redis: RedisClient, sha: str, calls: Sequence[tuple[Sequence[KeyT], Sequence[EncodableT]]]
 ) -> list[Any]:
     """The replies, errors included (as exceptions, not raised).
 
@@ -102,7 +102,7 @@ async def _evalsha_pipelined(
         for keys, args in calls:
             # By name: redis-py blocks pipe.evalsha() on a Cluster (see run_script_each).
             if isinstance(redis, RedisCluster):
-                node = redis.get_node_from_key(keys[0])
+                node = redis.get_node_from_key(_name(keys[0]))
                 pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args, target_nodes=node)
             else:
                 pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
@@ -110,14 +110,19 @@ async def _evalsha_pipelined(
     return replies
 
 
-async def _load_script(redis: RedisClient, script: str, keys: Sequence[Sequence[str]]) -> None:
+def _name(key: KeyT) -> str:
+    """A key as redis-py's slot lookup is typed to take it (callers may pass keys encoded)."""
+    return key if isinstance(key, str) else bytes(key).decode()
+
+
+async def _load_script(redis: RedisClient, script: str, keys: Sequence[Sequence[KeyT]]) -> None:
     """SCRIPT LOAD on the server, or on the Cluster nodes that own these calls' keys."""
     if not isinstance(redis, RedisCluster):
         await redis.script_load(script)
         return
     nodes: set[ClusterNode] = set()
     for call_keys in keys:
-        node = redis.get_node_from_key(call_keys[0])
+        node = redis.get_node_from_key(_name(call_keys[0]))
         if node is not None:
             nodes.add(node)
     await redis.execute_command("SCRIPT LOAD", script, target_nodes=list(nodes))

@@ -280,19 +280,20 @@ def publish_call(
     runs: Mapping[str, str] | None = None,
     *,
     sharded: bool,
-) -> tuple[list[str], list[bytes | int | str]]:
+) -> tuple[list[bytes], list[bytes | int | str]]:
     """KEYS and ARGV of one PUBLISH_EVENTS call (on a Cluster, PUBLISH_EVENTS_ON_NODE takes
-    them as its ARGV: events of one node only)."""
+    them as its ARGV: events of one node only), each event's as bytes: redis-py passes bytes
+    through, where it checks and encodes every str."""
     runs = runs or {}
-    script_keys: list[str] = []
+    script_keys: list[bytes] = []
     script_args: list[bytes | int | str] = [ttl, "SPUBLISH" if sharded else "PUBLISH"]
     for event in events:
         rid = event.request_id
         run = runs.get(rid, NO_RUN)
-        script_keys += (keys.out(rid), keys.log(rid), keys.attempt(rid))
+        script_keys += keys.event_keys(rid)
         script_args += (
             encode_event(event),
-            f"{event.seq} {event.attempt} {int(event.terminal)} {run}",
+            f"{event.seq} {event.attempt} {int(event.terminal)} {run}".encode(),
         )
     return script_keys, script_args
 

@@ -31,6 +31,26 @@ def test_one_request_lands_on_one_cluster_slot() -> None:
         assert slots == {key_slot(request_id.encode())}
 
 
+def test_event_keys_are_the_requests_names_encoded_under_each_prefix() -> None:
+    for prefix in ("mlxw", "app.v2"):
+        keys = Keys(prefix)
+        for request_id in ("abc", "a-very:long.request_id-123"):
+            for _ in range(2):  # made, then from the cache: the same names
+                assert keys.event_keys(request_id) == (
+                    keys.out(request_id).encode(),
+                    keys.log(request_id).encode(),
+                    keys.attempt(request_id).encode(),
+                )
+
+
+@pytest.mark.parametrize("bad", ["a{b", "a}b", "", "a b", "x" * 300])
+def test_event_keys_refuse_a_bad_id_every_time(bad: str) -> None:
+    """A refusal is not cached as an answer: the second call is refused as the first."""
+    for _ in range(2):
+        with pytest.raises(ValueError, match="request id"):
+            Keys().event_keys(bad)
+
+
 @pytest.mark.parametrize("prefix", ["mlxw", "app.v2", "tenant-7"])
 def test_the_dead_letter_stream_shares_the_job_streams_slot(prefix: str) -> None:
     """One script moves an entry from the job stream to the dead-letter stream."""
