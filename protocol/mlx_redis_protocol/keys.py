@@ -170,8 +170,8 @@ class Keys:
     def event_keys(self, request_id: str) -> tuple[bytes, bytes, bytes]:
         """The keys every one of a request's events is published under (its channel, log and
         attempt key), encoded; made once a request (a bounded cache): a worker publishes an
-        event per token, and validating the id and encoding three names for each was a
-        tenth of its event loop's time a token."""
+        event per token, and checking the id and encoding three names for each took up to a
+        quarter of its event loop's time an event (``mlx-worker bench publish``)."""
         return _event_keys(self.prefix, request_id)
 
     def finished(self, request_id: str) -> str:
