@@ -255,9 +255,10 @@ async def publish_events(
         return [Outcome(reply) for reply in replies]
     by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
     for index, event in enumerate(events):
-        node = redis.get_node_from_key(keys.log(event.request_id))
+        log = keys.event_keys(event.request_id)[1].decode()  # made once a request
+        node = redis.get_node_from_key(log)
         if node is None:  # only asked of replicas; a slot without a master raises
-            raise SlotNotCoveredError(f"no node serves {keys.log(event.request_id)}")
+            raise SlotNotCoveredError(f"no node serves {log}")
         by_node.setdefault(node.name, (node, []))[1].append(index)
     calls: list[tuple[ClusterNode, list[EncodableT]]] = []
     for node, indexes in by_node.values():
